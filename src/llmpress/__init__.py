@@ -1,0 +1,30 @@
+"""llmpress: compress language models into the compressed-tensors format.
+
+Public names: ``oneshot``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
+``CalibrationOptions``, ``load_checkpoint``; modifiers in ``llmpress.modifiers``; errors in
+``llmpress.errors``.
+"""
+
+from llmpress import errors, modifiers
+from llmpress.checkpoint import save_checkpoint
+from llmpress.checkpoint.reader import load_checkpoint
+from llmpress.data import CalibrationOptions
+from llmpress.entrypoints import oneshot
+from llmpress.errors import LlmpressError
+from llmpress.recipe import Recipe
+from llmpress.session import Session, active_session
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CalibrationOptions",
+    "LlmpressError",
+    "Recipe",
+    "Session",
+    "active_session",
+    "errors",
+    "load_checkpoint",
+    "modifiers",
+    "oneshot",
+    "save_checkpoint",
+]

@@ -1,0 +1,80 @@
+"""Turn a model's modules into compressed tensors and the matching ``quantization_config``.
+
+The state dict is compressed module by module through the format codecs; the config groups the
+quantized modules by scheme, in the compressed-tensors JSON that vLLM and transformers read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpress.formats import FORMATS, format_for
+from llmpress.quant.attach import quantized_modules
+from llmpress.quant.scheme import QuantizationScheme
+
+__all__ = ["compressed_state_dict", "quantization_config_for", "unique_state_dict"]
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with tied tensors kept once (first name wins), detached."""
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.detach()
+    return state
+
+
+def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors to write: quantized modules compressed by their scheme's format."""
+    state = unique_state_dict(model)
+    if not save_compressed:
+        return state
+    for name, module, scheme in quantized_modules(model):
+        prefix = f"{name}."
+        own = [*module._parameters, *module._buffers]
+        local = {k: state.pop(prefix + k) for k in own if prefix + k in state}
+        if "weight" not in local:
+            continue  # tied or offloaded elsewhere: nothing of its own to compress
+        compressed = FORMATS.get(format_for(scheme)).compress(local, scheme)
+        state.update({prefix + k: v for k, v in compressed.items()})
+    return state
+
+
+def _scheme_key(scheme: QuantizationScheme) -> str:
+    data = scheme.to_json()
+    data.pop("targets")
+    return json.dumps(data, sort_keys=True)
+
+
+def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> dict[str, Any] | None:
+    """The compressed-tensors ``quantization_config`` of a quantized model, else ``None``."""
+    modules = quantized_modules(model)
+    if not modules:
+        return None
+    groups: dict[str, dict[str, Any]] = {}
+    for _, _, scheme in modules:
+        group = groups.setdefault(_scheme_key(scheme), {**scheme.to_json(), "targets": []})
+        group["targets"] += [t for t in scheme.targets if t not in group["targets"]]
+    for group in groups.values():
+        scheme = QuantizationScheme(**group)
+        group["format"] = format_for(scheme) if save_compressed else "dense"
+    formats = {g["format"] for g in groups.values()}
+    quantized = {id(m) for _, m, _ in modules}
+    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in quantized]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed" if save_compressed else "frozen",
+        "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }

@@ -1,0 +1,163 @@
+"""The one save path: every checkpoint llmpress writes goes through ``save_checkpoint``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from llmpress.checkpoint.atomic import atomic_directory
+from llmpress.checkpoint.compressed_state import compressed_state_dict, quantization_config_for
+from llmpress.errors import CheckpointError
+from llmpress.recipe import Recipe
+from llmpress.session import APPLIED_RECIPE_ATTR
+
+__all__ = ["save_checkpoint", "route_save_pretrained", "parse_size"]
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+RECIPE_NAME = "recipe.yaml"
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    model: nn.Module,
+    processor: Any = None,
+    *,
+    save_compressed: bool = True,
+    recipe: Recipe | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write ``model`` (compressed when it is quantized), its config, tokenizer, recipe and
+    remote-code files to ``output_dir``, atomically. Returns the folder.
+
+    ``recipe`` replaces the model's own record of how it was made (the recipe it was loaded
+    with followed by the stages applied since), which is what ``recipe.yaml`` holds otherwise.
+    """
+    if _is_secondary_rank():
+        torch.distributed.barrier()  # the main process writes; the others wait for it
+        return Path(output_dir)
+    limit = parse_size(max_shard_size)
+    state = compressed_state_dict(model, save_compressed)
+    with atomic_directory(output_dir) as tmp:
+        _write_shards(tmp, state, limit)
+        _write_config(tmp, model, quantization_config_for(model, save_compressed))
+        if processor is not None:
+            processor.save_pretrained(str(tmp))
+        recorded = recipe if recipe is not None else getattr(model, APPLIED_RECIPE_ATTR, None)
+        if recorded is not None and recorded.stages:
+            (tmp / RECIPE_NAME).write_text(recorded.to_yaml(), encoding="utf-8")
+        _copy_remote_code(tmp, model)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    logger.info("saved %s checkpoint to %s", "compressed" if save_compressed else "dense", output_dir)
+    return Path(output_dir)
+
+
+def route_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(dir)`` go through :func:`save_checkpoint`."""
+
+    def save_pretrained(self: nn.Module, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
+        options = {k: kwargs.pop(k) for k in ("save_compressed", "max_shard_size") if k in kwargs}
+        if kwargs or args:
+            logger.debug("save_pretrained: ignoring %s", sorted(kwargs) + [repr(a) for a in args])
+        save_checkpoint(save_directory, self, **options)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB``, ``500MB``, ``1GiB`` or a byte count, as bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * factor)
+    if text.isdigit():
+        return int(text)
+    raise CheckpointError("cannot read the shard size", got=size, expected="a byte count or a size like '5GB'")
+
+
+def _is_secondary_rank() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+
+
+def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / filename), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def _write_config(folder: Path, model: nn.Module, quantization_config: dict[str, Any] | None) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise CheckpointError(
+            "the model has no config to save",
+            got=type(model).__name__,
+            expected="a transformers PreTrainedModel (with .config)",
+        )
+    config = copy.deepcopy(config)
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
+    elif hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized or never quantized: a plain checkpoint
+    config.save_pretrained(str(folder))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(str(folder))
+
+
+def _copy_remote_code(folder: Path, model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if not getattr(config, "auto_map", None):
+        return
+    source = _source_folder(getattr(config, "_name_or_path", ""))
+    if source is None:
+        logger.warning("auto_map model: could not find the source folder of its .py files to copy")
+        return
+    for path in source.glob("*.py"):
+        shutil.copy2(path, folder / path.name)
+
+
+def _source_folder(name_or_path: str) -> Path | None:
+    if name_or_path and Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    if not name_or_path:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, local_files_only=True, allow_patterns=["*.py"]))
+    except Exception:  # not in the local cache: nothing to copy from
+        return None

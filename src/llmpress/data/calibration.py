@@ -1,0 +1,161 @@
+"""Calibration samples from whatever a user has: token-id tensors of at most ``seq_len``.
+
+Sources: a text file (tokenized whole, cut into ``seq_len``-token samples), a JSON-lines or JSON
+file of records with a ``text`` field, a local dataset folder or ``datasets.Dataset`` (``text``
+or ``input_ids`` column), a list of strings, or a list of token-id lists. Records are samples of
+their own (truncated to ``seq_len``); a text file is one long document.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmpress.errors import DataError, MissingDependencyError
+
+__all__ = ["CalibrationOptions", "load_calibration_samples", "batch_samples"]
+
+
+@dataclass
+class CalibrationOptions:
+    """How many samples of how many tokens, in which order."""
+
+    num_samples: int = 64
+    seq_len: int = 256
+    shuffle: bool = True
+    seed: int = 0
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "seq_len", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise DataError(f"{name} must be at least 1", got=getattr(self, name), expected=">= 1")
+
+
+def load_calibration_samples(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torch.Tensor]:
+    """A list of 1-D LongTensors, each at most ``options.seq_len`` tokens."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.exists():
+            raise DataError(
+                "calibration data not found",
+                got=str(path),
+                expected="a .txt, .jsonl or .json file, or a dataset folder",
+            )
+        if path.is_dir():
+            return _from_records(_dataset_records(path), tokenizer, options, str(path))
+        if path.suffix in (".jsonl", ".json"):
+            return _from_records(_json_records(path), tokenizer, options, str(path))
+        return _from_text(path.read_text(encoding="utf-8"), tokenizer, options, str(path))
+    if _is_hf_dataset(source):
+        return _from_records(list(source), tokenizer, options, "dataset")
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)) and len(source) > 0:
+        return _from_records(list(source), tokenizer, options, "list")
+    raise DataError(
+        "cannot read calibration data from this object",
+        got=type(source).__name__ if source is not None else "nothing",
+        expected="a text/JSON-lines file or dataset folder, a datasets.Dataset, a list of strings or of token-id lists",
+    )
+
+
+def batch_samples(samples: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """Stack runs of equal-length samples into ``[batch, seq]`` batches (no padding needed)."""
+    batches, run = [], []
+    for sample in samples:
+        if run and (len(run) == batch_size or run[0].numel() != sample.numel()):
+            batches.append(torch.stack(run))
+            run = []
+        run.append(sample)
+    if run:
+        batches.append(torch.stack(run))
+    return batches
+
+
+def _tokenize(tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None:
+        raise DataError(
+            "text calibration data needs a tokenizer",
+            got="no tokenizer",
+            fix="pass processor=... or give a model path that has a tokenizer",
+        )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _from_text(text: str, tokenizer: Any, options: CalibrationOptions, origin: str) -> list[torch.Tensor]:
+    ids = torch.tensor(_tokenize(tokenizer, text), dtype=torch.long)
+    available = ids.numel() // options.seq_len
+    if available < options.num_samples:
+        raise DataError(
+            f"{origin} is too short for the calibration request",
+            got=f"{ids.numel()} tokens = {available} samples of {options.seq_len}",
+            expected=f"{options.num_samples} samples of {options.seq_len} tokens",
+            fix="lower --num-samples or --seq-len, or give a longer text",
+        )
+    windows = list(ids[: available * options.seq_len].reshape(available, options.seq_len))
+    return _choose(windows, options)
+
+
+def _from_records(records: list[Any], tokenizer: Any, options: CalibrationOptions, origin: str) -> list[torch.Tensor]:
+    samples = []
+    for i, record in enumerate(records):
+        if isinstance(record, dict):
+            record = record.get("input_ids", record.get("text"))
+        if isinstance(record, str):
+            ids = _tokenize(tokenizer, record)
+        elif isinstance(record, torch.Tensor):
+            ids = record.reshape(-1).tolist()
+        elif isinstance(record, Sequence) and all(isinstance(t, int) for t in record):
+            ids = list(record)
+        else:
+            raise DataError(
+                f"calibration record {i} of {origin} has no text or token ids",
+                got=type(record).__name__,
+                expected="a string, a list of token ids, or a record with a 'text' or 'input_ids' field",
+            )
+        if ids:
+            samples.append(torch.tensor(ids[: options.seq_len], dtype=torch.long))
+    if not samples:
+        raise DataError(f"{origin} holds no calibration samples", got="0 non-empty records", expected=">= 1")
+    return _choose(samples, options)
+
+
+def _choose(samples: list[torch.Tensor], options: CalibrationOptions) -> list[torch.Tensor]:
+    if options.shuffle:
+        samples = list(samples)
+        random.Random(options.seed).shuffle(samples)
+    return samples[: options.num_samples]
+
+
+def _json_records(path: Path) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+            return data if isinstance(data, list) else data.get("data", [data])
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON", got=str(exc), expected="one JSON object per line with a 'text' field") from None
+
+
+def _is_hf_dataset(source: Any) -> bool:
+    return type(source).__module__.startswith("datasets.") and hasattr(source, "column_names")
+
+
+def _dataset_records(path: Path) -> list[Any]:
+    try:
+        import datasets
+    except ImportError:
+        raise MissingDependencyError(
+            "reading a dataset folder needs the 'datasets' package",
+            fix="pip install datasets  (or pip install 'llmpress[datasets]')",
+        ) from None
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        loaded = loaded[next(iter(loaded))]
+    return list(loaded)

@@ -1,0 +1,3 @@
+from llmpress.evaluation.perplexity import PerplexityResult, evaluation_windows, perplexity
+
+__all__ = ["PerplexityResult", "evaluation_windows", "perplexity"]

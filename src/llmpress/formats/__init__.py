@@ -1,0 +1,27 @@
+"""Stateless on-disk codecs, one per compressed-tensors format.
+
+``FORMATS.get(name).compress(module_state, scheme)`` and ``.decompress(...)``; ``format_for(scheme)``
+picks the format a scheme is saved in, as compressed-tensors would.
+"""
+
+from __future__ import annotations
+
+from llmpress.formats import dense, naive_quantized, pack_quantized  # noqa: F401  (registers)
+from llmpress.formats.base import FORMATS, FormatCodec
+from llmpress.quant.scheme import QuantizationScheme
+
+__all__ = ["FORMATS", "FormatCodec", "format_for"]
+
+
+def format_for(scheme: QuantizationScheme) -> str:
+    """The compressed-tensors format a scheme's weights are stored in."""
+    if scheme.format:
+        return scheme.format
+    weights = scheme.weights
+    if weights is None:
+        return "dense"
+    if weights.is_float:
+        return "float-quantized"
+    if scheme.input_activations is None:  # integer weight-only: pack into int32
+        return "pack-quantized"
+    return "int-quantized"

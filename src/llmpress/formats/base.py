@@ -1,0 +1,41 @@
+"""What every format codec is: a stateless pair ``compress`` / ``decompress``.
+
+Both take one module's state dict (local names: ``weight``, ``weight_scale``, ``bias``...) and its
+scheme, and return a new dict; the input is never mutated. ``compress`` expects ``weight`` to hold
+values already on the quantization grid (or plain floats: they are rounded onto it here).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from llmpress.quant.scheme import QuantizationScheme
+from llmpress.registry import Registry
+
+__all__ = ["FormatCodec", "FORMATS", "drop_symmetric_zero_points"]
+
+StateDict = dict[str, torch.Tensor]
+
+
+class FormatCodec(Protocol):
+    name: str
+
+    def compress(self, state: StateDict, scheme: QuantizationScheme) -> StateDict: ...
+
+    def decompress(
+        self, state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype
+    ) -> StateDict: ...
+
+
+FORMATS: Registry[FormatCodec] = Registry("format")
+
+
+def drop_symmetric_zero_points(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+    """Zero points of symmetric quantization are all zero: compressed-tensors does not store them."""
+    out = dict(state)
+    for prefix, args in (("weight", scheme.weights), ("input", scheme.input_activations)):
+        if args is None or args.symmetric:
+            out.pop(f"{prefix}_zero_point", None)
+    return out

@@ -1,0 +1,41 @@
+"""``int-quantized`` and ``float-quantized``: one quantized value per byte, no packing.
+
+``weight`` is stored as int8 (integer schemes) or float8_e4m3fn (fp8 schemes) beside its
+``weight_scale`` (and ``weight_zero_point`` when asymmetric).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmpress.formats.base import FORMATS, StateDict, drop_symmetric_zero_points
+from llmpress.quant.qdq import dequantize, quantize
+from llmpress.quant.scheme import QuantizationScheme
+
+
+class _OneValuePerByte:
+    name = ""
+
+    @staticmethod
+    def compress(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        out = drop_symmetric_zero_points(state, scheme)
+        out["weight"] = quantize(out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights)
+        return out
+
+    @staticmethod
+    def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
+        out = dict(state)
+        out["weight"] = dequantize(
+            out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights, dtype
+        )
+        return out
+
+
+@FORMATS.register("int-quantized")
+class IntQuantizedFormat(_OneValuePerByte):
+    name = "int-quantized"
+
+
+@FORMATS.register("float-quantized")
+class FloatQuantizedFormat(_OneValuePerByte):
+    name = "float-quantized"

@@ -1,0 +1,51 @@
+"""``pack-quantized``: integer weights of 1..8 bits packed densely into int32 ``weight_packed``.
+
+Stored per module: ``weight_packed`` int32 ``[out, ceil(in * bits / 32)]``, ``weight_scale``,
+``weight_shape`` int64 ``[2]`` and, for asymmetric group/channel quantization, ``weight_zero_point``
+packed the same way along the output dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmpress.formats.base import FORMATS, StateDict, drop_symmetric_zero_points
+from llmpress.quant.packing import pack_to_int32, unpack_from_int32
+from llmpress.quant.qdq import dequantize, quantize
+from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
+
+_PACKED_ZP_STRATEGIES = (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
+
+
+@FORMATS.register("pack-quantized")
+class PackQuantizedFormat:
+    name = "pack-quantized"
+
+    @staticmethod
+    def compress(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        args = scheme.weights
+        out = drop_symmetric_zero_points(state, scheme)
+        weight = out.pop("weight")
+        zero_point = out.get("weight_zero_point")
+        q = quantize(weight, out["weight_scale"], zero_point, args)
+        out["weight_packed"] = pack_to_int32(q, args.num_bits)
+        out["weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
+        if zero_point is not None and args.strategy in _PACKED_ZP_STRATEGIES:
+            out["weight_zero_point"] = pack_to_int32(zero_point.to(torch.int8), args.num_bits, dim=0)
+        return out
+
+    @staticmethod
+    def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
+        args = scheme.weights
+        out = dict(state)
+        packed = out.pop("weight_packed")
+        shape = tuple(int(v) for v in out.pop("weight_shape").tolist())
+        scale = out["weight_scale"]
+        zero_point = out.get("weight_zero_point")
+        if zero_point is not None and args.strategy in _PACKED_ZP_STRATEGIES:
+            zp_shape = (shape[0], scale.shape[-1])
+            zero_point = unpack_from_int32(zero_point, args.num_bits, zp_shape, dim=0)
+            out["weight_zero_point"] = zero_point
+        q = unpack_from_int32(packed, args.num_bits, shape)
+        out["weight"] = dequantize(q, scale, zero_point, args, dtype)
+        return out

@@ -1,0 +1,136 @@
+"""The modifier contract: a pydantic config (what users write) apart from a plain behaviour class.
+
+A modifier is built from keyword arguments validated by its ``Config`` (``extra="forbid"``), says
+which pieces of session state it needs (``required_state``), is initialized exactly once with the
+complete state, acts on the events it declares, and is finalized once. Adding an algorithm is one
+folder under ``modifiers/``, one ``@MODIFIERS.register`` and one test file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from llmpress.errors import MissingStateError, RecipeError
+from llmpress.registry import Registry
+
+__all__ = ["Modifier", "ModifierConfig", "MODIFIERS", "State", "STATE_FIELDS"]
+
+MODIFIERS: Registry[type[Modifier]] = Registry("modifier", error=RecipeError)
+
+# the state a session records, and what each field is
+STATE_FIELDS: dict[str, str] = {
+    "model": "the torch.nn.Module being compressed",
+    "teacher": "a teacher model for distillation",
+    "optimizer": "the torch optimizer of the training loop",
+    "steps_per_epoch": "optimizer steps in one epoch (int)",
+    "calibration_data": "calibration samples (token-id tensors or a dataloader)",
+    "processor": "the tokenizer or processor of the model",
+}
+
+
+class State(dict):
+    """The session's recorded state: a dict limited to ``STATE_FIELDS``, read as attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in STATE_FIELDS:
+            return self.get(name)
+        raise AttributeError(name)
+
+
+class ModifierConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+class Modifier:
+    """Base behaviour class. Subclasses set ``Config`` and override the ``on_*`` hooks."""
+
+    Config: ClassVar[type[ModifierConfig]] = ModifierConfig
+    #: events this modifier acts on (see ``llmpress.session.EVENTS``)
+    events: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            self.config = self.Config(**kwargs)
+        except ValidationError as exc:
+            raise _recipe_error(type(self).__name__, self.Config, exc) from None
+        self.initialized = False
+        self.finalized = False
+
+    def __getattr__(self, name: str) -> Any:
+        # fields read as attributes: modifier.scheme is modifier.config.scheme
+        config = self.__dict__.get("config")
+        if config is not None and name in type(config).model_fields:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    # -- what it needs -------------------------------------------------------------------
+    def required_state(self) -> tuple[str, ...]:
+        """Names of the state fields this modifier needs at ``initialize``."""
+        return ("model",)
+
+    def check_state(self, state: State) -> None:
+        for field in self.required_state():
+            if state.get(field) is None:
+                raise MissingStateError(
+                    f"{type(self).__name__} needs {field!r}: call "
+                    f"session.update_state({field}=...) before initialize()",
+                    got=f"no {field}",
+                    expected=STATE_FIELDS.get(field, field),
+                )
+
+    # -- lifecycle, called by the session ---------------------------------------------------
+    def initialize(self, state: State) -> None:
+        self.check_state(state)
+        self.on_initialize(state)
+        self.initialized = True
+
+    def on_initialize(self, state: State) -> None:
+        """Set up with the complete state (attach hooks, match modules...)."""
+
+    def on_event(self, event: str, state: State, **payload: Any) -> Any:
+        return getattr(self, f"on_{event}")(state, **payload)
+
+    def finalize(self, state: State) -> None:
+        self.on_finalize(state)
+        self.finalized = True
+
+    def on_finalize(self, state: State) -> None:
+        """Make the result permanent (apply masks, freeze quantization)."""
+
+    # -- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """``{ClassName: {non-default fields}}``: plain data for YAML."""
+        return {type(self).__name__: self.config.model_dump(mode="json", exclude_defaults=True)}
+
+    def clone(self) -> Modifier:
+        return type(self)(**self.config.model_dump(exclude_defaults=True))
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.config == other.config  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.config.model_dump(exclude_defaults=True).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def _recipe_error(modifier: str, config: type[BaseModel], exc: ValidationError) -> RecipeError:
+    known = list(config.model_fields)
+    problems = []
+    fix = None
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(arguments)"
+        if err["type"] == "extra_forbidden":
+            problems.append(f"unknown field {where!r}")
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            fix = f"did you mean {close[0]!r}?" if close else None
+        else:
+            problems.append(f"{where}: {err['msg']}")
+    return RecipeError(
+        f"{modifier}: {'; '.join(problems)}",
+        got=f"{len(problems)} invalid field(s)",
+        expected=f"fields among {', '.join(known)}",
+        fix=fix or f"correct the {modifier} arguments",
+    )

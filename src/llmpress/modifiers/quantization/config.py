@@ -1,0 +1,67 @@
+"""What users write for ``QuantizationModifier`` (and GPTQ-style modifiers that share it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import field_validator, model_validator
+
+from llmpress.errors import RecipeError
+from llmpress.modifiers.base import ModifierConfig
+from llmpress.quant.scheme import QuantizationScheme, preset_scheme
+
+__all__ = ["QuantizationModifierConfig"]
+
+
+class QuantizationModifierConfig(ModifierConfig):
+    """Either ``scheme`` (a preset name, a preset-to-targets map, or a scheme dict) or
+    ``config_groups`` (compressed-tensors groups, each with its own ``targets``)."""
+
+    targets: list[str] = ["Linear"]
+    ignore: list[str] = []
+    scheme: str | dict[str, Any] | None = None
+    config_groups: dict[str, QuantizationScheme] | None = None
+    kv_cache_scheme: dict[str, Any] | None = None
+
+    @field_validator("targets", "ignore", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> QuantizationModifierConfig:
+        if (self.scheme is None) == (self.config_groups is None):
+            raise RecipeError(
+                "QuantizationModifier needs exactly one of 'scheme' and 'config_groups'",
+                got="both" if self.scheme is not None else "neither",
+                expected="scheme: W4A16 (or another preset), or config_groups: {group_0: {...}}",
+                fix="keep one of the two",
+            )
+        if self.kv_cache_scheme is not None:
+            raise RecipeError(
+                "kv_cache_scheme is not supported yet",
+                got=self.kv_cache_scheme,
+                expected="kv_cache_scheme: null",
+                fix="remove kv_cache_scheme from the recipe",
+            )
+        self.resolved_schemes()  # validate preset names and scheme dicts now, not at run time
+        return self
+
+    def resolved_schemes(self) -> list[QuantizationScheme]:
+        """The schemes this config asks for, each with its own targets."""
+        if self.config_groups is not None:
+            return list(self.config_groups.values())
+        if isinstance(self.scheme, str):
+            return [preset_scheme(self.scheme, self.targets)]
+        assert self.scheme is not None
+        if "weights" in self.scheme or "input_activations" in self.scheme:
+            return [QuantizationScheme(**{"targets": self.targets, **self.scheme})]
+        # {"W4A16": ["Linear"], "W8A8": ["re:.*down_proj"]}
+        return [preset_scheme(name, targets) for name, targets in self.scheme.items()]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(
+            s.input_activations is not None and not s.input_activations.dynamic
+            for s in self.resolved_schemes()
+        )

@@ -1,0 +1,30 @@
+"""Whole-model calibration: every batch runs through the full model once.
+
+Modifiers observe what they need through their own hooks between ``calibration_start`` and
+``calibration_end``. When no modifier needs data (weight-only RTN, dynamic activations) no batch
+runs at all.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from llmpress.session import Session
+
+__all__ = ["run_basic_calibration"]
+
+logger = logging.getLogger(__name__)
+
+
+def run_basic_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor]) -> None:
+    session.calibration_start()
+    if session.needs_calibration_forward:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            for batch in tqdm(batches, desc="Calibrating", unit="batch", leave=False):
+                model(input_ids=batch.to(device))
+    session.calibration_end()

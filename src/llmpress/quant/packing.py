@@ -1,0 +1,69 @@
+"""Pack narrow integers into int32 words exactly as compressed-tensors does.
+
+Values (signed, ``num_bits`` wide, held in int8) are offset to unsigned, then laid densely into
+a bit stream along ``dim``: element ``i`` starts at bit ``i * num_bits``; for widths that do not
+divide 32 an element may straddle two words. Each row is padded to a multiple of 32 elements and
+cut to ``ceil(n * num_bits / 32)`` words.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["pack_to_int32", "unpack_from_int32"]
+
+_WORD = 32
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    """Reinterpret unsigned 32-bit values held in int64 as int32 (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_to_int32(values: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Tensor:
+    if values.dim() != 2:
+        raise ValueError(f"pack_to_int32 packs 2-D tensors, got shape {tuple(values.shape)}")
+    if dim == 0:
+        return pack_to_int32(values.t(), num_bits, dim=1).t().contiguous()
+    rows, cols = values.shape
+    unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
+    padded_cols = math.ceil(cols / _WORD) * _WORD
+    unsigned = torch.nn.functional.pad(unsigned, (0, padded_cols - cols))
+    out_words = math.ceil(cols * num_bits / _WORD)
+    if _WORD % num_bits == 0:
+        per_word = _WORD // num_bits
+        shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+        words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(dim=-1)
+        return _to_int32(words[:, :out_words]).contiguous()
+    # general case: expand to a bit stream and regroup it into 32-bit words
+    bit_index = torch.arange(num_bits, dtype=torch.int64)
+    bits = (unsigned.unsqueeze(-1) >> bit_index) & 1  # [rows, cols, num_bits]
+    bits = bits.reshape(rows, -1, _WORD)
+    words = (bits << torch.arange(_WORD, dtype=torch.int64)).sum(dim=-1)
+    return _to_int32(words[:, :out_words]).contiguous()
+
+
+def unpack_from_int32(
+    packed: torch.Tensor, num_bits: int, shape: tuple[int, int] | torch.Size, dim: int = 1
+) -> torch.Tensor:
+    """Inverse of :func:`pack_to_int32`: int8 values of the original ``shape``."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack_from_int32 expects int32, got {packed.dtype}")
+    shape = tuple(int(s) for s in shape)
+    if dim == 0:
+        return unpack_from_int32(packed.t(), num_bits, (shape[1], shape[0]), dim=1).t().contiguous()
+    rows, cols = shape
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    if _WORD % num_bits == 0:
+        per_word = _WORD // num_bits
+        shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+        unsigned = ((words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).reshape(rows, -1)
+    else:
+        bits = (words.unsqueeze(-1) >> torch.arange(_WORD, dtype=torch.int64)) & 1
+        bits = bits.reshape(rows, -1)
+        usable = (bits.shape[1] // num_bits) * num_bits
+        bits = bits[:, :usable].reshape(rows, -1, num_bits)
+        unsigned = (bits << torch.arange(num_bits, dtype=torch.int64)).sum(dim=-1)
+    return (unsigned[:, :cols] - (1 << (num_bits - 1))).to(torch.int8)

@@ -1,0 +1,128 @@
+"""Quantize, dequantize and fake-quantize tensors: pure functions, no module state.
+
+Scales and zero points have the shapes compressed-tensors uses for a weight ``[out, in]``:
+``[1]`` per tensor, ``[out, 1]`` per channel, ``[out, ceil(in / group_size)]`` per group. When
+``in`` is not a multiple of the group size, the last group is simply shorter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
+
+__all__ = [
+    "num_groups",
+    "expand_to_columns",
+    "reduce_min_max",
+    "compute_qparams",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "fake_quantize_activation",
+]
+
+
+def num_groups(columns: int, group_size: int) -> int:
+    return math.ceil(columns / group_size)
+
+
+def expand_to_columns(qparam: torch.Tensor, columns: int, args: QuantizationArgs) -> torch.Tensor:
+    """Broadcast a per-group scale or zero point ``[out, n_groups]`` to ``[out, columns]``."""
+    if args.strategy != QuantizationStrategy.GROUP:
+        return qparam
+    return qparam.repeat_interleave(args.group_size, dim=-1)[..., :columns]
+
+
+def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of a weight ``[out, in]`` over each unit of ``args.strategy``."""
+    if args.strategy == QuantizationStrategy.TENSOR:
+        return x.min().reshape(1), x.max().reshape(1)
+    if args.strategy == QuantizationStrategy.CHANNEL:
+        return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    if args.strategy == QuantizationStrategy.TOKEN:
+        flat = x.reshape(-1, x.shape[-1])
+        return flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
+    rows, cols = x.shape
+    groups = num_groups(cols, args.group_size)
+    pad = groups * args.group_size - cols
+    # zero padding never changes min/max: zero is always inside the quantized range
+    padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    grouped = padded.reshape(rows, groups, args.group_size)
+    return grouped.amin(dim=-1), grouped.amax(dim=-1)
+
+
+def compute_qparams(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero point (``None`` when symmetric) from observed min and max."""
+    min_vals = torch.clamp(min_vals, max=0.0)
+    max_vals = torch.clamp(max_vals, min=0.0)
+    q_min, q_max = args.q_range
+    eps = torch.finfo(torch.float32).eps
+    if args.symmetric:
+        absmax = torch.maximum(min_vals.abs(), max_vals.abs())
+        half_range = q_max if args.is_float else (q_max - q_min) / 2
+        scale = (absmax / half_range).clamp(min=eps)
+        return scale, None
+    scale = ((max_vals - min_vals) / (q_max - q_min)).clamp(min=eps)
+    zero_point = torch.clamp(torch.round(q_min - min_vals / scale), q_min, q_max).to(torch.int8)
+    return scale, zero_point
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantizationArgs,
+) -> torch.Tensor:
+    """Quantized values (int8 holding ``num_bits``-wide integers, or float8_e4m3fn)."""
+    columns = x.shape[-1]
+    scale = expand_to_columns(scale, columns, args).to(torch.float32)
+    q_min, q_max = args.q_range
+    scaled = x.to(torch.float32) / scale
+    if args.is_float:
+        return scaled.clamp(q_min, q_max).to(torch.float8_e4m3fn)
+    if zero_point is not None:
+        scaled = scaled + expand_to_columns(zero_point, columns, args).to(torch.float32)
+    return torch.clamp(torch.round(scaled), q_min, q_max).to(torch.int8)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantizationArgs,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    columns = q.shape[-1]
+    values = q.to(torch.float32)
+    if zero_point is not None and not args.is_float:
+        values = values - expand_to_columns(zero_point, columns, args).to(torch.float32)
+    return (values * expand_to_columns(scale, columns, args).to(torch.float32)).to(dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantizationArgs,
+) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in ``x``'s dtype: what the model sees after compression."""
+    return dequantize(quantize(x, scale, zero_point, args), scale, zero_point, args, x.dtype)
+
+
+def fake_quantize_activation(
+    x: torch.Tensor, args: QuantizationArgs, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fake-quantize a module input: dynamic args compute the scale from ``x`` now (per token
+    or per tensor); static args use the calibrated ``scale``."""
+    if args.dynamic or scale is None:
+        flat = x.reshape(-1, x.shape[-1])
+        min_vals, max_vals = reduce_min_max(flat, args)
+        scale, zero_point = compute_qparams(min_vals, max_vals, args)
+    else:
+        flat, zero_point = x.reshape(-1, x.shape[-1]), None
+    return fake_quantize(flat, scale, zero_point, args).reshape(x.shape)

@@ -1,0 +1,3 @@
+from llmpress.recipe.recipe import Recipe, RecipeStage
+
+__all__ = ["Recipe", "RecipeStage"]

@@ -1,0 +1,224 @@
+"""Recipes: stages of modifier groups, in llm-compressor's YAML grammar.
+
+::
+
+    quant_stage:                 # a stage: a key ending in _stage
+      quant_modifiers:           # a group: a key ending in _modifiers
+        QuantizationModifier:    # a registered modifier and its fields
+          scheme: W4A16
+
+A recipe comes from a modifier or a list of them, a preset name (``"W4A16"``), a YAML or JSON
+file or string, or a dict; it always serializes to plain YAML that ``yaml.safe_load`` reads back
+to an equal recipe.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmpress.errors import RecipeError
+from llmpress.modifiers.base import MODIFIERS, Modifier
+
+__all__ = ["Recipe", "RecipeStage"]
+
+DEFAULT_STAGE = "default_stage"
+DEFAULT_GROUP = "default_modifiers"
+
+
+@dataclass
+class RecipeStage:
+    name: str
+    groups: dict[str, list[Modifier]] = field(default_factory=dict)
+    run_type: str | None = None
+
+    @property
+    def modifiers(self) -> list[Modifier]:
+        return [m for group in self.groups.values() for m in group]
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if self.run_type:
+            body["run_type"] = self.run_type
+        for group, modifiers in self.groups.items():
+            entries: dict[str, Any] = {}
+            for modifier in modifiers:
+                (name, args), = modifier.to_dict().items()
+                if name in entries:  # the same modifier twice in a group: keep both, as a list
+                    raise RecipeError(
+                        f"group {group!r} holds {name} twice",
+                        fix="put the second one in its own group or stage",
+                    )
+                entries[name] = args
+            body[group] = entries
+        return body
+
+
+class Recipe:
+    def __init__(self, stages: list[RecipeStage] | None = None) -> None:
+        self.stages = list(stages or [])
+
+    # -- building ------------------------------------------------------------------------
+    @classmethod
+    def from_any(cls, source: Any) -> Recipe:
+        """Build from whatever a user passed as a recipe."""
+        if isinstance(source, Recipe):
+            return source
+        if isinstance(source, Modifier):
+            return cls.from_modifiers([source])
+        if isinstance(source, (list, tuple)) and all(isinstance(m, Modifier) for m in source):
+            return cls.from_modifiers(list(source))
+        if isinstance(source, dict):
+            return cls.from_dict(source)
+        if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
+            return cls.from_file(source)
+        if isinstance(source, str):
+            if _is_preset(source):
+                return cls.from_preset(source)
+            return cls.from_yaml(source)
+        raise RecipeError(
+            "cannot build a recipe from this object",
+            got=type(source).__name__,
+            expected="a Recipe, a modifier or list of modifiers, a preset name, a YAML/JSON file or string, or a dict",
+        )
+
+    @classmethod
+    def from_modifiers(cls, modifiers: list[Modifier], stage: str = DEFAULT_STAGE) -> Recipe:
+        return cls([RecipeStage(stage, {DEFAULT_GROUP: list(modifiers)})])
+
+    @classmethod
+    def from_preset(cls, name: str, ignore: list[str] | None = None) -> Recipe:
+        """The RTN recipe for a preset scheme name, leaving ``lm_head`` in full precision."""
+        from llmpress.modifiers.quantization import QuantizationModifier
+
+        modifier = QuantizationModifier(targets=["Linear"], ignore=ignore or ["lm_head"], scheme=name.upper())
+        return cls([RecipeStage("quant_stage", {"quant_modifiers": [modifier]})])
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Recipe:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(
+                "recipe file not found",
+                got=str(path),
+                expected="a path to a .yaml, .yml or .json recipe, or a preset name",
+                fix=f"check the path, or use a preset: {', '.join(_preset_names())}",
+            )
+        return cls.from_yaml(path.read_text(encoding="utf-8"), origin=str(path))
+
+    @classmethod
+    def from_yaml(cls, text: str, origin: str = "recipe") -> Recipe:
+        try:
+            data = yaml.safe_load(text)  # JSON is YAML too
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{origin} is not valid YAML or JSON", got=str(exc).splitlines()[0]) from None
+        if not isinstance(data, dict):
+            hint = f"; '{text.strip()}' is not a preset either" if isinstance(data, str) else ""
+            raise RecipeError(
+                f"{origin} must be a mapping of stages{hint}",
+                got=type(data).__name__,
+                expected=f"'<name>_stage: {{<group>_modifiers: {{XModifier: {{...}}}}}}' or a preset ({', '.join(_preset_names())})",
+            )
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recipe:
+        stages: list[RecipeStage] = []
+        loose: dict[str, Any] = {}
+        for key, value in data.items():
+            if key == "version":
+                continue
+            if key.endswith("_stage"):
+                stages.append(_parse_stage(key, value))
+            elif key.endswith("_modifiers") or key in MODIFIERS or key.endswith("Modifier"):
+                loose[key] = value
+            else:
+                raise RecipeError(
+                    f"unknown top-level recipe key {key!r}",
+                    got=key,
+                    expected="keys ending in _stage, _modifiers, or a modifier name",
+                    fix=f"rename it to '{key}_stage' if it is a stage",
+                )
+        if loose:
+            stages.insert(0, _parse_stage(DEFAULT_STAGE, loose))
+        return cls(stages)
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def modifiers(self) -> list[Modifier]:
+        return [m for stage in self.stages for m in stage.modifiers]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {stage.name: stage.to_dict() for stage in self.stages}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def __add__(self, other: Recipe) -> Recipe:
+        """Stages of both, renaming the second recipe's stages when names clash."""
+        names = {s.name for s in self.stages}
+        stages = list(self.stages)
+        for stage in other.stages:
+            name, i = stage.name, 1
+            while name in names:
+                name, i = f"{stage.name.removesuffix('_stage')}_{i}_stage", i + 1
+            names.add(name)
+            stages.append(RecipeStage(name, stage.groups, stage.run_type))
+        return Recipe(stages)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Recipe) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Recipe({json.dumps(self.to_dict())})"
+
+
+def _parse_stage(name: str, body: Any) -> RecipeStage:
+    if not isinstance(body, dict):
+        raise RecipeError(f"stage {name!r} must be a mapping of modifier groups", got=type(body).__name__)
+    stage = RecipeStage(name)
+    loose: list[Modifier] = []
+    for key, value in body.items():
+        if key == "run_type":
+            stage.run_type = str(value)
+        elif key.endswith("_modifiers"):
+            stage.groups[key] = _parse_group(f"{name}.{key}", value)
+        else:
+            loose.extend(_parse_group(name, {key: value}))
+    if loose:
+        stage.groups = {DEFAULT_GROUP: loose, **stage.groups}
+    return stage
+
+
+def _parse_group(where: str, body: Any) -> list[Modifier]:
+    if isinstance(body, list):  # [{XModifier: {...}}, {YModifier: {...}}]
+        items = [item for entry in body for item in (entry or {}).items()]
+    elif isinstance(body, dict):
+        items = list(body.items())
+    else:
+        raise RecipeError(f"{where} must map modifier names to their fields", got=type(body).__name__)
+    modifiers = []
+    for modifier_name, args in items:
+        cls = MODIFIERS.get(modifier_name)  # unknown names list the known ones
+        if args is not None and not isinstance(args, dict):
+            raise RecipeError(f"{where}.{modifier_name} must be a mapping of fields", got=repr(args))
+        modifiers.append(cls(**(args or {})))
+    return modifiers
+
+
+def _preset_names() -> list[str]:
+    from llmpress.quant.scheme import PRESET_SCHEMES
+
+    return list(PRESET_SCHEMES)
+
+
+def _is_preset(text: str) -> bool:
+    return text.strip().upper() in _preset_names()
+
+
+def _looks_like_path(text: str) -> bool:
+    return "\n" not in text and (text.endswith((".yaml", ".yml", ".json")) or Path(text).is_file())
