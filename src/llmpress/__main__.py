@@ -1,0 +1,5 @@
+import sys
+
+from llmpress.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""Describe a checkpoint folder without loading its weights: format, schemes, sizes, recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpress.errors import CheckpointError
+from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
+from llmpress.targets import match_modules
+
+__all__ = ["describe_checkpoint", "describe_args"]
+
+
+def describe_args(args: QuantizationArgs | None, what: str) -> str:
+    if args is None:
+        return ""
+    kind = f"fp{args.num_bits}" if args.is_float else f"int{args.num_bits}"
+    strategy = f"group({args.group_size})" if args.strategy == "group" else str(args.strategy)
+    mode = "dynamic" if args.dynamic else ("sym" if args.symmetric else "asym")
+    return f"{kind} {mode} {strategy} {what}"
+
+
+def describe_checkpoint(path: str | Path) -> dict[str, Any]:
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError("not a checkpoint folder", got=str(folder), expected="a folder with config.json", fix="check the path")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    qcfg = config.get("quantization_config") or {}
+    files = sorted(folder.glob("*.safetensors"))
+    skeleton = _skeleton(folder)
+    groups = []
+    for name, group in (qcfg.get("config_groups") or {}).items():
+        scheme = QuantizationScheme(**group)
+        parts = [describe_args(scheme.weights, "weights"), describe_args(scheme.input_activations, "inputs")]
+        count = None
+        if skeleton is not None:
+            count = sum(isinstance(m, nn.Linear) for _, m in match_modules(skeleton, scheme.targets, qcfg.get("ignore") or []))
+        groups.append({"name": name, "summary": ", ".join(p for p in parts if p), "targets": scheme.targets, "modules": count, "format": group.get("format") or qcfg.get("format")})
+    recipe_path = folder / "recipe.yaml"
+    return {
+        "path": str(folder),
+        "architecture": ",".join(config.get("architectures") or ["?"]),
+        "model_type": config.get("model_type", "?"),
+        "parameters": sum(p.numel() for p in skeleton.parameters()) if skeleton is not None else 0,
+        "format": qcfg.get("format", "dense (not quantized)"),
+        "quantization_status": qcfg.get("quantization_status", "-"),
+        "groups": groups,
+        "ignore": list(qcfg.get("ignore") or []),
+        "files": len(files),
+        "size_mb": sum(f.stat().st_size for f in files) / 1e6,
+        "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
+    }
+
+
+def _skeleton(folder: Path) -> nn.Module | None:
+    """The model built on the meta device (no memory): for parameter counts and module names."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(folder))
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError):
+        return None  # an architecture transformers does not know: describe the files only

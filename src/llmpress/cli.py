@@ -1,0 +1,122 @@
+"""``llmpress`` command line: oneshot, eval, inspect.
+
+Every error llmpress raises on purpose prints one line (``error: ...``) and exits with status 2;
+no traceback unless ``LLMPRESS_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from llmpress.errors import LlmpressError
+
+__all__ = ["main"]
+
+
+def _oneshot(args: argparse.Namespace) -> int:
+    from llmpress.data import CalibrationOptions
+    from llmpress.entrypoints import oneshot
+    from llmpress.recipe import Recipe
+
+    recipe = Recipe.from_any(args.recipe)
+    options = CalibrationOptions(num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed)
+    start = time.perf_counter()
+    oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options)
+    print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from llmpress.evaluation.report import evaluate_models
+
+    results = evaluate_models(args.model, args.dataset, seq_len=args.seq_len, max_windows=args.max_windows, batch_size=args.batch_size)
+    if args.plot:
+        from llmpress.evaluation.report import plot_results
+
+        plot_results(results, args.plot)
+    if args.json:
+        payload = results[0] if len(results) == 1 else results
+        print(json.dumps(payload))
+    else:
+        for row in results:
+            print(f"{row['model']}: perplexity {row['perplexity']:.3f} over {row['tokens']} tokens ({row['seconds']:.1f}s)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from llmpress.checkpoint.inspect import describe_checkpoint
+
+    info = describe_checkpoint(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['path']}")
+    print(f"  model:   {info['architecture']} ({info['model_type']}), {info['parameters']:,} parameters")
+    print(f"  format:  {info['format']} ({info['quantization_status']})")
+    print(f"  size:    {info['size_mb']:.2f} MB in {info['files']} safetensors file(s)")
+    for group in info["groups"]:
+        print(f"  {group['name']}: {group['summary']} -> {group['modules']} module(s), targets {group['targets']}")
+    if info["ignore"]:
+        print(f"  ignored: {', '.join(info['ignore'])}")
+    if info["recipe"]:
+        print("  recipe:")
+        for line in info["recipe"].rstrip().splitlines():
+            print(f"    {line}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmpress", description="Compress language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    oneshot = commands.add_parser("oneshot", help="compress a model with a recipe and calibration data")
+    oneshot.add_argument("--model", required=True, help="model folder")
+    oneshot.add_argument("--recipe", required=True, help="preset (W4A16, W8A8, FP8, ...) or a YAML/JSON recipe file")
+    oneshot.add_argument("--output", required=True, help="folder to write the compressed checkpoint to")
+    oneshot.add_argument("--dataset", help="calibration data: text, JSON-lines file or dataset folder")
+    oneshot.add_argument("--num-samples", type=int, default=64)
+    oneshot.add_argument("--seq-len", type=int, default=256)
+    oneshot.add_argument("--seed", type=int, default=0)
+    oneshot.set_defaults(run=_oneshot)
+
+    evaluate = commands.add_parser("eval", help="perplexity of one or more checkpoints on a text file")
+    evaluate.add_argument("--model", required=True, action="append", help="checkpoint folder (repeat to compare)")
+    evaluate.add_argument("--dataset", required=True, help="text file to evaluate on")
+    evaluate.add_argument("--seq-len", type=int, default=256)
+    evaluate.add_argument("--max-windows", type=int, default=200)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
+    evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
+    evaluate.set_defaults(run=_eval)
+
+    inspect = commands.add_parser("inspect", help="describe a checkpoint: format, schemes, sizes, recipe")
+    inspect.add_argument("path", help="checkpoint folder")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(run=_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except LlmpressError as exc:
+        if os.environ.get("LLMPRESS_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
