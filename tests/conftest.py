@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny models built in-process, the trained model, and a stray-file guard."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
+ASSETS = REPO / "assets"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def trained_model_dir() -> Path:
+    """The small trained Llama: the shared fp32 fixture when present, else the bundled bf16 copy."""
+    shared = SHARED_FIXTURES / "tiny-llama"
+    return shared if (shared / "model.safetensors").exists() else ASSETS / "tiny-llama"
+
+
+def text_path(name: str) -> Path:
+    shared = SHARED_FIXTURES / "text" / name
+    return shared if shared.exists() else ASSETS / "text" / name
+
+
+def make_tiny_llama(seed: int = 0, *, tie: bool = False, intermediate: int = 200, bias: bool = False):
+    """A random 2-layer Llama. ``intermediate=200`` makes down_proj's column count not a multiple of 128."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def token_batches(count: int = 4, length: int = 32, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(autouse=True)
+def no_stray_files():
+    """Fail a test that leaves files behind in the repository (tests write under tmp_path)."""
+    before = set(os.listdir(REPO))
+    yield
+    stray = set(os.listdir(REPO)) - before - {".pytest_cache"}
+    assert not stray, f"test left stray files in the repository: {sorted(stray)}"

@@ -1,0 +1,115 @@
+"""Quantization math: scheme validation, qdq quality (SQNR), int32 packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmpress.errors import SchemeError
+from llmpress.quant import (
+    PRESET_SCHEMES,
+    QuantizationArgs,
+    dequantize,
+    fake_quantize,
+    pack_to_int32,
+    preset_scheme,
+    quantize,
+    unpack_from_int32,
+    weight_qparams,
+)
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    return float(10 * torch.log10(reference.pow(2).sum() / (reference - approx).pow(2).sum()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"num_bits": 4, "strategy": "group", "group_size": 0}, "group_size > 0"),
+        ({"num_bits": 9}, "num_bits"),
+        ({"num_bits": 4, "type": "float"}, "float8"),
+        ({"strategy": "token"}, "dynamic=True"),
+        ({"strategy": "channel", "group_size": 64}, "strategy='group'"),
+        ({"observer": "maxmin"}, "unknown observer"),
+    ],
+)
+def test_bad_args_say_how_to_fix(kwargs, words):
+    with pytest.raises(SchemeError) as info:
+        QuantizationArgs(**kwargs)
+    assert words in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+def test_unknown_preset_suggests_the_closest():
+    with pytest.raises(SchemeError, match="did you mean 'W4A16'"):
+        preset_scheme("W4A61")
+
+
+def test_group_size_alone_means_group_strategy():
+    args = QuantizationArgs(num_bits=4, group_size=64)
+    assert args.strategy == "group"
+
+
+@pytest.mark.parametrize("preset", list(PRESET_SCHEMES))
+def test_presets_read_back_from_json(preset):
+    scheme = preset_scheme(preset)
+    assert type(scheme).model_validate(scheme.to_json()) == scheme
+
+
+@pytest.mark.parametrize(
+    "args, min_db",
+    [
+        (QuantizationArgs(num_bits=8, strategy="channel"), 38.0),
+        (QuantizationArgs(num_bits=4, strategy="group", group_size=128), 16.0),
+        (QuantizationArgs(num_bits=4, strategy="group", group_size=128, symmetric=False), 17.0),
+        (QuantizationArgs(num_bits=8, type="float", strategy="tensor"), 25.0),
+        (QuantizationArgs(num_bits=8, type="float", strategy="channel"), 28.0),
+    ],
+)
+def test_weight_qdq_quality(args, min_db):
+    weight = torch.randn(64, 300)  # 300 columns: the last group of 128 is shorter
+    scale, zero_point = weight_qparams(weight, args)
+    approx = fake_quantize(weight, scale, zero_point, args)
+    assert sqnr_db(weight, approx) > min_db
+    if args.strategy == "group":
+        assert scale.shape == (64, 3)
+
+
+def test_values_on_the_grid_round_trip_exactly():
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
+    weight = torch.randn(16, 80)
+    scale, zero_point = weight_qparams(weight, args)
+    q = quantize(weight, scale, zero_point, args)
+    assert q.dtype == torch.int8 and int(q.min()) >= -8 and int(q.max()) <= 7
+    on_grid = dequantize(q, scale, zero_point, args)
+    assert torch.equal(quantize(on_grid, scale, zero_point, args), q)
+
+
+def test_mse_observer_never_worse_than_minmax():
+    weight = torch.randn(32, 256)
+    weight[0, 0] = 25.0  # an outlier that minmax must cover
+    errors = {}
+    for observer in ("minmax", "mse"):
+        args = QuantizationArgs(num_bits=4, strategy="group", group_size=128, observer=observer)
+        errors[observer] = float((fake_quantize(weight, *weight_qparams(weight, args), args) - weight).pow(2).sum())
+    assert errors["mse"] < errors["minmax"]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("shape", [(5, 37), (3, 128), (7, 1)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_packing_matches_compressed_tensors(bits, shape, dim):
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    values = torch.randint(low, high + 1, shape, dtype=torch.int8)
+    packed = pack_to_int32(values, bits, dim)
+    assert torch.equal(packed, helpers.pack_to_int32(values, bits, packed_dim=dim))
+    assert torch.equal(unpack_from_int32(packed, bits, shape, dim), values)
+
+
+def test_int4_packs_eight_values_per_word():
+    values = torch.tensor([[1, -1, 2, -2, 3, -3, 7, -8]], dtype=torch.int8)
+    word = int(pack_to_int32(values, 4)[0, 0]) & 0xFFFFFFFF
+    nibbles = [(word >> (4 * i)) & 0xF for i in range(8)]
+    assert nibbles == [v + 8 for v in values[0].tolist()]

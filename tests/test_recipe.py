@@ -1,0 +1,113 @@
+"""Recipes: every way of building one, llm-compressor's grammar, clear errors, YAML round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from llmpress import Recipe
+from llmpress.errors import RecipeError
+from llmpress.modifiers import QuantizationModifier
+from llmpress.quant import PRESET_SCHEMES
+
+LLM_COMPRESSOR_RECIPE = """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          weights:
+            num_bits: 4
+            type: "int"
+            symmetric: true
+            strategy: "group"
+            group_size: 128
+          input_activations: null
+          output_activations: null
+          targets: ["Linear"]
+"""
+
+
+def test_llm_compressor_grammar_reads_unchanged():
+    recipe = Recipe.from_any(LLM_COMPRESSOR_RECIPE)
+    assert [s.name for s in recipe.stages] == ["quant_stage"]
+    (modifier,) = recipe.modifiers
+    assert isinstance(modifier, QuantizationModifier)
+    (scheme,) = modifier.config.resolved_schemes()
+    assert scheme.weights.num_bits == 4 and scheme.weights.group_size == 128
+    assert modifier.ignore == ["lm_head"]
+
+
+def test_top_level_modifiers_form_a_default_stage():
+    recipe = Recipe.from_any({"QuantizationModifier": {"scheme": "W8A8"}})
+    assert recipe.modifiers == [QuantizationModifier(scheme="W8A8")]
+
+
+def test_from_preset_modifier_and_list_agree():
+    by_preset = Recipe.from_any("w4a16")
+    (modifier,) = by_preset.modifiers
+    assert modifier == QuantizationModifier(scheme="W4A16", ignore=["lm_head"])
+    assert Recipe.from_any(modifier).modifiers == Recipe.from_any([modifier]).modifiers
+
+
+def test_unknown_modifier_lists_known_and_suggests():
+    with pytest.raises(RecipeError) as info:
+        Recipe.from_any({"quant_stage": {"quant_modifiers": {"QuantizationModifer": {"scheme": "W4A16"}}}})
+    text = str(info.value)
+    assert "QuantizationModifer" in text and "QuantizationModifier" in text and "did you mean" in text
+
+
+def test_unknown_field_names_the_offender_and_known_fields():
+    with pytest.raises(RecipeError) as info:
+        QuantizationModifier(schem="W4A16")
+    text = str(info.value)
+    assert "'schem'" in text and "scheme" in text and "did you mean 'scheme'" in text
+
+
+def test_scheme_and_config_groups_are_exclusive():
+    with pytest.raises(RecipeError, match="exactly one of"):
+        QuantizationModifier()
+    with pytest.raises(RecipeError, match="both"):
+        QuantizationModifier(scheme="W4A16", config_groups={"g": {"weights": {"num_bits": 4}}})
+
+
+def test_bad_grammar_is_a_recipe_error():
+    with pytest.raises(RecipeError, match="top-level"):
+        Recipe.from_any({"quantization": {"QuantizationModifier": {"scheme": "W4A16"}}})
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        Recipe.from_yaml("quant_stage: [unclosed")
+    with pytest.raises(RecipeError, match="mapping"):
+        Recipe.from_yaml("W4A17")
+    with pytest.raises(RecipeError, match="not found"):
+        Recipe.from_any("missing/recipe.yaml")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [*PRESET_SCHEMES, LLM_COMPRESSOR_RECIPE, {"s1_stage": {"a_modifiers": {"QuantizationModifier": {"scheme": {"W4A16": ["re:.*mlp.*"], "W8A8": ["re:.*attn.*"]}}}}}],
+)
+def test_yaml_round_trip_is_plain_and_equal(source):
+    recipe = Recipe.from_any(source)
+    text = recipe.to_yaml()
+    assert "!!" not in text
+    data = yaml.safe_load(text)
+    assert Recipe.from_dict(data) == recipe
+    assert Recipe.from_yaml(json.dumps(data)) == recipe  # JSON reads the same
+
+
+def test_recipe_files(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(LLM_COMPRESSOR_RECIPE)
+    assert Recipe.from_any(str(path)) == Recipe.from_any(LLM_COMPRESSOR_RECIPE)
+    json_path = tmp_path / "r.json"
+    json_path.write_text(json.dumps(Recipe.from_any("W8A8").to_dict()))
+    assert Recipe.from_any(json_path) == Recipe.from_any("W8A8")
+
+
+def test_adding_recipes_keeps_every_stage():
+    combined = Recipe.from_any("W4A16") + Recipe.from_any("W8A8")
+    assert [s.name for s in combined.stages] == ["quant_stage", "quant_1_stage"]
+    assert Recipe.from_dict(yaml.safe_load(combined.to_yaml())) == combined
