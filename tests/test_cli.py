@@ -79,3 +79,9 @@ def test_broken_recipe_file(tmp_path):
 
 def test_argparse_errors_exit_non_zero():
     assert run_cli("oneshot", "--model").returncode == 2
+
+
+@pytest.mark.parametrize("flag, value", [("--seq-len", "1"), ("--batch-size", "0"), ("--max-windows", "zero")])
+def test_eval_rejects_bad_numbers(flag, value):
+    result = run_cli("eval", "--model", str(trained_model_dir()), "--dataset", str(text_path("evaluation.txt")), flag, value)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and flag in result.stderr

@@ -71,6 +71,19 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmpress", description="Compress language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -81,17 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--recipe", required=True, help="preset (W4A16, W8A8, FP8, ...) or a YAML/JSON recipe file")
     oneshot.add_argument("--output", required=True, help="folder to write the compressed checkpoint to")
     oneshot.add_argument("--dataset", help="calibration data: text, JSON-lines file or dataset folder")
-    oneshot.add_argument("--num-samples", type=int, default=64)
-    oneshot.add_argument("--seq-len", type=int, default=256)
+    oneshot.add_argument("--num-samples", type=_at_least(1), default=64)
+    oneshot.add_argument("--seq-len", type=_at_least(1), default=256)
     oneshot.add_argument("--seed", type=int, default=0)
     oneshot.set_defaults(run=_oneshot)
 
     evaluate = commands.add_parser("eval", help="perplexity of one or more checkpoints on a text file")
     evaluate.add_argument("--model", required=True, action="append", help="checkpoint folder (repeat to compare)")
     evaluate.add_argument("--dataset", required=True, help="text file to evaluate on")
-    evaluate.add_argument("--seq-len", type=int, default=256)
-    evaluate.add_argument("--max-windows", type=int, default=200)
-    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--seq-len", type=_at_least(2), default=256)
+    evaluate.add_argument("--max-windows", type=_at_least(1), default=200)
+    evaluate.add_argument("--batch-size", type=_at_least(1), default=8)
     evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
     evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
     evaluate.set_defaults(run=_eval)

@@ -11,7 +11,7 @@ from torch import nn
 
 from llmpress.checkpoint import route_save_pretrained, save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
-from llmpress.errors import CheckpointError
+from llmpress.errors import CheckpointError, MissingStateError
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.recipe import Recipe
 from llmpress.session import Session
@@ -39,6 +39,17 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
+def _require_no_calibration(recipe: Recipe) -> None:
+    for modifier in recipe.modifiers:
+        if "calibration_data" in modifier.required_state():
+            raise MissingStateError(
+                f"{type(modifier).__name__} needs 'calibration_data': pass dataset=... to oneshot "
+                "(on the command line: --dataset PATH)",
+                got="no dataset",
+                expected="a text or JSON-lines file, a dataset, or a list of samples",
+            )
+
+
 def oneshot(
     model: nn.Module | str | Path,
     recipe: Any,
@@ -62,6 +73,8 @@ def oneshot(
         processor = processor if processor is not None else loaded_processor
     recipe = Recipe.from_any(recipe)
     options = calibration or CalibrationOptions()
+    if dataset is None:
+        _require_no_calibration(recipe)
     batches = None
     if dataset is not None:
         samples = load_calibration_samples(dataset, processor, options)

@@ -52,7 +52,8 @@ class LlmpressError(Exception):
             text += f" ({'; '.join(details)})"
         text += "."
         if self.fix:
-            text += f" Fix: {self.fix.rstrip('.')}."
+            fix = self.fix.strip()
+            text += f" Fix: {fix}" + ("" if fix.endswith(("?", "!", ".")) else ".")
         return text
 
 

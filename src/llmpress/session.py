@@ -17,9 +17,10 @@ import logging
 from enum import Enum
 from typing import Any
 
+from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import SessionError
 from llmpress.modifiers.base import STATE_FIELDS, Modifier, State
-from llmpress.recipe import Recipe
+from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
 __all__ = ["Session", "active_session", "EVENTS"]
 
@@ -31,14 +32,12 @@ EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar("llmpress_session", default=None)
 
-# attribute on the model listing the recipe stages applied to it, for recipe.yaml
-APPLIED_RECIPE_ATTR = "_llmpress_applied_recipe"
-
 
 class Status(str, Enum):
     CREATED = "created"
     INITIALIZED = "initialized"
     FINALIZED = "finalized"
+    FAILED = "failed"  # initialize() raised after modifiers began to change the model
 
 
 def active_session() -> Session:
@@ -82,8 +81,14 @@ class Session:
         self._require(Status.CREATED, "initialize")
         self._check_fields(overrides, "initialize")
         self.state.update({k: v for k, v in overrides.items() if v is not None})
-        for modifier in self.modifiers:
-            modifier.initialize(self.state)
+        for modifier in self.modifiers:  # every need is checked before any modifier acts
+            modifier.check_state(self.state)
+        try:
+            for modifier in self.modifiers:
+                modifier.initialize(self.state)
+        except BaseException:
+            self.status = Status.FAILED
+            raise
         self.status = Status.INITIALIZED
         return self
 
@@ -96,6 +101,7 @@ class Session:
         if model is not None and self.recipe.stages:
             applied = getattr(model, APPLIED_RECIPE_ATTR, None) or Recipe()
             setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe)
+            route_save_pretrained(model)
         self.status = Status.FINALIZED
         return self
 
@@ -149,6 +155,12 @@ class Session:
     def _require(self, wanted: Status, call: str) -> None:
         if self.status == wanted:
             return
+        if self.status == Status.FAILED:
+            raise SessionError(
+                f"{call} called on a session whose initialize() failed",
+                got="a failed session (its modifiers may have changed the model part way)",
+                fix="reload the model and create a new llmpress.Session(recipe)",
+            )
         if self.status == Status.FINALIZED:
             raise SessionError(
                 f"{call} called after finalize(): the session has ended",

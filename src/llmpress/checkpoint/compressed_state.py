@@ -7,16 +7,20 @@ quantized modules by scheme, in the compressed-tensors JSON that vLLM and transf
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
 from llmpress.quant.attach import quantized_modules
 from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["compressed_state_dict", "quantization_config_for", "unique_state_dict"]
+
+logger = logging.getLogger(__name__)
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -35,16 +39,36 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to write: quantized modules compressed by their scheme's format."""
     state = unique_state_dict(model)
-    if not save_compressed:
-        return state
+    uneven = []
     for name, module, scheme in quantized_modules(model):
         prefix = f"{name}."
+        if scheme.weights is not None and f"{prefix}weight_scale" not in state:
+            raise CheckpointError(
+                f"module {name!r} has a quantization scheme but its weight was never quantized",
+                got="no weight_scale",
+                expected="a finalized session (weights frozen on their grid)",
+                fix="call session.finalize() (or use llmpress.oneshot) before saving",
+            )
+        if f"{prefix}weight" not in state:
+            raise CheckpointError(
+                f"module {name!r} shares its weight with another module and cannot be compressed alone",
+                fix="quantize it through a modifier (which unties it) or add it to ignore",
+            )
+        args = scheme.weights
+        if args is not None and args.strategy == "group" and module.weight.shape[-1] % args.group_size:
+            uneven.append(name)
+        if not save_compressed:
+            continue
         own = [*module._parameters, *module._buffers]
         local = {k: state.pop(prefix + k) for k in own if prefix + k in state}
-        if "weight" not in local:
-            continue  # tied or offloaded elsewhere: nothing of its own to compress
         compressed = FORMATS.get(format_for(scheme)).compress(local, scheme)
         state.update({prefix + k: v for k, v in compressed.items()})
+    if uneven:
+        logger.warning(
+            "%d module(s) have a column count that is not a multiple of their group size (%s): "
+            "llmpress reads them, but compressed-tensors (transformers, vLLM) may refuse to load them",
+            len(uneven), ", ".join(uneven[:4]) + (" ..." if len(uneven) > 4 else ""),
+        )
     return state
 
 

@@ -15,13 +15,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.formats import FORMATS
 from llmpress.quant.attach import _set_buffer, attach_scheme, enable_input_quantization
 from llmpress.quant.scheme import QuantizationScheme
-from llmpress.recipe import Recipe
-from llmpress.session import APPLIED_RECIPE_ATTR
-from llmpress.targets import match_modules
+from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+from llmpress.targets import assign_by_targets
 
 __all__ = ["load_checkpoint", "read_tensors"]
 
@@ -50,10 +50,24 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
             expected="a folder with config.json and *.safetensors",
             fix="check the --model path",
         )
-    config = AutoConfig.from_pretrained(str(folder))
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as exc:
+        raise UnsupportedModelError(
+            "transformers cannot read this model's config",
+            got=f"{folder}: {str(exc).splitlines()[0]}",
+            expected="a config.json of an architecture transformers knows",
+        ) from None
     qcfg = getattr(config, "quantization_config", None)
     if qcfg is None:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(
+                "transformers cannot load this checkpoint",
+                got=f"{folder}: {str(exc).splitlines()[0]}",
+                expected="config.json with its *.safetensors weights",
+            ) from None
     else:
         qcfg = qcfg if isinstance(qcfg, dict) else qcfg.to_dict()
         if qcfg.get("quant_method") != "compressed-tensors":
@@ -68,6 +82,8 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
     recipe_file = folder / "recipe.yaml"
     if recipe_file.is_file():
         setattr(model, APPLIED_RECIPE_ATTR, Recipe.from_file(recipe_file))
+    if qcfg is not None:
+        route_save_pretrained(model)
     model.eval()
     return model
 
@@ -75,29 +91,36 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
 def _load_compressed(model: nn.Module, tensors: dict[str, torch.Tensor], qcfg: dict[str, Any], dtype: torch.dtype) -> None:
     compressed = qcfg.get("quantization_status", "compressed") == "compressed"
     ignore = list(qcfg.get("ignore") or [])
-    seen: set[str] = set()
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         owner, _, local_name = key.rpartition(".")
         by_module.setdefault(owner, {})[local_name] = tensor
-    for group in (qcfg.get("config_groups") or {}).values():
-        scheme = QuantizationScheme(**{**group, "format": group.get("format") or qcfg.get("format")})
-        codec = FORMATS.get(scheme.format if compressed else "dense")
-        for name, module in match_modules(model, scheme.targets, ignore):
-            if name in seen or not isinstance(module, nn.Linear):
-                continue
-            seen.add(name)
-            local = by_module.pop(name, {})
-            for local_name in local:
-                tensors.pop(f"{name}.{local_name}")
-            local = codec.decompress(local, scheme, dtype)
-            attach_scheme(module, scheme)
-            module.weight.data = local.pop("weight").to(dtype)
-            if "bias" in local:
-                module.bias.data = local.pop("bias").to(dtype)
-            for buffer_name, value in local.items():
-                _set_buffer(module, buffer_name, value)
-            enable_input_quantization(module)
+    schemes = [
+        QuantizationScheme(**{**group, "format": group.get("format") or qcfg.get("format")})
+        for group in (qcfg.get("config_groups") or {}).values()
+    ]
+    chosen = assign_by_targets(model, [(s.targets, s) for s in schemes], ignore)
+    seen = {name for name, (module, _) in chosen.items() if isinstance(module, nn.Linear)}
+    for name in seen:
+        module, scheme = chosen[name]
+        local = by_module.pop(name, {})
+        for local_name in local:
+            tensors.pop(f"{name}.{local_name}")
+        try:
+            local = FORMATS.get(scheme.format if compressed else "dense").decompress(local, scheme, dtype)
+        except KeyError as exc:
+            raise CheckpointError(
+                f"module {name!r} lacks a tensor its format needs",
+                got=f"tensors {sorted(local)}",
+                expected=f"{exc.args[0]!r} for format {scheme.format!r}",
+            ) from None
+        attach_scheme(module, scheme)
+        module.weight.data = local.pop("weight").to(dtype)
+        if "bias" in local:
+            module.bias.data = local.pop("bias").to(dtype)
+        for buffer_name, value in local.items():
+            _set_buffer(module, buffer_name, value)
+        enable_input_quantization(module)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k.rpartition(".")[0] not in seen and not _is_tied(model, k)]
     if missing or unexpected:

@@ -17,8 +17,7 @@ from torch import nn
 from llmpress.checkpoint.atomic import atomic_directory
 from llmpress.checkpoint.compressed_state import compressed_state_dict, quantization_config_for
 from llmpress.errors import CheckpointError
-from llmpress.recipe import Recipe
-from llmpress.session import APPLIED_RECIPE_ATTR
+from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
 __all__ = ["save_checkpoint", "route_save_pretrained", "parse_size"]
 
@@ -70,7 +69,7 @@ def route_save_pretrained(model: nn.Module) -> None:
     def save_pretrained(self: nn.Module, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in ("save_compressed", "max_shard_size") if k in kwargs}
         if kwargs or args:
-            logger.debug("save_pretrained: ignoring %s", sorted(kwargs) + [repr(a) for a in args])
+            logger.warning("save_pretrained through llmpress ignores %s", sorted(kwargs) + [repr(a) for a in args])
         save_checkpoint(save_directory, self, **options)
 
     model.save_pretrained = types.MethodType(save_pretrained, model)

@@ -35,6 +35,12 @@ class PerplexityResult:
 
 def evaluation_windows(text: str, tokenizer: Any, seq_len: int = 256, max_windows: int = 200) -> torch.Tensor:
     """``[windows, seq_len]`` token ids: the first non-overlapping windows of the text."""
+    if seq_len < 2 or max_windows < 1:
+        raise DataError(
+            "perplexity needs windows of at least 2 tokens, and at least one window",
+            got=f"seq_len={seq_len}, max_windows={max_windows}",
+            expected="seq_len >= 2, max_windows >= 1",
+        )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     count = min(len(ids) // seq_len, max_windows)
     if count < 1:

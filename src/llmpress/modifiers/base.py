@@ -116,6 +116,26 @@ class Modifier:
         return f"{type(self).__name__}({fields})"
 
 
+def _nested_fields(config: type[BaseModel]) -> list[str]:
+    """Field names of ``config`` and of the pydantic models its fields hold (schemes, args)."""
+    names, todo, seen = [], [config], set()
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            names.append(name)
+            todo += [t for t in _models_in(field.annotation)]
+    return list(dict.fromkeys(names))
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", ()) for m in _models_in(arg)]
+
+
 def _recipe_error(modifier: str, config: type[BaseModel], exc: ValidationError) -> RecipeError:
     known = list(config.model_fields)
     problems = []
@@ -124,13 +144,15 @@ def _recipe_error(modifier: str, config: type[BaseModel], exc: ValidationError) 
         where = ".".join(str(p) for p in err["loc"]) or "(arguments)"
         if err["type"] == "extra_forbidden":
             problems.append(f"unknown field {where!r}")
-            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            candidates = known if len(err["loc"]) == 1 else _nested_fields(config)
+            close = difflib.get_close_matches(str(err["loc"][-1]), candidates, n=1)
             fix = f"did you mean {close[0]!r}?" if close else None
         else:
             problems.append(f"{where}: {err['msg']}")
+    nested = any(len(err["loc"]) > 1 for err in exc.errors())
     return RecipeError(
         f"{modifier}: {'; '.join(problems)}",
         got=f"{len(problems)} invalid field(s)",
-        expected=f"fields among {', '.join(known)}",
+        expected=f"fields among {', '.join(_nested_fields(config) if nested else known)}",
         fix=fix or f"correct the {modifier} arguments",
     )

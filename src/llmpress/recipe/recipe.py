@@ -24,7 +24,10 @@ import yaml
 from llmpress.errors import RecipeError
 from llmpress.modifiers.base import MODIFIERS, Modifier
 
-__all__ = ["Recipe", "RecipeStage"]
+__all__ = ["Recipe", "RecipeStage", "APPLIED_RECIPE_ATTR"]
+
+# attribute on a model: the Recipe it was loaded with followed by the stages applied since
+APPLIED_RECIPE_ATTR = "_llmpress_applied_recipe"
 
 DEFAULT_STAGE = "default_stage"
 DEFAULT_GROUP = "default_modifiers"
@@ -45,16 +48,12 @@ class RecipeStage:
         if self.run_type:
             body["run_type"] = self.run_type
         for group, modifiers in self.groups.items():
-            entries: dict[str, Any] = {}
-            for modifier in modifiers:
-                (name, args), = modifier.to_dict().items()
-                if name in entries:  # the same modifier twice in a group: keep both, as a list
-                    raise RecipeError(
-                        f"group {group!r} holds {name} twice",
-                        fix="put the second one in its own group or stage",
-                    )
-                entries[name] = args
-            body[group] = entries
+            entries = [m.to_dict() for m in modifiers]
+            names = [next(iter(e)) for e in entries]
+            if len(set(names)) == len(names):
+                body[group] = {k: v for e in entries for k, v in e.items()}
+            else:  # the same modifier twice in a group: the list form keeps both
+                body[group] = entries
         return body
 
 
@@ -196,7 +195,14 @@ def _parse_stage(name: str, body: Any) -> RecipeStage:
 
 def _parse_group(where: str, body: Any) -> list[Modifier]:
     if isinstance(body, list):  # [{XModifier: {...}}, {YModifier: {...}}]
-        items = [item for entry in body for item in (entry or {}).items()]
+        for entry in body:
+            if not isinstance(entry, dict):
+                raise RecipeError(
+                    f"each entry of the list {where} must map a modifier name to its fields",
+                    got=repr(entry),
+                    expected="- XModifier: {field: value}",
+                )
+        items = [item for entry in body for item in entry.items()]
     elif isinstance(body, dict):
         items = list(body.items())
     else:
@@ -221,4 +227,11 @@ def _is_preset(text: str) -> bool:
 
 
 def _looks_like_path(text: str) -> bool:
-    return "\n" not in text and (text.endswith((".yaml", ".yml", ".json")) or Path(text).is_file())
+    if "\n" in text or text.lstrip().startswith("{"):
+        return False
+    if text.endswith((".yaml", ".yml", ".json")):
+        return True
+    try:
+        return Path(text).is_file()
+    except OSError:  # too long or otherwise impossible as a file name: not a path
+        return False

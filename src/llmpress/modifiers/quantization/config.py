@@ -44,7 +44,14 @@ class QuantizationModifierConfig(ModifierConfig):
                 expected="kv_cache_scheme: null",
                 fix="remove kv_cache_scheme from the recipe",
             )
-        self.resolved_schemes()  # validate preset names and scheme dicts now, not at run time
+        for scheme in self.resolved_schemes():  # validate presets and scheme dicts now, not at run time
+            if scheme.weights is not None and scheme.weights.actorder is not None:
+                raise RecipeError(
+                    "actorder is a GPTQ option: round-to-nearest quantization has no column order",
+                    got=f"actorder={scheme.weights.actorder!r}",
+                    expected="actorder: null with QuantizationModifier",
+                    fix="remove actorder, or use GPTQModifier",
+                )
         return self
 
     def resolved_schemes(self) -> list[QuantizationScheme]:
@@ -57,7 +64,10 @@ class QuantizationModifierConfig(ModifierConfig):
         if "weights" in self.scheme or "input_activations" in self.scheme:
             return [QuantizationScheme(**{"targets": self.targets, **self.scheme})]
         # {"W4A16": ["Linear"], "W8A8": ["re:.*down_proj"]}
-        return [preset_scheme(name, targets) for name, targets in self.scheme.items()]
+        return [
+            preset_scheme(name, [targets] if isinstance(targets, str) else targets)
+            for name, targets in self.scheme.items()
+        ]
 
     @property
     def needs_calibration(self) -> bool:

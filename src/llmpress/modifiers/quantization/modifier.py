@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmpress.errors import UnsupportedModelError
+from llmpress.errors import SessionError, UnsupportedModelError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.quant.attach import (
@@ -33,7 +33,7 @@ from llmpress.quant.attach import (
 )
 from llmpress.quant.qdq import compute_qparams
 from llmpress.quant.scheme import QuantizationScheme
-from llmpress.targets import match_modules
+from llmpress.targets import assign_by_targets
 
 __all__ = ["QuantizationModifier", "assign_schemes"]
 
@@ -43,23 +43,19 @@ logger = logging.getLogger(__name__)
 def assign_schemes(
     model: nn.Module, schemes: list[QuantizationScheme], ignore: list[str], modifier: str
 ) -> dict[str, tuple[nn.Module, QuantizationScheme]]:
-    """Attach each scheme to the Linear modules its targets match (first scheme wins).
+    """Attach to each targeted Linear the scheme whose targets match it most specifically.
 
-    Matched modules that are not ``nn.Linear`` are skipped and reported once. Raises
-    ``UnsupportedModelError`` when nothing matches."""
-    chosen: dict[str, tuple[nn.Module, QuantizationScheme]] = {}
-    skipped: list[str] = []
-    for scheme in schemes:
-        for name, module in match_modules(model, scheme.targets, ignore):
-            if name in chosen:
-                continue
-            if not isinstance(module, nn.Linear):
-                skipped.append(f"{name} ({type(module).__name__})")
-                continue
-            attach_scheme(module, scheme)
-            chosen[name] = (module, scheme)
+    Matched modules that are not ``nn.Linear`` are skipped and reported once; a Linear whose
+    weight is shared with another module (tied embeddings) is untied first, so quantizing it
+    leaves the other module intact. Raises ``UnsupportedModelError`` when nothing matches."""
+    chosen = assign_by_targets(model, [(s.targets, s) for s in schemes], ignore)
+    skipped = [f"{n} ({type(m).__name__})" for n, (m, _) in chosen.items() if not isinstance(m, nn.Linear)]
+    chosen = {n: (m, s) for n, (m, s) in chosen.items() if isinstance(m, nn.Linear)}
     if skipped:
         logger.warning("%s: skipped %d non-Linear module(s): %s", modifier, len(skipped), ", ".join(skipped[:8]))
+    unused = [s for s in schemes if not any(s is used for _, used in chosen.values())]
+    if unused and chosen:
+        logger.warning("%s: %d scheme(s) matched no module: targets %s", modifier, len(unused), [s.targets for s in unused])
     if not chosen:
         examples = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:5]
         raise UnsupportedModelError(
@@ -68,7 +64,26 @@ def assign_schemes(
             expected=f"targets that match Linear modules, such as {examples}",
             fix="use targets: [Linear] or module-name patterns like 're:.*proj$'",
         )
+    untie_shared_weights(model, [m for m, _ in chosen.values()])
+    for module, scheme in chosen.values():
+        attach_scheme(module, scheme)
     return chosen
+
+
+def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Give each of ``modules`` a weight of its own where it shares one with another module."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners[id(weight)] = owners.get(id(weight), 0) + 1
+    for module in modules:
+        if owners.get(id(module.weight), 0) > 1:
+            module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
+            config = getattr(model, "config", None)
+            if config is not None and getattr(config, "tie_word_embeddings", False):
+                config.tie_word_embeddings = False
+            logger.info("untied a shared weight so it can be quantized on its own")
 
 
 @MODIFIERS.register("QuantizationModifier")
@@ -89,6 +104,7 @@ class QuantizationModifier(Modifier):
         )
         self._ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._calibrated = False
         self.errors: dict[str, float] = {}
 
     def on_calibration_start(self, state: State) -> None:
@@ -112,8 +128,25 @@ class QuantizationModifier(Modifier):
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._calibrated = True
+        self.quantize_all()
+
+    def on_finalize(self, state: State) -> None:
+        """Freeze whatever calibration did not (weights need no data; static inputs do)."""
+        if not self._calibrated:
+            if self.config.needs_calibration:
+                raise SessionError(
+                    f"{type(self).__name__} cannot finalize: its static input scales were never calibrated",
+                    got="finalize() without calibration_start() / calibration_end()",
+                    expected="calibration_start(), forward passes over calibration_data, calibration_end()",
+                    fix="send those events before finalize(), or use llmpress.oneshot(...)",
+                )
+            self.quantize_all()
+
+    def quantize_all(self) -> None:
         for name, (module, scheme) in tqdm(self.modules.items(), desc="Quantizing (RTN)", leave=False):
             self.quantize_module(name, module, scheme)
+        self._calibrated = True
 
     def quantize_module(self, name: str, module: nn.Module, scheme: QuantizationScheme) -> None:
         """Freeze one module's weight on its grid and switch on its input quantization."""
