@@ -13,6 +13,7 @@ from llmpress.checkpoint import route_save_pretrained, save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, MissingStateError
 from llmpress.pipelines.basic import run_basic_calibration
+from llmpress.pipelines.layerwise import run_layerwise_calibration
 from llmpress.recipe import Recipe
 from llmpress.session import Session
 
@@ -85,7 +86,8 @@ def oneshot(
         session = Session(Recipe([stage]))
         with session:
             session.initialize(model=model, calibration_data=batches, processor=processor)
-            run_basic_calibration(model, session, batches or [])
+            run = run_layerwise_calibration if options.pipeline == "layerwise" else run_basic_calibration
+            run(model, session, batches or [])
             session.finalize()
     route_save_pretrained(model)
     if output_dir is not None:

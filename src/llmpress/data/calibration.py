@@ -31,8 +31,12 @@ class CalibrationOptions:
     shuffle: bool = True
     seed: int = 0
     batch_size: int = 8
+    #: "layerwise" (one block at a time, bounded memory) or "basic" (the whole model per batch)
+    pipeline: str = "layerwise"
 
     def __post_init__(self) -> None:
+        if self.pipeline not in ("layerwise", "basic"):
+            raise DataError("unknown calibration pipeline", got=self.pipeline, expected="'layerwise' or 'basic'")
         for name in ("num_samples", "seq_len", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise DataError(f"{name} must be at least 1", got=getattr(self, name), expected=">= 1")

@@ -47,7 +47,7 @@ class ModifierConfig(BaseModel):
 class Modifier:
     """Base behaviour class. Subclasses set ``Config`` and override the ``on_*`` hooks."""
 
-    Config: ClassVar[type[ModifierConfig]] = ModifierConfig
+    Config: ClassVar[type[BaseModel]] = ModifierConfig
     #: events this modifier acts on (see ``llmpress.session.EVENTS``)
     events: ClassVar[frozenset[str]] = frozenset()
 

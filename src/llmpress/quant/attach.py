@@ -19,6 +19,7 @@ __all__ = [
     "attach_scheme",
     "quantized_modules",
     "freeze_weight",
+    "set_weight_qparams",
     "set_input_scale",
     "enable_input_quantization",
     "detach_quantization",
@@ -63,6 +64,16 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     _set_buffer(module, "weight_scale", scale)
     _set_buffer(module, "weight_zero_point", zero_point)
     return error
+
+
+def set_weight_qparams(
+    module: nn.Module, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+) -> None:
+    """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
+    dtype = module.weight.dtype
+    module.weight.data = weight.to(dtype)
+    _set_buffer(module, "weight_scale", scale.to(dtype))
+    _set_buffer(module, "weight_zero_point", zero_point)
 
 
 def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:

@@ -135,16 +135,14 @@ class QuantizationArgs(BaseModel):
                 expected=f"one of {', '.join(OBSERVERS)}",
                 fix="use observer: minmax (or mse for weights)",
             )
-        if self.observer is None and not self.dynamic:
-            self.observer = "minmax"
-        return self
+        return self  # observer None: the modifier's default (minmax for RTN, mse for GPTQ)
 
     def _infer_strategy(self) -> None:
         if self.group_size == -1:
             self.group_size = None
-            self.strategy = self.strategy or QuantizationStrategy.CHANNEL
+            self.strategy = self.strategy or QuantizationStrategy.CHANNEL.value
         if self.strategy is None:
-            self.strategy = QuantizationStrategy.GROUP if self.group_size else QuantizationStrategy.TENSOR
+            self.strategy = (QuantizationStrategy.GROUP if self.group_size else QuantizationStrategy.TENSOR).value
 
     # -- derived facts -------------------------------------------------------------------
     @property

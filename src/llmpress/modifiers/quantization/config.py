@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from llmpress.errors import RecipeError
-from llmpress.modifiers.base import ModifierConfig
 from llmpress.quant.scheme import QuantizationScheme, preset_scheme
 
 __all__ = ["QuantizationModifierConfig"]
 
 
-class QuantizationModifierConfig(ModifierConfig):
+class QuantizationModifierConfig(BaseModel):
     """Either ``scheme`` (a preset name, a preset-to-targets map, or a scheme dict) or
     ``config_groups`` (compressed-tensors groups, each with its own ``targets``)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     targets: list[str] = ["Linear"]
     ignore: list[str] = []
@@ -44,7 +45,12 @@ class QuantizationModifierConfig(ModifierConfig):
                 expected="kv_cache_scheme: null",
                 fix="remove kv_cache_scheme from the recipe",
             )
-        for scheme in self.resolved_schemes():  # validate presets and scheme dicts now, not at run time
+        self.resolved_schemes()  # validate presets and scheme dicts now, not at run time
+        self._check_actorder()
+        return self
+
+    def _check_actorder(self) -> None:
+        for scheme in self.resolved_schemes():
             if scheme.weights is not None and scheme.weights.actorder is not None:
                 raise RecipeError(
                     "actorder is a GPTQ option: round-to-nearest quantization has no column order",
@@ -52,7 +58,6 @@ class QuantizationModifierConfig(ModifierConfig):
                     expected="actorder: null with QuantizationModifier",
                     fix="remove actorder, or use GPTQModifier",
                 )
-        return self
 
     def resolved_schemes(self) -> list[QuantizationScheme]:
         """The schemes this config asks for, each with its own targets."""

@@ -25,13 +25,8 @@ from tqdm.auto import tqdm
 from llmpress.errors import SessionError, UnsupportedModelError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
-from llmpress.quant.attach import (
-    attach_scheme,
-    enable_input_quantization,
-    freeze_weight,
-    set_input_scale,
-)
-from llmpress.quant.qdq import compute_qparams
+from llmpress.modifiers.quantization.activations import InputRangeObserver
+from llmpress.quant.attach import attach_scheme, freeze_weight
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -89,7 +84,7 @@ def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
 @MODIFIERS.register("QuantizationModifier")
 class QuantizationModifier(Modifier):
     Config = QuantizationModifierConfig
-    events = frozenset({"calibration_start", "calibration_end"})
+    events = frozenset({"calibration_start", "layer_calibrated", "calibration_end"})
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data") if self.config.needs_calibration else ("model",)
@@ -102,68 +97,38 @@ class QuantizationModifier(Modifier):
         self.modules = assign_schemes(
             state.model, self.config.resolved_schemes(), self.config.ignore, type(self).__name__
         )
-        self._ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._calibrated = False
+        self.pending = dict(self.modules)  # not quantized yet
+        self.inputs = InputRangeObserver(type(self).__name__)
+        self.calibrated = False
         self.errors: dict[str, float] = {}
 
     def on_calibration_start(self, state: State) -> None:
-        for name, (module, scheme) in self.modules.items():
-            args = scheme.input_activations
-            if args is not None and not args.dynamic:
-                self._hooks.append(module.register_forward_pre_hook(self._observer(name)))
+        self.inputs.observe(self.pending)
 
-    def _observer(self, name: str):
-        def observe(module: nn.Module, inputs: tuple) -> None:
-            x = inputs[0].detach()
-            low, high = x.min().float(), x.max().float()
-            if name in self._ranges:
-                old_low, old_high = self._ranges[name]
-                low, high = torch.minimum(low, old_low), torch.maximum(high, old_high)
-            self._ranges[name] = (low, high)
-
-        return observe
+    def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
+        """Quantize this layer's modules now, so later layers calibrate on quantized outputs."""
+        inside = {id(m) for m in layer.modules()}
+        self.quantize_pending([n for n, (m, _) in self.pending.items() if id(m) in inside])
 
     def on_calibration_end(self, state: State) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        self._calibrated = True
-        self.quantize_all()
+        self.calibrated = True
+        self.quantize_pending(list(self.pending))
 
     def on_finalize(self, state: State) -> None:
         """Freeze whatever calibration did not (weights need no data; static inputs do)."""
-        if not self._calibrated:
-            if self.config.needs_calibration:
-                raise SessionError(
-                    f"{type(self).__name__} cannot finalize: its static input scales were never calibrated",
-                    got="finalize() without calibration_start() / calibration_end()",
-                    expected="calibration_start(), forward passes over calibration_data, calibration_end()",
-                    fix="send those events before finalize(), or use llmpress.oneshot(...)",
-                )
-            self.quantize_all()
+        if self.pending and not self.calibrated and self.config.needs_calibration:
+            raise SessionError(
+                f"{type(self).__name__} cannot finalize: its static input scales were never calibrated",
+                got="finalize() without calibration_start() / calibration_end()",
+                expected="calibration_start(), forward passes over calibration_data, calibration_end()",
+                fix="send those events before finalize(), or use llmpress.oneshot(...)",
+            )
+        self.quantize_pending(list(self.pending))
 
-    def quantize_all(self) -> None:
-        for name, (module, scheme) in tqdm(self.modules.items(), desc="Quantizing (RTN)", leave=False):
-            self.quantize_module(name, module, scheme)
-        self._calibrated = True
-
-    def quantize_module(self, name: str, module: nn.Module, scheme: QuantizationScheme) -> None:
-        """Freeze one module's weight on its grid and switch on its input quantization."""
-        if scheme.weights is not None:
-            self.errors[name] = freeze_weight(module)
-        args = scheme.input_activations
-        if args is not None:
-            if not args.dynamic:
-                if name not in self._ranges:
-                    raise UnsupportedModelError(
-                        f"{type(self).__name__}: module {name!r} saw no calibration input",
-                        got="no forward pass through it",
-                        expected="at least one calibration batch reaching every targeted module",
-                        fix=f"add {name!r} to ignore, or check that the calibration data reaches it",
-                    )
-                low, high = self._ranges[name]
-                scale, _ = compute_qparams(low.reshape(1), high.reshape(1), args)
-                set_input_scale(module, scale)
-            enable_input_quantization(module)
-        logger.debug("%s: %s relative error %.4f", type(self).__name__, name, self.errors.get(name, 0.0))
+    def quantize_pending(self, names: list[str]) -> None:
+        for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=len(names) < 50):
+            module, scheme = self.pending.pop(name)
+            if scheme.weights is not None:
+                self.errors[name] = freeze_weight(module)
+            self.inputs.apply_input_quantization(name, module, scheme)
+            logger.debug("%s: %s relative error %.4f", type(self).__name__, name, self.errors.get(name, 0.0))

@@ -1,0 +1,42 @@
+"""What users write for ``GPTQModifier``: the quantization fields plus GPTQ's own."""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from llmpress.errors import RecipeError
+from llmpress.modifiers.quantization.config import QuantizationModifierConfig
+from llmpress.quant.scheme import ActivationOrdering
+
+__all__ = ["GPTQModifierConfig"]
+
+
+class GPTQModifierConfig(QuantizationModifierConfig):
+    block_size: int = 128
+    dampening_frac: float = 0.01
+    actorder: ActivationOrdering | None = None
+    offload_hessians: bool = False
+
+    @model_validator(mode="after")
+    def _check_gptq(self) -> GPTQModifierConfig:
+        if self.block_size < 1:
+            raise RecipeError("GPTQModifier: block_size must be positive", got=self.block_size, expected=">= 1 (e.g. 128)")
+        if not 0 <= self.dampening_frac < 1:
+            raise RecipeError(
+                "GPTQModifier: dampening_frac must be in [0, 1)",
+                got=self.dampening_frac,
+                expected="a small fraction of the mean Hessian diagonal, e.g. 0.01",
+            )
+        if self.actorder == ActivationOrdering.GROUP or any(
+            s.weights is not None and s.weights.actorder == ActivationOrdering.GROUP for s in self.resolved_schemes()
+        ):
+            raise RecipeError(
+                "actorder 'group' needs a g_idx tensor that compressed-tensors no longer reads",
+                got="actorder: group",
+                expected="actorder: weight, static or null",
+                fix="use actorder: weight (reorders columns during GPTQ only; nothing extra is stored)",
+            )
+        return self
+
+    def _check_actorder(self) -> None:
+        """GPTQ uses actorder (the base config refuses it for round-to-nearest)."""

@@ -1,0 +1,97 @@
+"""Layer-by-layer calibration: bounded memory, no graph tracing.
+
+The calibration batches run to the first of the model's repeated blocks (``model.model.layers``
+and its equivalents) and stop there. Then, for each block: its calibration forward lets the
+modifiers' hooks collect what they need (Hessians, activation ranges); ``layer_calibrated`` lets
+them compress the block; a second forward with the compressed weights gives the next block's
+inputs. Only one block's activations are in flight; the rest of the model stays where it was
+loaded. Models without such a list fall back to whole-model calibration, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from llmpress.pipelines.basic import run_basic_calibration
+from llmpress.session import Session
+
+__all__ = ["find_layers", "run_layerwise_calibration"]
+
+logger = logging.getLogger(__name__)
+
+
+class _ReachedFirstLayer(Exception):
+    """Raised by a hook to stop the forward pass once the first block's inputs are captured."""
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The model's repeated blocks: the ModuleList of same-class modules holding the most
+    parameters (decoder layers, encoder layers, ``transformer.h``...), or None."""
+    best, best_size = None, 0
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = module, size
+    return best
+
+
+def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[torch.Tensor]) -> list[tuple[tuple, dict]]:
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append((args, kwargs))
+        raise _ReachedFirstLayer
+
+    handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    device = next(model.parameters()).device
+    try:
+        for batch in batches:
+            try:
+                model(input_ids=batch.to(device), use_cache=False)
+            except _ReachedFirstLayer:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+def _hidden_states(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    outputs = []
+    for args, kwargs in inputs:
+        hidden = _hidden_states(layer(*args, **kwargs))
+        outputs.append(((hidden, *args[1:]), kwargs))
+    return outputs
+
+
+@torch.no_grad()
+def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor]) -> None:
+    if not session.needs_calibration_forward:
+        session.calibration_start()
+        session.calibration_end()
+        return
+    layers = find_layers(model)
+    if layers is None:
+        logger.warning("no repeated blocks found in %s: calibrating the whole model at once", type(model).__name__)
+        run_basic_calibration(model, session, batches)
+        return
+    session.calibration_start()
+    inputs = _capture_first_layer_inputs(model, layers[0], batches)
+    bar = tqdm(layers, desc="Calibrating layers", unit="layer")
+    for index, layer in enumerate(bar):
+        _run_layer(layer, inputs)  # the modifiers' hooks collect statistics
+        session.layer_calibrated(index, layer)  # ... and compress the layer
+        inputs = _run_layer(layer, inputs)  # the compressed layer's outputs feed the next one
+    session.calibration_end()
