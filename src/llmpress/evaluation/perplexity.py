@@ -65,7 +65,7 @@ def perplexity(
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
     batches = windows.split(batch_size)
-    for batch in tqdm(batches, desc="Perplexity", unit="batch", disable=not progress, leave=False):
+    for batch in tqdm(batches, desc="Perplexity", unit="batch", disable=None if progress else True, leave=False):
         batch = batch.to(device)
         logits = model(input_ids=batch).logits[:, :-1].float()
         targets = batch[:, 1:]

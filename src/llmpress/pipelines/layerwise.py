@@ -68,12 +68,44 @@ def _hidden_states(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
-    outputs = []
-    for args, kwargs in inputs:
+def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> None:
+    """Replace each batch's input by the layer's output, one batch at a time (so only one
+    batch of the two lists is ever alive twice)."""
+    for index, (args, kwargs) in enumerate(inputs):
         hidden = _hidden_states(layer(*args, **kwargs))
-        outputs.append(((hidden, *args[1:]), kwargs))
-    return outputs
+        inputs[index] = ((hidden, *args[1:]), kwargs)
+
+
+class _ObservedEnough(Exception):
+    """Raised once the last Linear of a block has seen its input: nothing later is observed."""
+
+
+def _observe_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> None:
+    """The calibration forward: only the inputs of the block's Linear modules matter here, so
+    after the first batch each batch stops at the last Linear (its own matmul and everything
+    after it are skipped). Blocks whose first batch did not call every Linear exactly once
+    (mixture-of-experts routing, say) always run whole."""
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    calls: list[nn.Module] = []
+    handles = [m.register_forward_pre_hook(lambda mod, _: calls.append(mod)) for m in linears]
+    stop = None
+    try:
+        for index, (args, kwargs) in enumerate(inputs):
+            try:
+                layer(*args, **kwargs)
+            except _ObservedEnough:
+                pass
+            if index == 0 and len(calls) == len(linears) and len(set(map(id, calls))) == len(linears):
+                stop = calls[-1].register_forward_pre_hook(_stop_forward)  # after the modifiers' hooks
+    finally:
+        for handle in handles:
+            handle.remove()
+        if stop is not None:
+            stop.remove()
+
+
+def _stop_forward(module: nn.Module, inputs: tuple) -> None:
+    raise _ObservedEnough
 
 
 @torch.no_grad()
@@ -91,7 +123,8 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     inputs = _capture_first_layer_inputs(model, layers[0], batches)
     bar = tqdm(layers, desc="Calibrating layers", unit="layer")
     for index, layer in enumerate(bar):
-        _run_layer(layer, inputs)  # the modifiers' hooks collect statistics
+        _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
         session.layer_calibrated(index, layer)  # ... and compress the layer
-        inputs = _run_layer(layer, inputs)  # the compressed layer's outputs feed the next one
+        if index + 1 < len(layers):  # the compressed layer's outputs feed the next one
+            _run_layer(layer, inputs)
     session.calibration_end()

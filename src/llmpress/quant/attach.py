@@ -60,7 +60,7 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     scale = scale.to(scale_dtype or weight.dtype)
     quantized = fake_quantize(weight.float(), scale, zero_point, args)
     error = float((quantized - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
-    module.weight.data = quantized.to(weight.dtype)
+    weight.copy_(quantized)  # in place: no second copy of the weight (and mmap pages stay shared)
     _set_buffer(module, "weight_scale", scale)
     _set_buffer(module, "weight_zero_point", zero_point)
     return error
@@ -71,7 +71,7 @@ def set_weight_qparams(
 ) -> None:
     """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
     dtype = module.weight.dtype
-    module.weight.data = weight.to(dtype)
+    module.weight.data.copy_(weight)  # in place, as in freeze_weight
     _set_buffer(module, "weight_scale", scale.to(dtype))
     _set_buffer(module, "weight_zero_point", zero_point)
 

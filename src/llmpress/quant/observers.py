@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from llmpress.quant.qdq import compute_qparams, fake_quantize, num_groups, reduce_min_max
+from llmpress.quant.qdq import compute_qparams, num_groups, reduce_min_max
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["weight_qparams"]
@@ -26,32 +26,68 @@ def weight_qparams(
     return _mse_qparams(weight, min_vals, max_vals, args)
 
 
-def _per_unit_error(weight: torch.Tensor, args: QuantizationArgs, scale, zero_point, norm: float):
-    error = (fake_quantize(weight, scale, zero_point, args) - weight).abs().pow(norm)
+_CANDIDATE_ELEMENTS = 1 << 21  # bound on the temporary [candidates, rows, cols] tensor
+
+
+def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                      args: QuantizationArgs, norm: float) -> torch.Tensor:
+    """Quantization error |w - qdq(w)|^norm summed per unit, for a stack of candidate qparams
+    ``[candidates, rows, units]``: one temporary of the candidates' size, updated in place."""
+    rows, cols = weight.shape
+    if args.strategy == QuantizationStrategy.GROUP:
+        groups = num_groups(cols, args.group_size)
+        padded = torch.nn.functional.pad(weight, (0, groups * args.group_size - cols))  # zeros: no error
+        blocks = padded.reshape(rows, groups, args.group_size)
+    else:
+        blocks = weight.reshape(rows, 1, cols)
+    s = scale.unsqueeze(-1)
+    x = blocks.unsqueeze(0) / s
+    q_min, q_max = args.q_range
+    if args.is_float:
+        x = x.clamp_(q_min, q_max).to(torch.float8_e4m3fn).to(torch.float32)
+    elif zero_point is None:
+        x.round_().clamp_(q_min, q_max)
+    else:
+        zp = zero_point.unsqueeze(-1).to(torch.float32)
+        x.add_(zp).round_().clamp_(q_min, q_max).sub_(zp)
+    x.mul_(s).sub_(blocks)
+    error = (x.square_() if norm == 2 else x.abs_().pow_(norm)).sum(dim=-1)
     if args.strategy == QuantizationStrategy.TENSOR:
-        return error.sum().reshape(1)
-    if args.strategy == QuantizationStrategy.CHANNEL:
-        return error.sum(dim=-1, keepdim=True)
-    rows, cols = error.shape
-    groups = num_groups(cols, args.group_size)
-    padded = torch.nn.functional.pad(error, (0, groups * args.group_size - cols))
-    return padded.reshape(rows, groups, args.group_size).sum(dim=-1)
+        return error.sum(dim=(-2, -1), keepdim=True)
+    return error
 
 
 def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs):
+    """Try shrink factors 1, 1 - 1/grid, ... down to 1 - maxshrink, several at once (bounded
+    memory), and keep per unit the one with the lowest error."""
     kwargs = args.observer_kwargs
     grid = int(kwargs.get("grid", 100))
     max_shrink = float(kwargs.get("maxshrink", 0.2))
     norm = float(kwargs.get("norm", 2.4))
-    best_scale, best_zp = compute_qparams(min_vals, max_vals, args)
-    best_error = _per_unit_error(weight, args, best_scale, best_zp, norm)
-    for step in range(1, int(max_shrink * grid) + 1):
-        shrink = 1 - step / grid
-        scale, zero_point = compute_qparams(min_vals * shrink, max_vals * shrink, args)
-        error = _per_unit_error(weight, args, scale, zero_point, norm)
+    shrinks = [1 - step / grid for step in range(int(max_shrink * grid) + 1)]
+    tensor_wide = args.strategy == QuantizationStrategy.TENSOR
+    if tensor_wide:  # [1] -> [1, 1] so candidates broadcast as [candidates, 1, 1]
+        min_vals, max_vals = min_vals.reshape(1, 1), max_vals.reshape(1, 1)
+    chunk = max(1, _CANDIDATE_ELEMENTS // max(weight.numel(), 1))
+    best_error = best_scale = best_zp = None
+    for first in range(0, len(shrinks), chunk):
+        factors = torch.tensor(shrinks[first : first + chunk], dtype=weight.dtype).reshape(-1, 1, 1)
+        scale, zero_point = compute_qparams(min_vals * factors, max_vals * factors, args)
+        error = _candidate_errors(weight, scale, zero_point, args, norm)
+        index = error.argmin(dim=0, keepdim=True)
+        error = error.gather(0, index)[0]
+        scale = scale.expand(len(factors), *error.shape).gather(0, index)[0]
+        if zero_point is not None:
+            zero_point = zero_point.expand(len(factors), *error.shape).gather(0, index)[0]
+        if best_error is None:
+            best_error, best_scale, best_zp = error, scale, zero_point
+            continue
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_scale = torch.where(better, scale, best_scale)
         if zero_point is not None:
             best_zp = torch.where(better, zero_point, best_zp)
+    if tensor_wide:
+        best_scale = best_scale.reshape(1)
+        best_zp = None if best_zp is None else best_zp.reshape(1)
     return best_scale, best_zp

@@ -112,7 +112,7 @@ class Recipe:
     @classmethod
     def from_yaml(cls, text: str, origin: str = "recipe") -> Recipe:
         try:
-            data = yaml.safe_load(text)  # JSON is YAML too
+            data = yaml.load(text, Loader=_RecipeLoader)  # JSON is YAML too
         except yaml.YAMLError as exc:
             raise RecipeError(f"{origin} is not valid YAML or JSON", got=str(exc).splitlines()[0]) from None
         if not isinstance(data, dict):
@@ -174,6 +174,24 @@ class Recipe:
 
     def __repr__(self) -> str:
         return f"Recipe({json.dumps(self.to_dict())})"
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that also reads the ``!!python/...`` tags llm-compressor writes for
+    enum values (``!!python/object/apply:...ActivationOrdering [static]``) as their plain value.
+    Nothing is ever imported or constructed from a tag."""
+
+
+def _plain_value(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.ScalarNode):
+        return loader.construct_scalar(node)
+    if isinstance(node, yaml.SequenceNode):
+        values = loader.construct_sequence(node, deep=True)
+        return values[0] if len(values) == 1 else values
+    return loader.construct_mapping(node, deep=True)
+
+
+_RecipeLoader.add_multi_constructor("tag:yaml.org,2002:python/", _plain_value)
 
 
 def _parse_stage(name: str, body: Any) -> RecipeStage:

@@ -39,20 +39,24 @@ def inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> tupl
     ``MAX_DAMPENING_RETRIES`` times) instead of failing on a Hessian that is not positive definite."""
     mean_diag = float(torch.mean(torch.diag(hessian)))
     frac = dampening_frac
-    for _ in range(MAX_DAMPENING_RETRIES + 1):
-        damped = hessian.clone()
-        damped.diagonal().add_(frac * mean_diag)
-        factor, info = torch.linalg.cholesky_ex(damped)
+    for attempt in range(MAX_DAMPENING_RETRIES + 1):
+        hessian.diagonal().add_(frac * mean_diag)  # in place, undone below on failure
+        factor, info = torch.linalg.cholesky_ex(hessian)
+        hessian.diagonal().sub_(frac * mean_diag)
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
+            del factor
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return upper, frac
-        logger.warning("GPTQ: Hessian not positive definite with dampening %.3g; retrying with %.3g", frac, frac * 10)
-        frac *= 10
+        if attempt == MAX_DAMPENING_RETRIES:
+            break
+        retry = max(frac * 10, 1e-3)
+        logger.warning("GPTQ: Hessian not positive definite with dampening %.3g; retrying with %.3g", frac, retry)
+        frac = retry
     raise UnsupportedModelError(
         "GPTQ could not invert the Hessian even with strong dampening",
-        got=f"dampening_frac up to {frac / 10:.3g}",
+        got=f"dampening_frac up to {frac:.3g}",
         expected="a positive definite Hessian",
         fix="use more or more varied calibration samples, or raise dampening_frac",
     )
@@ -99,6 +103,19 @@ def _round_column(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     return (torch.clamp(torch.round(w / scale) + zero_point, q_min, q_max) - zero_point) * scale
 
 
+INNER_BLOCK = 32
+
+
+def _inner_blocks(start: int, end: int, group: int | None) -> list[tuple[int, int]]:
+    """Split ``[start, end)`` at every multiple of ``INNER_BLOCK`` and every group start, so a
+    group's qparams are always taken when all earlier updates have reached its columns."""
+    cuts = set(range(start, end, INNER_BLOCK)) | {start, end}
+    if group:
+        cuts |= set(range(-(-start // group) * group, end, group))
+    edges = sorted(cuts)
+    return list(zip(edges[:-1], edges[1:]))
+
+
 @torch.no_grad()
 def gptq_quantize(
     weight: torch.Tensor,
@@ -114,7 +131,7 @@ def gptq_quantize(
     (``2/n * X^T X``). With ``actorder`` columns go in order of decreasing Hessian diagonal
     (the inputs with the most energy first); qparams then come from the unpermuted weight."""
     W = weight.detach().to(torch.float32).clone()
-    H = hessian.to(torch.float32).clone()
+    H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns
     rows, cols = W.shape
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -130,36 +147,40 @@ def gptq_quantize(
     group = args.group_size if args.strategy == QuantizationStrategy.GROUP else None
     group_scales, group_zps = [], []
     channel = _channel_args(args)
-    losses = torch.zeros(rows, dtype=torch.float32)
+    loss = 0.0
+    scale = zp = None
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         W1 = W[:, start:end].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
+        Q1 = torch.empty_like(W1)
+        Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[start:end, start:end]
-        for i in range(end - start):
-            col = start + i
-            if col_scale is not None:
-                scale, zp = col_scale[:, col], None if col_zp is None else col_zp[:, col]
-            else:
-                if col % group == 0:  # a new group: qparams from its (already updated) columns
-                    block_part = W1[:, i : i + group]
+        inv_diag = 1.0 / torch.diagonal(Hinv1)
+        for inner_start, inner_end in _inner_blocks(start, end, group):
+            # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
+            # matrix product per inner block: the same arithmetic, far less memory traffic
+            for i in range(inner_start - start, inner_end - start):
+                col = start + i
+                if col_scale is not None:
+                    scale, zp = col_scale[:, col], None if col_zp is None else col_zp[:, col]
+                elif col % group == 0:  # a new group: qparams from its (already updated) columns
                     rest = W[:, end : col + group] if col + group > end else W[:, :0]
-                    g_scale, g_zp = _qparams(torch.cat([block_part, rest], dim=1), channel, scale_dtype)
+                    g_scale, g_zp = _qparams(torch.cat([W1[:, i : i + group], rest], dim=1), channel, scale_dtype)
                     group_scales.append(g_scale)
                     group_zps.append(g_zp)
                     scale = g_scale[:, 0]
                     zp = None if g_zp is None else g_zp[:, 0].float()
-            w = W1[:, i]
-            d = Hinv1[i, i]
-            q = _round_column(w, scale, zp, args)
-            Q1[:, i] = q
-            err = (w - q) / d
-            losses += (w - q) ** 2 / d**2
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
+                w = W1[:, i]
+                q = _round_column(w, scale, zp, args)
+                Q1[:, i] = q
+                err = (w - q).mul_(inv_diag[i])
+                Err1[:, i] = err
+                W1[:, i + 1 : inner_end - start].addr_(err, Hinv1[i, i + 1 : inner_end - start], alpha=-1)
+            a, b = inner_start - start, inner_end - start
+            W1[:, b:].addmm_(Err1[:, a:b], Hinv1[a:b, b:], alpha=-1)
+        loss += float(Err1.square().sum())
         W[:, start:end] = Q1
-        W[:, end:] -= Err1 @ Hinv[start:end, end:]
+        W[:, end:].addmm_(Err1, Hinv[start:end, end:], alpha=-1)
 
     if perm is not None:
         W = W[:, torch.argsort(perm)]
@@ -168,4 +189,4 @@ def gptq_quantize(
     else:
         scale = torch.cat(group_scales, dim=1)
         zero_point = None if group_zps[0] is None else torch.cat(group_zps, dim=1)
-    return GPTQResult(W, scale, zero_point, float(losses.sum()), used_damp)
+    return GPTQResult(W, scale, zero_point, loss, used_damp)

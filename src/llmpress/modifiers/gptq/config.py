@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import model_validator
 
 from llmpress.errors import RecipeError
@@ -16,6 +18,12 @@ class GPTQModifierConfig(QuantizationModifierConfig):
     dampening_frac: float = 0.01
     actorder: ActivationOrdering | None = None
     offload_hessians: bool = False
+    # Accepted so that recipes saved by llm-compressor run unchanged. llmpress always quantizes
+    # modules that share a Hessian as one matrix, needs calibration data for GPTQ, and handles
+    # column counts that are not a multiple of the group size, so these change nothing here.
+    batched_quantization: Literal["auto"] | int | None = "auto"
+    requires_calibration_data: Literal[True] = True
+    bypass_divisibility_checks: bool = False
 
     @model_validator(mode="after")
     def _check_gptq(self) -> GPTQModifierConfig:

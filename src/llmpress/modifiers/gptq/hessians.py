@@ -13,19 +13,41 @@ from torch import nn
 __all__ = ["HessianAccumulator", "HessianCollector"]
 
 
+TRIANGLE_BLOCK = 256  # wider inputs accumulate only the upper triangle, block by block
+
+
 class HessianAccumulator:
+    """Running ``X^T X`` of one input. Wide inputs accumulate only the blocks on and above the
+    diagonal (the rest is its mirror): for down_proj-sized inputs that is ~40% fewer FLOPs in
+    the most expensive step of GPTQ calibration, still as plain matrix products."""
+
     def __init__(self, columns: int, device: torch.device) -> None:
         self.hessian = torch.zeros(columns, columns, dtype=torch.float32, device=device)
         self.samples = 0
+        self._finished = False
         self.members: list[str] = []
+        edges = list(range(0, columns, TRIANGLE_BLOCK)) + [columns]
+        self._blocks = list(zip(edges[:-1], edges[1:])) if len(edges) > 2 else None
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(device=self.hessian.device, dtype=torch.float32)
-        self.hessian.addmm_(x.t(), x)
         self.samples += x.shape[0]
+        if self._blocks is None:
+            self.hessian.addmm_(x.t(), x)
+            return
+        for start, end in self._blocks:  # rows start:end, columns start: (on and above the diagonal)
+            self.hessian[start:end, start:].addmm_(x[:, start:end].t(), x[:, start:])
 
     def result(self) -> torch.Tensor:
-        return self.hessian * (2.0 / max(self.samples, 1))
+        """The Hessian ``2/n * X^T X``, finished in place on first call: accumulation ends."""
+        if not self._finished:
+            if self._blocks is not None:
+                mirror = torch.triu(self.hessian, diagonal=1).t()
+                self.hessian.triu_().add_(mirror)
+                del mirror
+            self.hessian.mul_(2.0 / max(self.samples, 1))
+            self._finished = True
+        return self.hessian
 
 
 class HessianCollector:

@@ -126,7 +126,7 @@ class QuantizationModifier(Modifier):
         self.quantize_pending(list(self.pending))
 
     def quantize_pending(self, names: list[str]) -> None:
-        for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=len(names) < 50):
+        for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
             if scheme.weights is not None:
                 self.errors[name] = freeze_weight(module)

@@ -1,0 +1,156 @@
+"""GPTQ benchmark: llmpress vs llm-compressor 0.14, same models, same calibration tokens, one run.
+
+    python bench/gptq.py [--models tiny random-1024] [--bits 4 3] [--work DIR]
+
+Each compression runs in its own process (peak RSS from the OS, wall time of the whole process
+including imports and model loading). llm-compressor runs from its own virtual environment,
+``.venv-peers`` (created with ``torch==2.13.0 llmcompressor==0.14.0`` when missing). The small
+trained model is also evaluated: perplexity on the evaluation text of both tools' checkpoints,
+read back through transformers + compressed-tensors, and llmpress's RTN at the same scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "fixtures"
+PEER_VENV = REPO / ".venv-peers"
+PEER_PYTHON = PEER_VENV / "bin" / "python"
+
+
+def fixture(*parts: str) -> Path:
+    shared = SHARED.joinpath(*parts)
+    return shared if shared.exists() else REPO.joinpath("assets", *parts)
+
+
+def ensure_peer_venv() -> None:
+    if PEER_PYTHON.exists():
+        return
+    print("creating .venv-peers with llm-compressor 0.14 (once; a few minutes) ...", flush=True)
+    subprocess.run(["python3", "-m", "venv", str(PEER_VENV)], check=True)
+    subprocess.run([str(PEER_PYTHON), "-m", "pip", "install", "--quiet", "torch==2.13.0", "llmcompressor==0.14.0"], check=True)
+
+
+def make_random_llama(folder: Path, tokenizer_dir: Path) -> Path:
+    """A randomly initialised Llama, hidden 1024, 8 layers, saved as fp32 safetensors."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(folder))
+    return folder
+
+
+def calibration_tokens(path: Path, tokenizer_dir: Path, samples: int = 64, seq_len: int = 256) -> Path:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tokenizer(fixture("text", "calibration.txt").read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    torch.save(torch.tensor(ids[: samples * seq_len]).reshape(samples, seq_len), path)
+    return path
+
+
+def run_worker(python: Path, tool: str, model: Path, tokens: Path, bits: int, output: Path) -> dict:
+    """One compression in a child process: wall time (imports and loading included), the time
+    from model load to saved checkpoint, and the process's peak RSS in MB."""
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") if tool == "llmpress" else "", "TQDM_DISABLE": "1"}
+    result = subprocess.run([str(python), str(REPO / "bench" / "gptq_worker.py"), tool, str(model), str(tokens), str(bits), str(output)],
+                            capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"{tool} failed:\n{result.stderr[-3000:]}")
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
+
+
+def transformers_perplexity(checkpoint: Path, windows: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from llmpress.evaluation import perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return perplexity(model, windows, progress=False).perplexity
+
+
+def rtn_perplexity(model_dir: Path, bits: int, windows: torch.Tensor) -> float:
+    import llmpress
+    from llmpress.evaluation import perplexity
+    from llmpress.modifiers import QuantizationModifier
+
+    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "group_size": 128}}}
+    model = llmpress.oneshot(model_dir, QuantizationModifier(ignore=["lm_head"], config_groups=groups))
+    return perplexity(model, windows, progress=False).perplexity
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "random-1024"], choices=["tiny", "random-1024"])
+    parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
+    parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(REPO / "src"))
+    ensure_peer_venv()
+
+    from transformers import AutoTokenizer
+
+    from llmpress.evaluation import evaluation_windows
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="llmpress-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tiny = fixture("tiny-llama")
+    models = {"tiny": tiny}
+    if "random-1024" in args.models:
+        models["random-1024"] = make_random_llama(work / "random-1024", tiny)
+    tokens = calibration_tokens(work / "tokens.pt", tiny)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"), tokenizer, 256, 200)
+    fp32 = transformers_perplexity(tiny, windows)
+
+    rows = []
+    for name in args.models:
+        for bits in args.bits if name == "tiny" else args.bits[:1]:  # the large model: first width only
+            ours = run_worker(Path(sys.executable), "llmpress", models[name], tokens, bits, work / f"{name}-w{bits}-llmpress")
+            peer = run_worker(PEER_PYTHON, "llmcompressor", models[name], tokens, bits, work / f"{name}-w{bits}-llmcompressor")
+            row = {"model": name, "bits": bits, "ours": ours, "peer": peer}
+            if name == "tiny":
+                row["ppl_ours"] = transformers_perplexity(work / f"{name}-w{bits}-llmpress", windows)
+                row["ppl_peer"] = transformers_perplexity(work / f"{name}-w{bits}-llmcompressor", windows)
+                row["ppl_rtn"] = rtn_perplexity(tiny, bits, windows)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    print(f"\nGPTQ, 64 x 256 calibration tokens, group 128; fp32 perplexity of tiny-llama {fp32:.3f}")
+    header = (f"{'model':<12} {'bits':>4} {'wall s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6}"
+              f" {'ppl llmpress':>12} {'ppl llm-c':>9} {'ppl RTN':>8} {'rise ratio':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        o, p = r["ours"], r["peer"]
+        line = (f"{r['model']:<12} {r['bits']:>4} {o['wall_s']:>6.1f}/{p['wall_s']:<6.1f} {o['wall_s'] / p['wall_s']:>6.2f}"
+                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {o['rss_mb'] / p['rss_mb']:>6.2f}")
+        if "ppl_ours" in r:
+            rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
+            line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"
+        print(line)
+    print("\nwall: whole process (imports, load, calibration, save); ratios are llmpress / llm-compressor;"
+          "\nrise ratio: (ppl llmpress - fp32) / (ppl llm-compressor - fp32); perplexities read back through transformers.")
+
+
+if __name__ == "__main__":
+    main()
