@@ -25,7 +25,7 @@ def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.recipe import Recipe
 
     recipe = Recipe.from_any(args.recipe)
-    options = CalibrationOptions(num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed)
+    options = CalibrationOptions(num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size)
     start = time.perf_counter()
     oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options)
     print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--num-samples", type=_at_least(1), default=64)
     oneshot.add_argument("--seq-len", type=_at_least(1), default=256)
     oneshot.add_argument("--seed", type=int, default=0)
+    oneshot.add_argument("--batch-size", type=_at_least(1), default=2, help="samples per calibration forward")
     oneshot.set_defaults(run=_oneshot)
 
     evaluate = commands.add_parser("eval", help="perplexity of one or more checkpoints on a text file")

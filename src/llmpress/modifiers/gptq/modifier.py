@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress.errors import SessionError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.gptq.algorithm import gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
@@ -102,8 +103,6 @@ class GPTQModifier(Modifier):
 
     def on_finalize(self, state: State) -> None:
         if self.pending:
-            from llmpress.errors import SessionError
-
             raise SessionError(
                 f"{type(self).__name__} cannot finalize: {len(self.pending)} module(s) were never calibrated",
                 got="finalize() without calibration_start() / calibration_end()",
