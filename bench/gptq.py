@@ -1,6 +1,6 @@
 """GPTQ benchmark: llmpress vs llm-compressor 0.14, same models, same calibration tokens, one run.
 
-    python bench/gptq.py [--models tiny random-1024] [--bits 4 3] [--work DIR]
+    python bench/gptq.py [--models tiny random-1024] [--bits 4 3] [--repeat 3] [--work DIR]
 
 Each compression runs in its own process (peak RSS from the OS, wall time of the whole process
 including imports and model loading). llm-compressor runs from its own virtual environment,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,11 @@ def run_worker(python: Path, tool: str, model: Path, tokens: Path, bits: int, ou
     return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per-figure medians over repeated runs."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def transformers_perplexity(checkpoint: Path, windows: torch.Tensor) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -102,6 +108,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "random-1024"], choices=["tiny", "random-1024"])
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per tool on the tiny model (the median is shown); one on the large")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO / "src"))
@@ -125,8 +132,12 @@ def main() -> None:
     rows = []
     for name in args.models:
         for bits in args.bits if name == "tiny" else args.bits[:1]:  # the large model: first width only
-            ours = run_worker(Path(sys.executable), "llmpress", models[name], tokens, bits, work / f"{name}-w{bits}-llmpress")
-            peer = run_worker(PEER_PYTHON, "llmcompressor", models[name], tokens, bits, work / f"{name}-w{bits}-llmcompressor")
+            runs = args.repeat if name == "tiny" else 1  # small runs are noisy: alternate and take medians
+            ours_runs, peer_runs = [], []
+            for _ in range(runs):
+                ours_runs.append(run_worker(Path(sys.executable), "llmpress", models[name], tokens, bits, work / f"{name}-w{bits}-llmpress"))
+                peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", models[name], tokens, bits, work / f"{name}-w{bits}-llmcompressor"))
+            ours, peer = median_run(ours_runs), median_run(peer_runs)
             row = {"model": name, "bits": bits, "ours": ours, "peer": peer}
             if name == "tiny":
                 row["ppl_ours"] = transformers_perplexity(work / f"{name}-w{bits}-llmpress", windows)
@@ -148,7 +159,8 @@ def main() -> None:
             rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"
         print(line)
-    print("\nwall: whole process (imports, load, calibration, save); ratios are llmpress / llm-compressor;"
+    print(f"\nwall: whole process (imports, load, calibration, save), median of {args.repeat} runs on tiny;"
+          "\nratios are llmpress / llm-compressor;"
           "\nrise ratio: (ppl llmpress - fp32) / (ppl llm-compressor - fp32); perplexities read back through transformers.")
 
 
