@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 from llmpress.errors import LlmpressError
 
