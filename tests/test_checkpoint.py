@@ -203,3 +203,19 @@ def test_reader_refuses_a_folder_without_config(tmp_path):
 def test_files_are_readable(tmp_path):
     compress("W4A16", tmp_path / "out")
     assert all(os.stat(p).st_mode & 0o044 == 0o044 for p in (tmp_path / "out").iterdir())
+
+
+def test_reads_a_checkpoint_written_by_llm_compressor():
+    """llm-compressor 0.14's own output (tests/fixtures/README.md): same logits as transformers +
+    compressed-tensors, and its recipe (with llm-compressor's extra fields) is carried forward."""
+    from transformers import AutoModelForCausalLM
+
+    folder = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
+    ours = llmpress.load_checkpoint(folder)
+    theirs = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor(token_batches(2, 16))
+    a, b = logits(ours, ids), logits(theirs, ids)
+    assert float((a - b).norm() / b.norm()) < 1e-2
+    (modifier,) = ours._llmpress_applied_recipe.modifiers
+    assert type(modifier).__name__ == "GPTQModifier"
+    assert modifier.config.actorder == "static"
