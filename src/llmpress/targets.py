@@ -11,11 +11,11 @@ regular expression, then a class name.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["matches", "match_priority", "match_modules"]
+__all__ = ["matches", "match_priority", "assign_by_targets"]
 
 EXACT, REGEX, CLASS = 0, 1, 2
 
@@ -43,16 +43,6 @@ def match_priority(name: str, module: nn.Module, patterns: Iterable[str]) -> int
 
 def matches(name: str, module: nn.Module, patterns: Iterable[str]) -> bool:
     return match_priority(name, module, patterns) is not None
-
-
-def match_modules(
-    model: nn.Module, targets: Iterable[str], ignore: Iterable[str] = ()
-) -> Iterator[tuple[str, nn.Module]]:
-    """Modules of ``model`` matched by ``targets`` and not by ``ignore``, in model order."""
-    targets, ignore = list(targets), list(ignore)
-    for name, module in model.named_modules():
-        if name and matches(name, module, targets) and not matches(name, module, ignore):
-            yield name, module
 
 
 def assign_by_targets(

@@ -11,7 +11,7 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
-from llmpress.targets import match_modules
+from llmpress.targets import assign_by_targets
 
 __all__ = ["describe_checkpoint", "describe_args"]
 
@@ -34,13 +34,20 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
     qcfg = config.get("quantization_config") or {}
     files = sorted(folder.glob("*.safetensors"))
     skeleton = _skeleton(folder)
+    schemes = {name: QuantizationScheme(**group) for name, group in (qcfg.get("config_groups") or {}).items()}
+    # the same assignment the loaders make: each module to its most specific group
+    assigned = (
+        assign_by_targets(skeleton, [(s.targets, name) for name, s in schemes.items()], qcfg.get("ignore") or [])
+        if skeleton is not None
+        else None
+    )
     groups = []
     for name, group in (qcfg.get("config_groups") or {}).items():
-        scheme = QuantizationScheme(**group)
+        scheme = schemes[name]
         parts = [describe_args(scheme.weights, "weights"), describe_args(scheme.input_activations, "inputs")]
         count = None
-        if skeleton is not None:
-            count = sum(isinstance(m, nn.Linear) for _, m in match_modules(skeleton, scheme.targets, qcfg.get("ignore") or []))
+        if assigned is not None:
+            count = sum(isinstance(m, nn.Linear) and g == name for m, g in assigned.values())
         groups.append({"name": name, "summary": ", ".join(p for p in parts if p), "targets": scheme.targets, "modules": count, "format": group.get("format") or qcfg.get("format")})
     recipe_path = folder / "recipe.yaml"
     return {

@@ -18,7 +18,7 @@ from torch import nn
 from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.formats import FORMATS
-from llmpress.quant.attach import _set_buffer, attach_scheme, enable_input_quantization
+from llmpress.quant.attach import set_module_buffer, attach_scheme, enable_input_quantization
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 from llmpress.targets import assign_by_targets
@@ -119,7 +119,7 @@ def _load_compressed(model: nn.Module, tensors: dict[str, torch.Tensor], qcfg: d
         if "bias" in local:
             module.bias.data = local.pop("bias").to(dtype)
         for buffer_name, value in local.items():
-            _set_buffer(module, buffer_name, value)
+            set_module_buffer(module, buffer_name, value)
         enable_input_quantization(module)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k.rpartition(".")[0] not in seen and not _is_tied(model, k)]

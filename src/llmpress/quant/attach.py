@@ -20,6 +20,7 @@ __all__ = [
     "quantized_modules",
     "freeze_weight",
     "set_weight_qparams",
+    "set_module_buffer",
     "set_input_scale",
     "enable_input_quantization",
     "detach_quantization",
@@ -40,7 +41,8 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module, Quantizati
     ]
 
 
-def _set_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+def set_module_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Set, replace or (with None) remove a persistent buffer such as ``weight_scale``."""
     if value is None:
         if name in module._buffers:
             del module._buffers[name]
@@ -61,8 +63,8 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     quantized = fake_quantize(weight.float(), scale, zero_point, args)
     error = float((quantized - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
     weight.copy_(quantized)  # in place: no second copy of the weight (and mmap pages stay shared)
-    _set_buffer(module, "weight_scale", scale)
-    _set_buffer(module, "weight_zero_point", zero_point)
+    set_module_buffer(module, "weight_scale", scale)
+    set_module_buffer(module, "weight_zero_point", zero_point)
     return error
 
 
@@ -72,12 +74,12 @@ def set_weight_qparams(
     """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
     dtype = module.weight.dtype
     module.weight.data.copy_(weight)  # in place, as in freeze_weight
-    _set_buffer(module, "weight_scale", scale.to(dtype))
-    _set_buffer(module, "weight_zero_point", zero_point)
+    set_module_buffer(module, "weight_scale", scale.to(dtype))
+    set_module_buffer(module, "weight_zero_point", zero_point)
 
 
 def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:
-    _set_buffer(module, "input_scale", scale.reshape(1).to(module.weight.dtype))
+    set_module_buffer(module, "input_scale", scale.reshape(1).to(module.weight.dtype))
 
 
 def enable_input_quantization(module: nn.Module) -> None:
@@ -100,5 +102,5 @@ def detach_quantization(module: nn.Module) -> None:
         handle.remove()
         setattr(module, _HOOK, None)
     for name in ("weight_scale", "weight_zero_point", "input_scale"):
-        _set_buffer(module, name, None)
+        set_module_buffer(module, name, None)
     module.quantization_scheme = None

@@ -34,7 +34,7 @@ from llmpress.modifiers.gptq.algorithm import gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver
-from llmpress.modifiers.quantization.modifier import assign_schemes
+from llmpress.modifiers.quantization.modifier import assign_schemes, names_inside
 from llmpress.quant.attach import freeze_weight, set_weight_qparams
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -78,8 +78,7 @@ class GPTQModifier(Modifier):
         self.inputs.observe(self.pending)
 
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
-        inside = {id(m) for m in layer.modules()}
-        self.quantize([n for n, (m, _) in self.pending.items() if id(m) in inside], f"layer {index}")
+        self.quantize(names_inside(layer, self.pending), f"layer {index}")
 
     def on_calibration_end(self, state: State) -> None:
         reached = [n for n in self.pending if n in self.hessians.of_module]

@@ -30,7 +30,7 @@ from llmpress.quant.attach import attach_scheme, freeze_weight
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
 
-__all__ = ["QuantizationModifier", "assign_schemes"]
+__all__ = ["QuantizationModifier", "assign_schemes", "names_inside"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ def assign_schemes(
     for module, scheme in chosen.values():
         attach_scheme(module, scheme)
     return chosen
+
+
+def names_inside(layer: nn.Module, modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> list[str]:
+    """The names of ``modules`` that live inside ``layer``."""
+    inside = {id(m) for m in layer.modules()}
+    return [name for name, (module, _) in modules.items() if id(module) in inside]
 
 
 def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
@@ -107,8 +113,7 @@ class QuantizationModifier(Modifier):
 
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
         """Quantize this layer's modules now, so later layers calibrate on quantized outputs."""
-        inside = {id(m) for m in layer.modules()}
-        self.quantize_pending([n for n, (m, _) in self.pending.items() if id(m) in inside])
+        self.quantize_pending(names_inside(layer, self.pending))
 
     def on_calibration_end(self, state: State) -> None:
         self.calibrated = True
