@@ -1,16 +1,16 @@
 """llmpress: compress language models into the compressed-tensors format.
 
 Public names: ``oneshot``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
-``CalibrationOptions``, ``load_checkpoint``; modifiers in ``llmpress.modifiers``; errors in
+``CalibrationOptions``, ``load``, ``LlmpressConfig``, ``load_checkpoint``; modifiers in ``llmpress.modifiers``; errors in
 ``llmpress.errors``.
 """
 
 from llmpress import errors, modifiers
 from llmpress.checkpoint import save_checkpoint
-from llmpress.checkpoint.reader import load_checkpoint
 from llmpress.data import CalibrationOptions
 from llmpress.entrypoints import oneshot
 from llmpress.errors import LlmpressError
+from llmpress.loading import CompressedTensorsConfig, LlmpressConfig, QuantizationMethod, Quantizer, load, load_checkpoint
 from llmpress.recipe import Recipe
 from llmpress.session import Session, active_session
 
@@ -18,6 +18,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CalibrationOptions",
+    "CompressedTensorsConfig",
+    "LlmpressConfig",
+    "QuantizationMethod",
+    "Quantizer",
+    "load",
     "LlmpressError",
     "Recipe",
     "Session",

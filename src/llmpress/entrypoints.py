@@ -26,7 +26,7 @@ def load_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float3
     """A causal LM (plain or compressed-tensors checkpoint) and its tokenizer, from a folder."""
     from transformers import AutoTokenizer
 
-    from llmpress.checkpoint.reader import load_checkpoint
+    from llmpress.loading import load_checkpoint
 
     folder = Path(path)
     if not folder.is_dir():

@@ -42,6 +42,14 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
     uneven = []
     for name, module, scheme in quantized_modules(model):
         prefix = f"{name}."
+        if hasattr(module, "compressed_state"):  # a runtime module: already compressed
+            local = module.compressed_state()
+            if not save_compressed:
+                local = FORMATS.get(module.format).decompress(local, scheme, module.dequantized_weight().dtype)
+            for k in [k for k in state if k.startswith(prefix) and "." not in k[len(prefix):]]:
+                del state[k]
+            state.update({prefix + k: v for k, v in local.items()})
+            continue
         if scheme.weights is not None and f"{prefix}weight_scale" not in state:
             raise CheckpointError(
                 f"module {name!r} has a quantization scheme but its weight was never quantized",

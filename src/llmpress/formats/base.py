@@ -28,6 +28,11 @@ class FormatCodec(Protocol):
         self, state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype
     ) -> StateDict: ...
 
+    def unpack(self, state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        """The stored state with ``weight`` as raw quantized values (int8 holding ``num_bits``
+        integers, or float8) and zero points unpacked: what runtime kernels start from."""
+        ...
+
 
 FORMATS: Registry[FormatCodec] = Registry("format")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llmpress.formats.base import FORMATS, StateDict
+from llmpress.quant.qdq import quantize
 from llmpress.quant.scheme import QuantizationScheme
 
 
@@ -15,6 +16,13 @@ class DenseFormat:
     @staticmethod
     def compress(state: StateDict, scheme: QuantizationScheme) -> StateDict:
         return dict(state)
+
+    @staticmethod
+    def unpack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        """A frozen (dense, on-grid) weight back to its integer values with the stored scale."""
+        out = dict(state)
+        out["weight"] = quantize(out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights)
+        return out
 
     @staticmethod
     def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:

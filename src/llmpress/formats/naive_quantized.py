@@ -23,6 +23,10 @@ class _OneValuePerByte:
         return out
 
     @staticmethod
+    def unpack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        return dict(state)
+
+    @staticmethod
     def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
         out = dict(state)
         out["weight"] = dequantize(

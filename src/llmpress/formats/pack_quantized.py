@@ -35,17 +35,22 @@ class PackQuantizedFormat:
         return out
 
     @staticmethod
-    def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
+    def unpack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
         args = scheme.weights
         out = dict(state)
         packed = out.pop("weight_packed")
         shape = tuple(int(v) for v in out.pop("weight_shape").tolist())
-        scale = out["weight_scale"]
         zero_point = out.get("weight_zero_point")
         if zero_point is not None and args.strategy in _PACKED_ZP_STRATEGIES:
-            zp_shape = (shape[0], scale.shape[-1])
-            zero_point = unpack_from_int32(zero_point, args.num_bits, zp_shape, dim=0)
-            out["weight_zero_point"] = zero_point
-        q = unpack_from_int32(packed, args.num_bits, shape)
-        out["weight"] = dequantize(q, scale, zero_point, args, dtype)
+            zp_shape = (shape[0], out["weight_scale"].shape[-1])
+            out["weight_zero_point"] = unpack_from_int32(zero_point, args.num_bits, zp_shape, dim=0)
+        out["weight"] = unpack_from_int32(packed, args.num_bits, shape)
+        return out
+
+    @staticmethod
+    def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
+        out = PackQuantizedFormat.unpack(state, scheme)
+        out["weight"] = dequantize(
+            out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights, dtype
+        )
         return out

@@ -1,0 +1,1 @@
+"""The only code that touches other frameworks' internals (transformers' quantizer registry)."""

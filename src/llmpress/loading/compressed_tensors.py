@@ -1,0 +1,130 @@
+"""Loading compressed-tensors checkpoints (llmpress's and llm-compressor's).
+
+Each targeted ``nn.Linear`` of the skeleton becomes a ``QuantizedLinear`` (or, with
+``dequantize=True``, stays an ``nn.Linear`` that receives dense on-grid weights). A module's
+stored tensors are gathered as they stream in and converted as soon as the last one arrives, so
+at most a few modules' tensors wait at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from llmpress.errors import CheckpointError
+from llmpress.formats import FORMATS
+from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod, register_quantizer
+from llmpress.loading.dense import dense_linear
+from llmpress.loading.quantizer import Quantizer
+from llmpress.quant.attach import attach_scheme, enable_input_quantization
+from llmpress.quant.scheme import QuantizationScheme
+from llmpress.runtime import QuantizedLinear
+from llmpress.targets import assign_by_targets
+
+__all__ = ["CompressedTensorsQuantizer"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Target:
+    __slots__ = ("scheme", "fmt", "in_features", "out_features", "dtype", "expected", "pending", "done")
+
+    def __init__(self, linear: nn.Linear, scheme: QuantizationScheme, fmt: str, expected: set[str]) -> None:
+        self.scheme, self.fmt, self.expected = scheme, fmt, expected
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, linear.weight.dtype
+        self.pending: dict[str, torch.Tensor] = {}
+        self.done = False
+
+
+@register_quantizer(QuantizationMethod.COMPRESSED_TENSORS)
+class CompressedTensorsQuantizer(Quantizer):
+    requires_calibration = True
+    config: CompressedTensorsConfig
+
+    def validate_environment(self, *, device_map=None) -> None:
+        sparsity = self.config._other.get("sparsity_config") or {}
+        if sparsity.get("format") not in (None, "dense"):
+            raise CheckpointError(
+                "this checkpoint stores sparse weights in a compressed sparse format llmpress cannot read yet",
+                got=sparsity.get("format"),
+                expected="dense sparsity (zeros stored as zeros)",
+            )
+        if self.config.kv_cache_scheme:
+            logger.warning("the checkpoint's kv_cache_scheme is not applied by llmpress: the KV cache stays unquantized")
+        self.config.schemes()  # clear errors for schemes llmpress cannot load, before any work
+
+    def _process_model_before_weight_loading(self, model: nn.Module) -> None:
+        compressed = self.config.quantization_status == "compressed"
+        schemes = self.config.schemes()
+        by_module: dict[str, set[str]] = {}
+        for key in self.checkpoint_keys:
+            owner, _, local = key.rpartition(".")
+            by_module.setdefault(owner, set()).add(local)
+        self.targets: dict[str, _Target] = {}
+        for name, (module, scheme) in assign_by_targets(model, [(s.targets, s) for s in schemes], self.config.ignore).items():
+            if not isinstance(module, nn.Linear):
+                continue
+            fmt = scheme.format if compressed and scheme.format else "dense"
+            self.targets[name] = _Target(module, scheme, fmt, by_module.get(name, set()))
+            if not self.config.dequantize and scheme.weights is not None:
+                _replace(model, name, QuantizedLinear.like(module, scheme))
+        self.quantized_modules = sorted(self.targets)
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str) -> bool:
+        return param_name.rpartition(".")[0] in self.targets
+
+    def create_quantized_param(self, model: nn.Module, param_name: str, tensor: torch.Tensor, device: torch.device) -> None:
+        owner, _, local = param_name.rpartition(".")
+        target = self.targets[owner]
+        target.pending[local] = tensor.to(device)
+        if set(target.pending) >= target.expected:
+            self._finish(model, owner, target)
+
+    def _finish(self, model: nn.Module, name: str, target: _Target) -> None:
+        state, target.pending = target.pending, {}
+        if "bias" in state:
+            state["bias"] = state["bias"].to(target.dtype)
+        try:
+            if self.config.dequantize or target.scheme.weights is None:
+                _replace(model, name, _dense(target, state))
+            else:
+                model.get_submodule(name).load_compressed(state, target.fmt)
+        except KeyError as exc:
+            raise CheckpointError(
+                f"module {name!r} lacks a tensor its format needs",
+                got=f"tensors {sorted(state)}",
+                expected=f"{exc.args[0]!r} for format {target.fmt!r}",
+            ) from None
+        target.done = True
+
+    def update_missing_keys(self, model: nn.Module, missing: list[str]) -> list[str]:
+        waiting = [n for n, t in self.targets.items() if not t.done]
+        for name in waiting:
+            self._finish(model, name, self.targets[name])  # raises, naming what is missing
+        return [k for k in missing if k.rpartition(".")[0] not in self.targets]
+
+    @property
+    def is_trainable(self) -> bool:
+        return bool(self.config.dequantize)
+
+
+def _dense(target: _Target, state: dict[str, torch.Tensor]) -> nn.Linear:
+    if target.scheme.weights is None:  # activation-only quantization: weights stay as they are
+        linear = nn.Linear(target.in_features, target.out_features, bias="bias" in state, device="meta")
+        linear.weight = nn.Parameter(state.pop("weight").to(target.dtype), requires_grad=False)
+        if "bias" in state:
+            linear.bias = nn.Parameter(state.pop("bias"), requires_grad=False)
+        attach_scheme(linear, target.scheme)
+        for key, value in state.items():
+            linear.register_buffer(key, value)
+        enable_input_quantization(linear)
+        return linear
+    FORMATS.get(target.fmt)  # unknown format: a clear error listing the known ones
+    return dense_linear(target.in_features, target.out_features, state, target.scheme, target.fmt, target.dtype)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

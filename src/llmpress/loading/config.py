@@ -1,0 +1,174 @@
+"""Quantization methods: the enum, a config class per method, and the registries tying them to
+their quantizers.
+
+A config is a transformers ``QuantizationConfigMixin`` (so the same object also works in
+``AutoModelForCausalLM.from_pretrained(..., quantization_config=...)``), built from its
+``config.json`` entry with ``from_dict`` and checked on construction with clear errors.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from llmpress.errors import CheckpointError, RecipeError
+from llmpress.registry import Registry
+
+if TYPE_CHECKING:
+    from llmpress.loading.quantizer import Quantizer
+
+__all__ = [
+    "QuantizationMethod",
+    "QuantizationConfig",
+    "CompressedTensorsConfig",
+    "LlmpressConfig",
+    "CONFIGS",
+    "QUANTIZERS",
+    "register_quantization_config",
+    "register_quantizer",
+    "config_from_dict",
+]
+
+
+class QuantizationMethod(str, Enum):
+    """The built-in methods (the ``quant_method`` of a ``quantization_config``). Plugins register
+    further methods by name."""
+
+    COMPRESSED_TENSORS = "compressed-tensors"
+    LLMPRESS = "llmpress"
+
+
+CONFIGS: Registry[type[QuantizationConfig]] = Registry("quantization method", CheckpointError)
+QUANTIZERS: Registry[type[Quantizer]] = Registry("quantizer", CheckpointError)
+
+
+def _name(method: str | QuantizationMethod) -> str:
+    return method.value if isinstance(method, QuantizationMethod) else str(method)
+
+
+def register_quantization_config(method: str | QuantizationMethod):
+    """Class decorator: the config class of ``method``."""
+    return CONFIGS.register(_name(method))
+
+
+def register_quantizer(method: str | QuantizationMethod):
+    """Class decorator: the ``Quantizer`` subclass that loads ``method``."""
+    return QUANTIZERS.register(_name(method))
+
+
+class QuantizationConfig(QuantizationConfigMixin):
+    """Base of every method's config: ``quant_method`` plus the method's own fields."""
+
+    quant_method: str = ""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        data = {k: v for k, v in config_dict.items() if k != "quant_method"}
+        return super().from_dict(data, return_unused_kwargs=return_unused_kwargs, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": _name(self.quant_method), **{k: v for k, v in super().to_dict().items() if not k.startswith("_")}}
+
+
+def config_from_dict(data: dict[str, Any] | QuantizationConfigMixin) -> QuantizationConfig:
+    """The registered config of a ``quantization_config`` entry (a dict from ``config.json``)."""
+    if isinstance(data, QuantizationConfig):
+        return data
+    if isinstance(data, QuantizationConfigMixin):
+        data = data.to_dict()
+    method = data.get("quant_method")
+    if method is None:
+        raise CheckpointError(
+            "the quantization_config has no quant_method", got=str(sorted(data)), expected="a 'quant_method' key"
+        )
+    return CONFIGS.get(_name(method)).from_dict(data)
+
+
+@register_quantization_config(QuantizationMethod.COMPRESSED_TENSORS)
+class CompressedTensorsConfig(QuantizationConfig):
+    """A checkpoint in the compressed-tensors format (written by llmpress or llm-compressor).
+
+    ``dequantize=True`` loads dense weights on their quantization grid (exactly what
+    compressed-tensors computes in full precision) instead of the compressed runtime modules.
+    """
+
+    quant_method = QuantizationMethod.COMPRESSED_TENSORS.value
+
+    def __init__(self, config_groups: dict[str, Any] | None = None, *, dequantize: bool = False, **fields: Any) -> None:
+        self.config_groups = dict(config_groups or {})
+        self.format = fields.pop("format", None)
+        self.quantization_status = fields.pop("quantization_status", "compressed")
+        self.ignore = list(fields.pop("ignore", None) or [])
+        self.kv_cache_scheme = fields.pop("kv_cache_scheme", None)
+        self.dequantize = dequantize
+        self._other = fields  # sparsity_config, version, global_compression_ratio...: carried, not used
+
+    def schemes(self) -> list:
+        from llmpress.quant.scheme import QuantizationScheme
+
+        out = []
+        for name, group in self.config_groups.items():
+            try:
+                out.append(QuantizationScheme(**{**group, "format": group.get("format") or self.format}))
+            except RecipeError as exc:
+                raise CheckpointError(
+                    f"config group {name!r} of the checkpoint is not a scheme llmpress can load",
+                    got=exc.got or str(exc),
+                    expected=exc.expected or "a compressed-tensors scheme",
+                ) from None
+        return out
+
+
+@register_quantization_config(QuantizationMethod.LLMPRESS)
+class LlmpressConfig(QuantizationConfig):
+    """Quantize a full-precision checkpoint while it loads: int4 or int8 weights, RTN.
+
+    ``group_size`` is the number of input columns sharing one scale; ``None`` means one scale per
+    output channel. The default is 128 for 4 bits and per-channel for 8 bits, where the int8 CPU
+    kernel applies (grouped int8 runs, but through on-the-fly dequantization). ``ignore`` lists
+    modules to keep in full precision (names, ``re:`` patterns or class names).
+    """
+
+    quant_method = QuantizationMethod.LLMPRESS.value
+
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int | None | str = "default",
+        ignore: list[str] | None = None,
+        symmetric: bool = True,
+        **unused: Any,
+    ) -> None:
+        if bits not in (4, 8):
+            raise RecipeError("LlmpressConfig.bits must be 4 or 8", got=bits, expected="4 | 8")
+        if group_size == "default":
+            group_size = 128 if bits == 4 else None
+        if group_size is not None and (not isinstance(group_size, int) or group_size <= 0):
+            raise RecipeError(
+                "LlmpressConfig.group_size must be a positive integer or None",
+                got=group_size,
+                expected="e.g. 128, or None for one scale per output channel",
+            )
+        self.bits = bits
+        self.group_size = group_size
+        self.ignore = list(["lm_head"] if ignore is None else ignore)
+        self.symmetric = bool(symmetric)
+        _register_with_transformers()
+
+    def scheme(self):
+        from llmpress.quant.scheme import QuantizationScheme
+
+        weights: dict[str, Any] = {"num_bits": self.bits, "type": "int", "symmetric": self.symmetric}
+        if self.group_size is None:
+            weights["strategy"] = "channel"
+        else:
+            weights.update(strategy="group", group_size=self.group_size)
+        return QuantizationScheme(targets=["Linear"], weights=weights)
+
+
+def _register_with_transformers() -> None:
+    from llmpress.integrations.transformers_quantizer import register
+
+    register()

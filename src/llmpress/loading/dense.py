@@ -1,0 +1,54 @@
+"""Dense ``nn.Linear`` on the quantization grid: the exact, uncompressed view of a quantized
+module (scheme attached, scales as buffers, inputs fake-quantized), as compressed-tensors
+computes it in full precision. Used by ``load(..., dequantize=True)`` and ``Quantizer.dequantize``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmpress.formats import FORMATS
+from llmpress.quant.attach import attach_scheme, enable_input_quantization, set_module_buffer
+from llmpress.quant.scheme import QuantizationScheme
+from llmpress.runtime import QuantizedLinear
+
+__all__ = ["dense_linear", "dequantize_model"]
+
+
+def dense_linear(
+    in_features: int, out_features: int, state: dict[str, torch.Tensor], scheme: QuantizationScheme,
+    fmt: str, dtype: torch.dtype,
+) -> nn.Linear:
+    """An ``nn.Linear`` from one module's stored tensors in format ``fmt``."""
+    local = FORMATS.get(fmt).decompress(state, scheme, dtype)
+    linear = nn.Linear(in_features, out_features, bias="bias" in local, device="meta")
+    linear.weight = nn.Parameter(local.pop("weight").to(dtype), requires_grad=False)
+    if "bias" in local:
+        linear.bias = nn.Parameter(local.pop("bias").to(dtype), requires_grad=False)
+    attach_scheme(linear, scheme)
+    for name, value in local.items():
+        set_module_buffer(linear, name, value)
+    enable_input_quantization(linear)
+    return linear
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Swap every ``QuantizedLinear`` of ``model`` for its dense ``nn.Linear``, in place."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            dtype = module.bias.dtype if module.bias is not None else _model_dtype(model)
+            dense = dense_linear(
+                module.in_features, module.out_features, module.compressed_state(),
+                module.quantization_scheme, module.format, dtype,
+            )
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, dense)
+    return model
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32

@@ -1,0 +1,244 @@
+"""``llmpress.load``: one loader for every quantization method (DESIGN.md §3).
+
+The loader reads the config, asks the method's ``Quantizer`` to adjust dtype and placement,
+builds the model with its parameters on ``meta`` (nothing allocated), lets the quantizer swap in
+its modules, then streams the checkpoint one tensor at a time: a tensor the quantizer claims goes
+to ``create_quantized_param``, any other is copied into place. It never looks at the method.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpress.checkpoint.save import route_save_pretrained
+from llmpress.errors import CheckpointError, UnsupportedModelError
+from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
+from llmpress.loading.quantizer import Quantizer
+from llmpress.loading.shards import checkpoint_shards, read_header, stream_tensors
+from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+
+__all__ = ["load", "load_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+QUANTIZER_ATTR = "llmpress_quantizer"
+
+
+def load(
+    path: str | Path,
+    *,
+    quantization_config: QuantizationConfig | dict[str, Any] | None = None,
+    dtype: torch.dtype | str | None = None,
+    device_map: str | torch.device | dict[str, Any] | None = None,
+    max_memory: dict[Any, int | str] | None = None,
+    dequantize: bool = False,
+) -> nn.Module:
+    """Load a causal LM from a local checkpoint folder.
+
+    - A compressed-tensors checkpoint (llmpress's or llm-compressor's) loads into runtime modules
+      that keep the weights compressed and run with CPU kernels; ``dequantize=True`` loads dense
+      weights on the quantization grid instead (exactly what compressed-tensors computes).
+    - A full-precision checkpoint with ``quantization_config=LlmpressConfig(bits=4)`` is quantized
+      tensor by tensor as it streams in.
+    - ``dtype`` is the dtype of the unquantized parts (default: the quantizer's choice, else the
+      checkpoint's). ``device_map``: a device, ``{"module.prefix": device}``, or ``"auto"``.
+    """
+    folder = _model_folder(path)
+    config = _read_config(folder)
+    qconfig, pre_quantized = _quantization_config(config, quantization_config)
+    quantizer: Quantizer | None = None
+    if qconfig is not None:
+        if dequantize and hasattr(qconfig, "dequantize"):
+            qconfig.dequantize = True
+        quantizer = QUANTIZERS.get(str(getattr(qconfig.quant_method, "value", qconfig.quant_method)))(
+            qconfig, pre_quantized=pre_quantized
+        )
+        if not pre_quantized and quantizer.requires_calibration:
+            raise CheckpointError(
+                f"{qconfig.quant_method} cannot quantize while loading: it needs calibration",
+                fix="compress the model with `llmpress oneshot` first, then load the result",
+            )
+        quantizer.validate_environment(device_map=device_map)
+        dtype = quantizer.update_dtype(_as_dtype(dtype))
+        device_map = quantizer.update_device_map(device_map)
+        max_memory = quantizer.adjust_max_memory(max_memory)
+    dtype = _as_dtype(dtype) or _checkpoint_dtype(config)
+
+    model = _skeleton(config, dtype)
+    shards = {file: read_header(file) for file in checkpoint_shards(folder)}
+    keys = {entry.name for entries in shards.values() for entry in entries}
+    if quantizer is not None:
+        quantizer.process_model_before_weight_loading(model, checkpoint_keys=keys)
+    placement = _placement(model, device_map, max_memory)
+
+    unexpected = []
+    for file, entries in shards.items():
+        for entry, tensor in stream_tensors(file, entries):
+            device = placement(entry.name)
+            if quantizer is not None and quantizer.param_needs_quantization(model, entry.name):
+                quantizer.create_quantized_param(model, entry.name, tensor, device)
+            elif not _assign(model, entry.name, tensor, device):
+                unexpected.append(entry.name)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if quantizer is not None:
+        missing = quantizer.update_missing_keys(model, missing)
+        unexpected = quantizer.update_unexpected_keys(model, unexpected)
+    if missing:
+        raise CheckpointError(
+            "the checkpoint lacks weights its config describes",
+            got=f"{len(missing)} missing, e.g. {missing[:4]}",
+            expected="every weight of the model",
+            fix="check that config.json and the *.safetensors files belong together",
+        )
+    if unexpected:
+        logger.warning("%d checkpoint tensor(s) fit no weight of the model and were skipped: %s", len(unexpected), unexpected[:4])
+    if quantizer is not None:
+        quantizer.process_model_after_weight_loading(model)
+        setattr(model, QUANTIZER_ATTR, quantizer)
+        route_save_pretrained(model)
+    recipe_file = folder / "recipe.yaml"
+    if recipe_file.is_file():
+        setattr(model, APPLIED_RECIPE_ATTR, Recipe.from_file(recipe_file))
+    model.eval()
+    return model
+
+
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The exact dense view of a checkpoint in ``dtype``: ``load(path, dtype=dtype, dequantize=True)``.
+    What ``eval`` and ``oneshot`` use, so figures match compressed-tensors' full-precision ones."""
+    return load(path, dtype=dtype, dequantize=True)
+
+
+def _model_folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(
+            "not a model checkpoint folder",
+            got=str(folder),
+            expected="a local folder with config.json and *.safetensors",
+            fix="check the --model path (llmpress loads local folders; nothing is downloaded)",
+        )
+    return folder
+
+
+def _read_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as exc:
+        raise UnsupportedModelError(
+            "transformers cannot read this model's config",
+            got=f"{folder}: {str(exc).splitlines()[0]}",
+            expected="a config.json of an architecture transformers knows",
+        ) from None
+
+
+def _quantization_config(config, requested) -> tuple[QuantizationConfig | None, bool]:
+    stored = getattr(config, "quantization_config", None)
+    if stored is not None:
+        del config.quantization_config  # the skeleton is built plain; the quantizer adapts it
+        stored = config_from_dict(stored)
+        if requested is not None:
+            requested = config_from_dict(requested)
+            if requested.quant_method != stored.quant_method:
+                raise CheckpointError(
+                    "this checkpoint is already quantized; it cannot be quantized again while loading",
+                    got=f"stored {stored.quant_method}, requested {requested.quant_method}",
+                    fix="load it without quantization_config, or start from the full-precision checkpoint",
+                )
+            return requested, True
+        return stored, True
+    if requested is None:
+        return None, False
+    return config_from_dict(requested), False
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError("unknown dtype", got=dtype, expected="e.g. 'float32', 'bfloat16', 'float16'")
+    return value
+
+
+def _checkpoint_dtype(config) -> torch.dtype:
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    try:
+        return _as_dtype(stored) or torch.float32
+    except CheckpointError:
+        return torch.float32
+
+
+def _skeleton(config, dtype: torch.dtype) -> nn.Module:
+    """The model with every parameter on ``meta`` (buffers such as rotary tables are real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as exc:
+        raise UnsupportedModelError(
+            "transformers has no causal-LM class for this config",
+            got=f"{getattr(config, 'model_type', '?')}: {str(exc).splitlines()[0]}",
+            expected="a decoder model type (llama, qwen2, mistral, ...)",
+        ) from None
+
+
+def _placement(model: nn.Module, device_map, max_memory):
+    """A function from a tensor name to the device it goes to."""
+    if device_map == "auto":
+        from accelerate import infer_auto_device_map
+
+        device_map = infer_auto_device_map(
+            model, max_memory=max_memory, no_split_module_classes=getattr(model, "_no_split_modules", None)
+        )
+    if device_map is None or isinstance(device_map, (str, torch.device)):
+        device = torch.device(device_map or "cpu")
+        return lambda name: device
+    prefixes = sorted(device_map.items(), key=lambda item: -len(item[0]))
+
+    def device_of(name: str) -> torch.device:
+        for prefix, device in prefixes:
+            if prefix == "" or name == prefix or name.startswith(prefix + "."):
+                return torch.device("cpu" if device == "disk" else device)
+        raise CheckpointError("the device_map does not place this tensor", got=name, fix='add its module, or "" for the rest')
+
+    return device_of
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor, device: torch.device) -> bool:
+    """Copy a checkpoint tensor into its parameter or buffer; False when the model has none."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    slots = module._parameters if attr in module._parameters else module._buffers if attr in module._buffers else None
+    if slots is None or slots[attr] is None:
+        return False
+    current = slots[attr]
+    if tuple(current.shape) != tuple(tensor.shape):
+        raise CheckpointError(
+            f"tensor {name!r} has the wrong shape for the model",
+            got=tuple(tensor.shape),
+            expected=tuple(current.shape),
+            fix="check that config.json and the weights belong together",
+        )
+    if tensor.is_floating_point() and current.is_floating_point():
+        tensor = tensor.to(current.dtype)
+    tensor = tensor.to(device)
+    if slots is module._parameters:
+        slots[attr] = nn.Parameter(tensor, requires_grad=current.requires_grad and tensor.is_floating_point())
+    else:
+        slots[attr] = tensor
+    return True

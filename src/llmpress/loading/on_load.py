@@ -1,0 +1,83 @@
+"""Quantize-on-load: a full-precision checkpoint becomes int4 / int8 runtime modules while it
+streams in. Each weight is quantized (RTN, min-max) as it arrives and its float copy dropped, so
+peak memory stays near the compressed size. The model saves through the one save path, as a
+compressed-tensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmpress.errors import CheckpointError
+from llmpress.formats import FORMATS, format_for
+from llmpress.loading.config import LlmpressConfig, QuantizationMethod, register_quantizer
+from llmpress.loading.quantizer import Quantizer
+from llmpress.quant.observers import weight_qparams
+from llmpress.runtime import QuantizedLinear
+from llmpress.targets import assign_by_targets
+
+__all__ = ["LlmpressQuantizer", "quantize_weight_into"]
+
+
+def quantize_weight_into(module: QuantizedLinear, weight: torch.Tensor, scale_dtype: torch.dtype) -> None:
+    """RTN-quantize a float ``weight`` under ``module``'s scheme and load it into ``module``."""
+    scheme = module.quantization_scheme
+    weight = weight.to(torch.float32)
+    scale, zero_point = weight_qparams(weight, scheme.weights)
+    state = {"weight": weight, "weight_scale": scale.to(scale_dtype)}
+    if zero_point is not None:
+        state["weight_zero_point"] = zero_point
+    module.load_compressed(FORMATS.get(format_for(scheme)).compress(state, scheme))
+
+
+@register_quantizer(QuantizationMethod.LLMPRESS)
+class LlmpressQuantizer(Quantizer):
+    config: LlmpressConfig
+
+    def validate_environment(self, *, device_map=None) -> None:
+        if self.pre_quantized:
+            raise CheckpointError(
+                "a checkpoint cannot carry quant_method 'llmpress'",
+                fix="llmpress saves quantized models as compressed-tensors; load that checkpoint as it is",
+            )
+
+    def update_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        # the int4 / int8 kernels compute in bf16: running the rest of the model in bf16 too
+        # saves a cast at every layer and halves the memory of embeddings and norms
+        self.dtype = dtype or torch.bfloat16
+        return self.dtype
+
+    def _process_model_before_weight_loading(self, model: nn.Module) -> None:
+        scheme = self.config.scheme()
+        chosen = assign_by_targets(model, [(scheme.targets, scheme)], self.config.ignore)
+        self.quantized_modules = []
+        for name, (module, _) in chosen.items():
+            if isinstance(module, nn.Linear):
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, QuantizedLinear.like(module, scheme))
+                self.quantized_modules.append(name)
+        self._targets = set(self.quantized_modules)
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str) -> bool:
+        owner, _, local = param_name.rpartition(".")
+        return local == "weight" and owner in self._targets
+
+    def create_quantized_param(self, model: nn.Module, param_name: str, tensor: torch.Tensor, device: torch.device) -> None:
+        owner = param_name.rpartition(".")[0]
+        module = model.get_submodule(owner)
+        if tuple(tensor.shape) != (module.out_features, module.in_features):
+            raise CheckpointError(
+                f"tensor {param_name!r} has the wrong shape for the model",
+                got=tuple(tensor.shape),
+                expected=(module.out_features, module.in_features),
+            )
+        quantize_weight_into(module, tensor.to(device), self.dtype)
+
+    def update_missing_keys(self, model: nn.Module, missing: list[str]) -> list[str]:
+        empty = [n for n in self.quantized_modules if model.get_submodule(n).kernel == "empty"]
+        return missing + [f"{n}.weight" for n in empty]
+
+    @property
+    def is_trainable(self) -> bool:
+        return False

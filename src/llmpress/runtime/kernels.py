@@ -1,0 +1,100 @@
+"""PyTorch's CPU kernels for quantized weights, and the conversions into their layouts.
+
+Two kernels apply, both computing in bfloat16 (with fp32 activations they run 10x slower, so
+activations are cast to bf16 for the call and the result back):
+
+- ``_weight_int4pack_mm_for_cpu``: 4-bit weights in groups of 32/64/128/256 columns, the weight
+  packed by ``_convert_weight_to_int4pack_for_cpu`` from unsigned values ``u = q + 8``, with
+  per-group ``(scale, zero)`` pairs meaning ``w = (u - 8) * scale + zero``. compressed-tensors'
+  integer zero point ``zp`` (``w = (q - zp) * scale``) becomes ``zero = -zp * scale``.
+- ``_weight_int8pack_mm``: 8-bit weights with one scale per output row (no zero point; an
+  asymmetric zero point is applied as a rank-one correction afterwards).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "COMPUTE_DTYPE",
+    "INT4_GROUP_SIZES",
+    "int4_supported",
+    "int8_supported",
+    "int4_pack",
+    "int4_matmul",
+    "int4_unpack",
+    "int8_matmul",
+]
+
+COMPUTE_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_INNER_K_TILES = 8
+_UNPACK_ROWS = 1024  # identity rows per kernel call when reading packed weights back
+
+
+def _has(op: str) -> bool:
+    return hasattr(torch.ops.aten, op)
+
+
+def int4_supported(out_features: int, in_features: int, group_size: int | None) -> bool:
+    return (
+        _has("_weight_int4pack_mm_for_cpu")
+        and _has("_convert_weight_to_int4pack_for_cpu")
+        and group_size in INT4_GROUP_SIZES
+        and in_features % group_size == 0
+        and in_features % (2 * _INNER_K_TILES) == 0
+        and out_features % 16 == 0
+    )
+
+
+def int8_supported() -> bool:
+    return _has("_weight_int8pack_mm")
+
+
+def int4_pack(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
+    ``[out, groups]`` into the kernel's packed weight and ``[groups, out, 2]`` scale-zero table."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), _INNER_K_TILES)
+    scale = scale.to(torch.float32)
+    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.to(torch.float32) * scale
+    table = torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()
+    return packed, table
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` ``[..., in]``; the result has ``x``'s dtype."""
+    flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group_size, table)
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def int4_unpack(packed: torch.Tensor, group_size: int, table: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The signed values ``q`` ``[out, in]`` back from the kernel layout (exact).
+
+    The layout is the kernel's own, so the weight is read back through the kernel: identity rows
+    give ``w.T`` in bf16, and ``(w - zero) / scale`` rounds to ``q`` exactly (|error| < 0.05).
+    """
+    scale = table[..., 0].t().float().repeat_interleave(group_size, dim=1)
+    zero = table[..., 1].t().float().repeat_interleave(group_size, dim=1)
+    rows = []
+    for start in range(0, in_features, _UNPACK_ROWS):
+        stop = min(start + _UNPACK_ROWS, in_features)
+        eye = torch.zeros(stop - start, in_features, dtype=COMPUTE_DTYPE)
+        eye[:, start:stop].fill_diagonal_(1)
+        rows.append(torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group_size, table).t().float())
+    w = torch.cat(rows, dim=1)
+    return torch.round((w - zero) / scale).clamp(-8, 7).to(torch.int8)
+
+
+def int8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_correction: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ ((q - zp) * scale).T`` with ``weight`` int8 ``[out, in]`` and ``scale`` ``[out]``;
+    ``zero_correction`` is ``zp * scale`` ``[out]`` for asymmetric weights."""
+    flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+    out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
+    if zero_correction is not None:
+        out = out - flat.float().sum(dim=-1, keepdim=True).to(COMPUTE_DTYPE) * zero_correction
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
