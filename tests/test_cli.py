@@ -85,3 +85,22 @@ def test_argparse_errors_exit_non_zero():
 def test_eval_rejects_bad_numbers(flag, value):
     result = run_cli("eval", "--model", str(trained_model_dir()), "--dataset", str(text_path("evaluation.txt")), flag, value)
     assert result.returncode == 2 and "Traceback" not in result.stderr and flag in result.stderr
+
+
+def test_generate_from_a_compressed_checkpoint(w4a16_checkpoint, capsys):
+    code = main(["generate", "--model", str(w4a16_checkpoint), "--prompt", "The Python", "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out.startswith("The Python") and len(captured.out) > len("The Python\n")
+    assert "8 tokens" in captured.err and "kernels: int4" in captured.err
+
+
+def test_generate_quantizes_a_full_precision_checkpoint_on_load(capsys):
+    code = main(["generate", "--model", str(trained_model_dir()), "--prompt", "def", "--max-new-tokens", "4", "--quantize", "8"])
+    assert code == 0 and "kernels: int8" in capsys.readouterr().err
+
+
+def test_inspect_a_plain_checkpoint(capsys):
+    assert main(["inspect", str(trained_model_dir())]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out

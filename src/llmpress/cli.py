@@ -1,4 +1,4 @@
-"""``llmpress`` command line: oneshot, eval, inspect.
+"""``llmpress`` command line: oneshot, eval, generate, inspect.
 
 Every error llmpress raises on purpose prints one line (``error: ...``) and exits with status 2;
 no traceback unless ``LLMPRESS_DEBUG=1``.
@@ -45,6 +45,35 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         for row in results:
             print(f"{row['model']}: perplexity {row['perplexity']:.3f} over {row['tokens']} tokens ({row['seconds']:.1f}s)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmpress.errors import CheckpointError
+    from llmpress.loading import LlmpressConfig, load
+
+    config = LlmpressConfig(bits=args.quantize) if args.quantize else None
+    start = time.perf_counter()
+    model = load(args.model, quantization_config=config)
+    loaded = time.perf_counter() - start
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError):
+        raise CheckpointError("the model folder has no tokenizer", got=args.model, expected="tokenizer.json / tokenizer_config.json") from None
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - ids.shape[1]
+    print(tokenizer.decode(out[0], skip_special_tokens=True))
+    kernels = sorted({m.kernel for m in model.modules() if hasattr(m, "kernel")}) or ["dense"]
+    print(f"[{new} tokens in {seconds:.2f}s, {new / max(seconds, 1e-9):.1f} tokens/s; loaded in {loaded:.2f}s; "
+          f"kernels: {', '.join(kernels)}]", file=sys.stderr)
     return 0
 
 
@@ -108,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
     evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
     evaluate.set_defaults(run=_eval)
+
+    generate = commands.add_parser("generate", help="greedy text generation from a (compressed) checkpoint")
+    generate.add_argument("--model", required=True, help="checkpoint folder (compressed-tensors or full precision)")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=_at_least(1), default=32)
+    generate.add_argument("--quantize", type=int, choices=[4, 8], help="quantize a full-precision checkpoint while loading")
+    generate.set_defaults(run=_generate)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint: format, schemes, sizes, recipe")
     inspect.add_argument("path", help="checkpoint folder")

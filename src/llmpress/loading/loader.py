@@ -18,8 +18,9 @@ from torch import nn
 from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
+from llmpress.loading.memory import release_free_memory
 from llmpress.loading.quantizer import Quantizer
-from llmpress.loading.shards import checkpoint_shards, read_header, stream_tensors
+from llmpress.loading.shards import ShardEntry, checkpoint_shards, read_header, stream_tensors
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
 __all__ = ["load", "load_checkpoint"]
@@ -78,11 +79,12 @@ def load(
 
     unexpected = []
     for file, entries in shards.items():
-        for entry, tensor in stream_tensors(file, entries):
+        for entry, read in stream_tensors(file, entries):
             device = placement(entry.name)
             if quantizer is not None and quantizer.param_needs_quantization(model, entry.name):
-                quantizer.create_quantized_param(model, entry.name, tensor, device)
-            elif not _assign(model, entry.name, tensor, device):
+                quantizer.create_quantized_param(model, entry.name, read(), device)
+                release_free_memory()
+            elif not _assign(model, entry, read, device):
                 unexpected.append(entry.name)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -216,8 +218,10 @@ def _placement(model: nn.Module, device_map, max_memory):
     return device_of
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor, device: torch.device) -> bool:
-    """Copy a checkpoint tensor into its parameter or buffer; False when the model has none."""
+def _assign(model: nn.Module, entry: ShardEntry, read, device: torch.device) -> bool:
+    """Read a checkpoint tensor into its parameter or buffer (in the model's dtype); False when
+    the model has no such tensor."""
+    name = entry.name
     owner, _, attr = name.rpartition(".")
     try:
         module = model.get_submodule(owner)
@@ -227,16 +231,14 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor, device: torch.dev
     if slots is None or slots[attr] is None:
         return False
     current = slots[attr]
-    if tuple(current.shape) != tuple(tensor.shape):
+    if tuple(current.shape) != entry.shape:
         raise CheckpointError(
             f"tensor {name!r} has the wrong shape for the model",
-            got=tuple(tensor.shape),
+            got=entry.shape,
             expected=tuple(current.shape),
             fix="check that config.json and the weights belong together",
         )
-    if tensor.is_floating_point() and current.is_floating_point():
-        tensor = tensor.to(current.dtype)
-    tensor = tensor.to(device)
+    tensor = read(current.dtype if current.is_floating_point() else None).to(device)
     if slots is module._parameters:
         slots[attr] = nn.Parameter(tensor, requires_grad=current.requires_grad and tensor.is_floating_point())
     else:

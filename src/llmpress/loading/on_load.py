@@ -10,25 +10,34 @@ import torch
 from torch import nn
 
 from llmpress.errors import CheckpointError
-from llmpress.formats import FORMATS, format_for
 from llmpress.loading.config import LlmpressConfig, QuantizationMethod, register_quantizer
 from llmpress.loading.quantizer import Quantizer
 from llmpress.quant.observers import weight_qparams
+from llmpress.quant.qdq import quantize
 from llmpress.runtime import QuantizedLinear
 from llmpress.targets import assign_by_targets
 
 __all__ = ["LlmpressQuantizer", "quantize_weight_into"]
 
 
+_ROWS_PER_CHUNK = 512  # rows quantized at once: bounds the float temporaries to a slice of the weight
+
+
 def quantize_weight_into(module: QuantizedLinear, weight: torch.Tensor, scale_dtype: torch.dtype) -> None:
-    """RTN-quantize a float ``weight`` under ``module``'s scheme and load it into ``module``."""
-    scheme = module.quantization_scheme
-    weight = weight.to(torch.float32)
-    scale, zero_point = weight_qparams(weight, scheme.weights)
-    state = {"weight": weight, "weight_scale": scale.to(scale_dtype)}
-    if zero_point is not None:
-        state["weight_zero_point"] = zero_point
-    module.load_compressed(FORMATS.get(format_for(scheme)).compress(state, scheme))
+    """RTN-quantize a float ``weight`` under ``module``'s scheme and load it into ``module``.
+    The scale is rounded to ``scale_dtype`` (as stored) before the weight is rounded with it."""
+    args = module.quantization_scheme.weights
+    scale, zero_point = weight_qparams(weight, args)
+    scale = scale.to(scale_dtype)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    per_row = scale.shape[0] == weight.shape[0]
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        rows = slice(start, start + _ROWS_PER_CHUNK)
+        q[rows] = quantize(
+            weight[rows], scale[rows] if per_row else scale,
+            None if zero_point is None else (zero_point[rows] if per_row else zero_point), args,
+        )
+    module.load_quantized(q, scale, zero_point)
 
 
 @register_quantizer(QuantizationMethod.LLMPRESS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,19 +80,42 @@ def read_header(path: Path) -> list[ShardEntry]:
     return sorted(entries, key=lambda e: e.start)
 
 
-def stream_tensors(path: Path, entries: list[ShardEntry]) -> Iterator[tuple[ShardEntry, torch.Tensor]]:
-    """Each tensor of ``entries`` read into its own (writable, CPU) memory, in file order."""
+_CHUNK_BYTES = 32 << 20  # converting reads go through a scratch buffer of this size
+
+
+def stream_tensors(path: Path, entries: list[ShardEntry]) -> Iterator[tuple[ShardEntry, Callable[..., torch.Tensor]]]:
+    """For each tensor of ``entries`` in file order, a reader ``read(dtype=None)`` that returns it
+    in its own writable CPU memory. A read into another floating dtype converts chunk by chunk,
+    so an fp32 embedding loaded as bf16 never exists in fp32 in full."""
     with open(path, "rb", buffering=0) as f:
+
+        def read_bytes(start: int, size: int, into: torch.Tensor, name: str) -> None:
+            f.seek(start)
+            view = memoryview(into.numpy())[:size]
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CheckpointError("a weight file ends early", got=f"{path.name}: {name}", expected=f"{size} bytes")
+                got += n
+
         for entry in entries:
-            size = entry.stop - entry.start
-            buffer = torch.empty(size, dtype=torch.uint8)
-            if size:
-                f.seek(entry.start)
-                view = memoryview(buffer.numpy())
-                got = 0
-                while got < size:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise CheckpointError("a weight file ends early", got=f"{path.name}: {entry.name}", expected=f"{size} bytes")
-                    got += n
-            yield entry, buffer.view(entry.dtype).reshape(entry.shape)
+
+            def read(dtype: torch.dtype | None = None, entry: ShardEntry = entry) -> torch.Tensor:
+                size = entry.stop - entry.start
+                if dtype is None or dtype == entry.dtype or not (dtype.is_floating_point and entry.dtype.is_floating_point):
+                    buffer = torch.empty(size, dtype=torch.uint8)
+                    if size:
+                        read_bytes(entry.start, size, buffer, entry.name)
+                    return buffer.view(entry.dtype).reshape(entry.shape)
+                out = torch.empty(entry.shape, dtype=dtype).reshape(-1)
+                itemsize = entry.dtype.itemsize
+                per_chunk = max(1, _CHUNK_BYTES // itemsize)
+                scratch = torch.empty(min(size, per_chunk * itemsize), dtype=torch.uint8)
+                for first in range(0, out.numel(), per_chunk):
+                    count = min(per_chunk, out.numel() - first)
+                    read_bytes(entry.start + first * itemsize, count * itemsize, scratch, entry.name)
+                    out[first:first + count] = scratch[: count * itemsize].view(entry.dtype)
+                return out.reshape(entry.shape)
+
+            yield entry, read

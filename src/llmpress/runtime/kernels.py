@@ -56,7 +56,9 @@ def int4_pack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
     ``[out, groups]`` into the kernel's packed weight and ``[groups, out, 2]`` scale-zero table."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), _INNER_K_TILES)
+    unsigned = torch.empty(q.shape, dtype=torch.int32)
+    torch.add(q, 8, out=unsigned)  # one pass: widen and offset
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, _INNER_K_TILES)
     scale = scale.to(torch.float32)
     zero = torch.zeros_like(scale) if zero_point is None else -zero_point.to(torch.float32) * scale
     table = torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()

@@ -81,26 +81,42 @@ class QuantizedLinear(nn.Module):
             self.format = fmt
             for name, value in state.items():
                 self.register_buffer(name, value)
+            self.kernel = kernel
+            return
+        unpacked = FORMATS.get(fmt).unpack(state, self.quantization_scheme)
+        self._load_values(kernel, unpacked["weight"], unpacked["weight_scale"], unpacked.get("weight_zero_point"))
+
+    def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
+        """Take integer values ``q`` ``[out, in]`` (int8) with their scale / zero point, as a
+        quantizer produces them: no packing round trip when a kernel applies."""
+        kernel = self._choose_kernel(self.format)
+        if kernel != "dequant":
+            self._load_values(kernel, q, scale, zero_point)
+            return
+        args = self.quantization_scheme.weights
+        state = {"weight": dequantize(q, scale, zero_point, args, torch.float32), "weight_scale": scale}
+        if zero_point is not None:
+            state["weight_zero_point"] = zero_point
+        self.load_compressed(FORMATS.get(self.format).compress(state, self.quantization_scheme))
+
+    def _load_values(self, kernel: str, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        # the scale (and zero point) as stored, for an exact compressed_state()
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero_point", zero_point)
+        if kernel == "int4":
+            packed, table = kernels.int4_pack(q, scale, zero_point)
+            self.register_buffer("int4_weight", packed)
+            self.register_buffer("int4_table", table)
         else:
-            unpacked = FORMATS.get(fmt).unpack(state, self.quantization_scheme)
-            q, scale, zero_point = unpacked["weight"], unpacked["weight_scale"], unpacked.get("weight_zero_point")
-            # the scale (and zero point) as stored, for an exact compressed_state()
-            self.register_buffer("weight_scale", scale)
-            self.register_buffer("weight_zero_point", zero_point)
-            if kernel == "int4":
-                packed, table = kernels.int4_pack(q, scale, zero_point)
-                self.register_buffer("int4_weight", packed)
-                self.register_buffer("int4_table", table)
-            else:
-                rows = q.shape[0]
-                scale_rows = scale.to(torch.float32).reshape(-1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)
-                self.register_buffer("int8_weight", q.contiguous())
-                self.register_buffer("int8_scale", scale_rows.to(kernels.COMPUTE_DTYPE).contiguous())
-                correction = None
-                if zero_point is not None:
-                    zp = zero_point.to(torch.float32).reshape(-1).expand(rows) if zero_point.numel() == 1 else zero_point.reshape(rows)
-                    correction = (zp.float() * scale_rows.float()).to(kernels.COMPUTE_DTYPE)
-                self.register_buffer("int8_zero_correction", correction)
+            rows = q.shape[0]
+            scale_rows = scale.to(torch.float32).reshape(-1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)
+            self.register_buffer("int8_weight", q.contiguous())
+            self.register_buffer("int8_scale", scale_rows.to(kernels.COMPUTE_DTYPE).contiguous())
+            correction = None
+            if zero_point is not None:
+                zp = zero_point.to(torch.float32).reshape(-1).expand(rows) if zero_point.numel() == 1 else zero_point.reshape(rows)
+                correction = (zp.float() * scale_rows.float()).to(kernels.COMPUTE_DTYPE)
+            self.register_buffer("int8_zero_correction", correction)
         self.kernel = kernel
 
     def _choose_kernel(self, fmt: str) -> str:
