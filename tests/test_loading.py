@@ -216,3 +216,14 @@ def test_truncated_or_incomplete_checkpoints_are_refused(tmp_path):
     save_file(tensors, tmp_path / "d" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="up_proj"):
         llmpress.load(tmp_path / "d")
+
+
+def test_int4_packing_in_row_blocks_matches_the_whole_matrix():
+    from llmpress.runtime import kernels
+
+    q = torch.randint(-8, 8, (256, 256), dtype=torch.int8)
+    scale = torch.rand(256, 2) + 0.1
+    whole, table = kernels.int4_pack(q, scale, None, rows_per_chunk=256)
+    blocks, same_table = kernels.int4_pack(q, scale, None, rows_per_chunk=64)
+    assert torch.equal(whole, blocks) and torch.equal(table, same_table)
+    assert torch.equal(kernels.int4_unpack(blocks, 128, table, 256), q)

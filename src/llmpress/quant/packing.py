@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-__all__ = ["pack_to_int32", "unpack_from_int32"]
+__all__ = ["bytewise", "pack_to_int32", "unpack_from_int32"]
 
 _WORD = 32
 
@@ -23,7 +23,7 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _bytewise(num_bits: int, cols: int) -> bool:
+def bytewise(num_bits: int, cols: int) -> bool:
     """4- and 8-bit rows of whole words are plain bytes of the little-endian int32 words: they
     pack and unpack with uint8 operations, 1 byte per value instead of 8 for the general path."""
     return num_bits in (4, 8) and cols % (_WORD // num_bits) == 0 and sys.byteorder == "little"
@@ -35,7 +35,7 @@ def pack_to_int32(values: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Te
     if dim == 0:
         return pack_to_int32(values.t(), num_bits, dim=1).t().contiguous()
     rows, cols = values.shape
-    if _bytewise(num_bits, cols):
+    if bytewise(num_bits, cols):
         unsigned = (values.to(torch.int16) + (1 << (num_bits - 1))).to(torch.uint8)
         if num_bits == 4:
             pairs = unsigned.reshape(rows, -1, 2)
@@ -68,7 +68,7 @@ def unpack_from_int32(
     if dim == 0:
         return unpack_from_int32(packed.t(), num_bits, (shape[1], shape[0]), dim=1).t().contiguous()
     rows, cols = shape
-    if _bytewise(num_bits, cols) and packed.shape == (rows, cols * num_bits // _WORD):
+    if bytewise(num_bits, cols) and packed.shape == (rows, cols * num_bits // _WORD):
         data = packed.contiguous().view(torch.uint8)
         if num_bits == 8:  # b - 128 as int8 is b with its top bit flipped
             return (data ^ 0x80).view(torch.int8).reshape(rows, cols)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmpress.formats import FORMATS, format_for
+from llmpress.quant.packing import bytewise, unpack_from_int32
 from llmpress.quant.qdq import dequantize, fake_quantize_activation
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
 from llmpress.runtime import kernels
@@ -83,6 +84,12 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer(name, value)
             self.kernel = kernel
             return
+        if kernel == "int4" and fmt == "pack-quantized" and bytewise(4, self.in_features):
+            scale, zero_point = state["weight_scale"], state.get("weight_zero_point")
+            if zero_point is not None:  # packed along the output dimension
+                zero_point = unpack_from_int32(zero_point, 4, (self.out_features, scale.shape[-1]), dim=0)
+            self._set_int4(*kernels.int4_pack_words(state["weight_packed"], scale, zero_point), scale, zero_point)
+            return
         unpacked = FORMATS.get(fmt).unpack(state, self.quantization_scheme)
         self._load_values(kernel, unpacked["weight"], unpacked["weight_scale"], unpacked.get("weight_zero_point"))
 
@@ -99,15 +106,21 @@ class QuantizedLinear(nn.Module):
             state["weight_zero_point"] = zero_point
         self.load_compressed(FORMATS.get(self.format).compress(state, self.quantization_scheme))
 
+    def _set_int4(self, packed: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero_point", zero_point)
+        self.register_buffer("int4_weight", packed)
+        self.register_buffer("int4_table", table)
+        self.kernel = "int4"
+
     def _load_values(self, kernel: str, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        if kernel == "int4":
+            self._set_int4(*kernels.int4_pack(q, scale, zero_point), scale, zero_point)
+            return
         # the scale (and zero point) as stored, for an exact compressed_state()
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
-        if kernel == "int4":
-            packed, table = kernels.int4_pack(q, scale, zero_point)
-            self.register_buffer("int4_weight", packed)
-            self.register_buffer("int4_table", table)
-        else:
+        if kernel == "int8":
             rows = q.shape[0]
             scale_rows = scale.to(torch.float32).reshape(-1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)
             self.register_buffer("int8_weight", q.contiguous())
