@@ -45,7 +45,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         if hasattr(module, "compressed_state"):  # a runtime module: already compressed
             local = module.compressed_state()
             if not save_compressed:
-                local = FORMATS.get(module.format).decompress(local, scheme, module.dequantized_weight().dtype)
+                local = FORMATS.get(module.format).decompress(local, scheme, module.default_dtype)
             for k in [k for k in state if k.startswith(prefix) and "." not in k[len(prefix):]]:
                 del state[k]
             state.update({prefix + k: v for k, v in local.items()})

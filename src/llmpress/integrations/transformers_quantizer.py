@@ -79,9 +79,9 @@ def register() -> None:
             return _QuantizeOnLoad(self)
 
         def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-            empty = [n for n in self.inner.quantized_modules if model.get_submodule(n).kernel == "empty"]
-            if empty:
-                raise CheckpointError("the checkpoint lacks weights of quantized modules", got=empty[:4])
+            missing = self.inner.update_missing_keys(model, [])  # the quantized modules never filled
+            if missing:
+                raise CheckpointError("the checkpoint lacks weights of quantized modules", got=missing[:4])
             self.inner.process_model_after_weight_loading(model)
             from llmpress.checkpoint.save import route_save_pretrained
 

@@ -14,11 +14,9 @@ import torch
 from torch import nn
 
 from llmpress.errors import CheckpointError
-from llmpress.formats import FORMATS
 from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod, register_quantizer
 from llmpress.loading.dense import dense_linear
 from llmpress.loading.quantizer import Quantizer
-from llmpress.quant.attach import attach_scheme, enable_input_quantization
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.targets import assign_by_targets
@@ -69,7 +67,7 @@ class CompressedTensorsQuantizer(Quantizer):
             fmt = scheme.format if compressed and scheme.format else "dense"
             self.targets[name] = _Target(module, scheme, fmt, by_module.get(name, set()))
             if not self.config.dequantize and scheme.weights is not None:
-                _replace(model, name, QuantizedLinear.like(module, scheme))
+                model.set_submodule(name, QuantizedLinear.like(module, scheme))
         self.quantized_modules = sorted(self.targets)
 
     def param_needs_quantization(self, model: nn.Module, param_name: str) -> bool:
@@ -88,7 +86,9 @@ class CompressedTensorsQuantizer(Quantizer):
             state["bias"] = state["bias"].to(target.dtype)
         try:
             if self.config.dequantize or target.scheme.weights is None:
-                _replace(model, name, _dense(target, state))
+                # activation-only schemes keep their stored weights as they are ("dense")
+                fmt = target.fmt if target.scheme.weights is not None else "dense"
+                model.set_submodule(name, dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype))
             else:
                 model.get_submodule(name).load_compressed(state, target.fmt)
         except KeyError as exc:
@@ -109,22 +109,3 @@ class CompressedTensorsQuantizer(Quantizer):
     def is_trainable(self) -> bool:
         return bool(self.config.dequantize)
 
-
-def _dense(target: _Target, state: dict[str, torch.Tensor]) -> nn.Linear:
-    if target.scheme.weights is None:  # activation-only quantization: weights stay as they are
-        linear = nn.Linear(target.in_features, target.out_features, bias="bias" in state, device="meta")
-        linear.weight = nn.Parameter(state.pop("weight").to(target.dtype), requires_grad=False)
-        if "bias" in state:
-            linear.bias = nn.Parameter(state.pop("bias"), requires_grad=False)
-        attach_scheme(linear, target.scheme)
-        for key, value in state.items():
-            linear.register_buffer(key, value)
-        enable_input_quantization(linear)
-        return linear
-    FORMATS.get(target.fmt)  # unknown format: a clear error listing the known ones
-    return dense_linear(target.in_features, target.out_features, state, target.scheme, target.fmt, target.dtype)
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -42,8 +42,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
                 module.in_features, module.out_features, module.compressed_state(),
                 module.quantization_scheme, module.format, dtype,
             )
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, dense)
+            model.set_submodule(name, dense)
     return model
 
 

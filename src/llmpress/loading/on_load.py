@@ -63,8 +63,7 @@ class LlmpressQuantizer(Quantizer):
         self.quantized_modules = []
         for name, (module, _) in chosen.items():
             if isinstance(module, nn.Linear):
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, QuantizedLinear.like(module, scheme))
+                model.set_submodule(name, QuantizedLinear.like(module, scheme))
                 self.quantized_modules.append(name)
         self._targets = set(self.quantized_modules)
 

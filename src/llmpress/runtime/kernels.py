@@ -52,29 +52,32 @@ def int8_supported() -> bool:
     return _has("_weight_int8pack_mm")
 
 
-def int4_pack(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, rows_per_chunk: int = _PACK_ROWS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
-    ``[out, groups]`` into the kernel's packed weight and ``[groups, out, 2]`` scale-zero table."""
-    rows, cols = q.shape
-    # the kernel's layout is made per 64-row block, so blocks of whole 64s convert separately:
-    # the int32 staging copy stays a few MB instead of 4 bytes per weight
+def _convert_in_blocks(rows: int, cols: int, fill, rows_per_chunk: int) -> torch.Tensor:
+    """The kernel's packed weight ``[rows, cols / 2]``, converting from an int32 staging block
+    that ``fill(block, start, stop)`` writes with the unsigned values ``q + 8`` of those rows.
+    The kernel's layout is made per 64-row block, so blocks of whole 64s convert separately: the
+    staging copy stays a few MB instead of 4 bytes per weight."""
     step = rows_per_chunk if rows % 64 == 0 and rows_per_chunk % 64 == 0 else rows
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
     staging = torch.empty(min(step, rows), cols, dtype=torch.int32)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         block = staging[: stop - start]
-        torch.add(q[start:stop], 8, out=block)  # one pass: widen and offset
+        fill(block, start, stop)
         packed[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(block, _INNER_K_TILES)
-    return packed, _scale_zero_table(scale, zero_point)
+    return packed
 
 
-def _scale_zero_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
-    scale = scale.to(torch.float32)
-    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.to(torch.float32) * scale
-    return torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()
+def int4_pack(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, rows_per_chunk: int = _PACK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
+    ``[out, groups]`` into the kernel's packed weight and ``[groups, out, 2]`` scale-zero table."""
+
+    def fill(block: torch.Tensor, start: int, stop: int) -> None:
+        torch.add(q[start:stop], 8, out=block)  # one pass: widen and offset
+
+    return _convert_in_blocks(*q.shape, fill, rows_per_chunk), _scale_zero_table(scale, zero_point)
 
 
 def int4_pack_words(
@@ -82,19 +85,22 @@ def int4_pack_words(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as ``int4_pack`` straight from compressed-tensors' int32 words ``[out, in / 8]``:
     each byte holds two values already offset by 8 (low nibble first), which is what the kernel
-    takes, so the nibbles are widened into the staging buffer with no signed round trip."""
+    takes, so the nibbles are widened into the staging block with no signed round trip."""
     data = words.contiguous().view(torch.uint8)
     rows, half = data.shape
-    step = rows_per_chunk if rows % 64 == 0 and rows_per_chunk % 64 == 0 else rows
-    packed = torch.empty(rows, half, dtype=torch.uint8)
-    staging = torch.empty(min(step, rows), half, 2, dtype=torch.int32)
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        block = staging[: stop - start]
-        torch.bitwise_and(data[start:stop], 0xF, out=block[..., 0])
-        torch.bitwise_right_shift(data[start:stop], 4, out=block[..., 1])
-        packed[start:stop] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(block.view(stop - start, 2 * half), _INNER_K_TILES)
-    return packed, _scale_zero_table(scale, zero_point)
+
+    def fill(block: torch.Tensor, start: int, stop: int) -> None:
+        pairs = block.view(stop - start, half, 2)
+        torch.bitwise_and(data[start:stop], 0xF, out=pairs[..., 0])
+        torch.bitwise_right_shift(data[start:stop], 4, out=pairs[..., 1])
+
+    return _convert_in_blocks(rows, 2 * half, fill, rows_per_chunk), _scale_zero_table(scale, zero_point)
+
+
+def _scale_zero_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+    scale = scale.to(torch.float32)
+    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.to(torch.float32) * scale
+    return torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: torch.Tensor) -> torch.Tensor:

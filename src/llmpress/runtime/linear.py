@@ -176,8 +176,13 @@ class QuantizedLinear(nn.Module):
             state["bias"] = self.bias.detach()
         return state
 
+    @property
+    def default_dtype(self) -> torch.dtype:
+        """The dtype of the dense weight when none is asked for: the bias's, else fp32."""
+        return self.bias.dtype if self.bias is not None else torch.float32
+
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
+        dtype = dtype or self.default_dtype
         if self.kernel == "dequant":
             return FORMATS.get(self.format).decompress(self._stored(), self.quantization_scheme, dtype)["weight"]
         args = self.quantization_scheme.weights
