@@ -22,16 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import REPO, fixture, save_random_llama
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared" / "fixtures"
 PEER_VENV = REPO / ".venv-peers"
 PEER_PYTHON = PEER_VENV / "bin" / "python"
-
-
-def fixture(*parts: str) -> Path:
-    shared = SHARED.joinpath(*parts)
-    return shared if shared.exists() else REPO.joinpath("assets", *parts)
 
 
 def ensure_peer_venv() -> None:
@@ -44,16 +38,8 @@ def ensure_peer_venv() -> None:
 
 def make_random_llama(folder: Path, tokenizer_dir: Path) -> Path:
     """A randomly initialised Llama, hidden 1024, 8 layers, saved as fp32 safetensors."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    if (folder / "config.json").exists():
-        return folder
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(str(folder))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(folder))
-    return folder
+    return save_random_llama(folder, tokenizer_dir, vocab_size=4096, hidden_size=1024, intermediate_size=2816,
+                             num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512)
 
 
 def calibration_tokens(path: Path, tokenizer_dir: Path, samples: int = 64, seq_len: int = 256) -> Path:

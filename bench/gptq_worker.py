@@ -9,11 +9,11 @@ process's peak resident memory, imports included}.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
 import torch
+from common import peak_rss_mb
 
 
 def scheme(bits: int) -> dict:
@@ -51,16 +51,6 @@ def main() -> None:
     {"llmpress": run_llmpress, "llmcompressor": run_llmcompressor}[tool](model_dir, tokens, int(bits), output)
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_rss_mb()}))
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS. VmHWM, not ru_maxrss: on Linux ru_maxrss keeps the high-water
-    mark of the parent at fork, so a child started by a big parent would report the parent's."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":

@@ -28,27 +28,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared" / "fixtures"
-
-
-def fixture(*parts: str) -> Path:
-    shared = SHARED.joinpath(*parts)
-    return shared if shared.exists() else REPO.joinpath("assets", *parts)
+from common import REPO, fixture, save_random_llama
 
 
 def make_random_llama(folder: Path) -> Path:
     """Hidden 2048, 8 layers, the rest as TinyLlama-1.1B (GQA 32/4 heads, vocab 32000), fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (folder / "config.json").exists():
-        return folder
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
-                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(str(folder))
-    return folder
+    return save_random_llama(folder, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
+                             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 
 
 def compress(model_dir: Path, output: Path, weights: dict) -> Path:

@@ -15,14 +15,7 @@ import json
 import time
 
 import torch
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from common import peak_rss_mb
 
 
 def load(tool: str, model: str, quantization_config=None):

@@ -1,0 +1,41 @@
+"""What the benchmark drivers and their worker processes share (stdlib and lazy imports only, so
+it also runs in the peers' virtual environment)."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "fixtures"
+
+
+def fixture(*parts: str) -> Path:
+    """A shared fixture, else the bundled copy in assets/."""
+    shared = SHARED.joinpath(*parts)
+    return shared if shared.exists() else REPO.joinpath("assets", *parts)
+
+
+def save_random_llama(folder: Path, tokenizer_dir: Path | None = None, **config) -> Path:
+    """A randomly initialised Llama built from ``LlamaConfig(**config)`` (seed 0, untied
+    embeddings), saved as fp32 safetensors once; ``tokenizer_dir``'s tokenizer is copied beside it."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **config)).save_pretrained(str(folder))
+    if tokenizer_dir is not None:
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(folder))
+    return folder
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: on Linux ru_maxrss keeps the high-water
+    mark of the parent at fork, so a child started by a big parent would report the parent's."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
