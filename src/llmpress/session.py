@@ -5,9 +5,13 @@
 3. ``initialize(**overrides)`` once: every modifier checks what it needs and sets up.
 4. Events: training (``batch_start``, ``loss_calculated``, ``optim_pre_step``, ``optim_post_step``,
    ``batch_end``) and one-shot (``calibration_start``, ``layer_calibrated``, ``calibration_end``).
+   ``optim_post_step`` counts optimizer steps; with ``steps_per_epoch`` they give the epoch, and
+   a modifier with ``start`` / ``end`` (epochs) gets training events only inside that window.
 5. ``finalize()`` makes the result permanent and ends the session.
 
-Out-of-order calls raise ``SessionError``; nothing is ever a silent no-op.
+Out-of-order calls raise ``SessionError``; nothing is ever a silent no-op. One training batch is
+``batch_start``, any number of ``loss_calculated`` (gradient accumulation), at most one
+``optim_pre_step`` / ``optim_post_step`` pair, then ``batch_end``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,30 @@ logger = logging.getLogger(__name__)
 TRAINING_EVENTS = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
 ONESHOT_EVENTS = ("calibration_start", "layer_calibrated", "calibration_end")
 EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
+
+# which events may come next, by where the session is in a batch or a calibration
+_NEXT: dict[str, tuple[str, ...]] = {
+    "idle": ("batch_start", "calibration_start"),
+    "batch": ("loss_calculated", "optim_pre_step", "batch_end"),
+    "optimizer": ("optim_post_step",),
+    "stepped": ("loss_calculated", "batch_end"),
+    "calibration": ("layer_calibrated", "calibration_end"),
+}
+_AFTER: dict[str, str] = {
+    "batch_start": "batch",
+    "optim_pre_step": "optimizer",
+    "optim_post_step": "stepped",
+    "batch_end": "idle",
+    "calibration_start": "calibration",
+    "calibration_end": "idle",
+}
+_PHASE_WORDS = {
+    "idle": "between batches",
+    "batch": "inside a batch",
+    "optimizer": "between optim_pre_step and optim_post_step",
+    "stepped": "after this batch's optimizer step",
+    "calibration": "during calibration",
+}
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar("llmpress_session", default=None)
 
@@ -57,7 +85,9 @@ class Session:
         self.modifiers: list[Modifier] = [m.clone() for m in self.recipe.modifiers]
         self.state = State()
         self.status = Status.CREATED
-        self.step = 0
+        self._phase = "idle"
+        self._losses_in_batch = 0
+        self._window: dict[int, str] = {}  # id(modifier) -> "open" / "closed" once it changed
         self._tokens: list[contextvars.Token] = []
 
     # -- context ---------------------------------------------------------------------------
@@ -90,20 +120,55 @@ class Session:
             self.status = Status.FAILED
             raise
         self.status = Status.INITIALIZED
+        self._record_recipe()
         return self
 
     def finalize(self) -> Session:
         """Make every modifier's result permanent and end the session."""
         self._require(Status.INITIALIZED, "finalize")
+        if self._phase != "idle":
+            raise SessionError(
+                "finalize() called " + _PHASE_WORDS[self._phase],
+                got=f"no {'calibration_end' if self._phase == 'calibration' else 'batch_end'} yet",
+                expected="finalize() between batches, after calibration_end()",
+                fix="send the closing event first",
+            )
         for modifier in self.modifiers:
             modifier.finalize(self.state)
+        self.status = Status.FINALIZED
+        return self
+
+    def _record_recipe(self) -> None:
+        """The model's record of how it was made gains this session's stages (they apply from
+        now on, so a checkpoint saved mid-training says so), and its saves go through llmpress."""
         model = self.state.get("model")
         if model is not None and self.recipe.stages:
             applied = getattr(model, APPLIED_RECIPE_ATTR, None) or Recipe()
             setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe)
             route_save_pretrained(model)
-        self.status = Status.FINALIZED
-        return self
+
+    # -- where training is ---------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (``optim_post_step`` events)."""
+        return self.state.step
+
+    @property
+    def epoch(self) -> float:
+        return self.state.epoch
+
+    def training_step(self):
+        """A context manager for one batch of a plain training loop::
+
+            with session.training_step() as step:
+                loss = step.loss(model(**batch).loss)
+                loss.backward()
+                step.optimizer_step(optimizer)   # optim_pre_step, optimizer.step(), optim_post_step
+                optimizer.zero_grad()
+        """
+        from llmpress.pipelines.training import TrainingStep
+
+        return TrainingStep(self)
 
     # -- events ------------------------------------------------------------------------------
     def event(self, name: str, **payload: Any) -> Any:
@@ -112,15 +177,73 @@ class Session:
         if name not in EVENTS:
             raise SessionError(f"unknown event {name!r}", expected=f"one of {', '.join(EVENTS)}")
         self._require(Status.INITIALIZED, f"event {name!r}")
+        self._check_order(name)
         if name == "batch_start":
-            self.step += 1
+            self._open_windows()
+            self._losses_in_batch = 0
+        elif name == "loss_calculated":
+            self._losses_in_batch += 1
+        elif name == "batch_end":
+            self._check_loss_was_sent()
+        training = name in TRAINING_EVENTS
         for modifier in self.modifiers:
-            if name not in modifier.events:
+            if name not in modifier.events or (training and not self._reaches(modifier)):
                 continue
             result = modifier.on_event(name, self.state, **payload)
             if name == "loss_calculated" and result is not None:
                 payload["loss"] = result
+        self._phase = _AFTER.get(name, self._phase)
+        if name == "optim_post_step":
+            self.state.step += 1
+            self._close_windows()
         return payload.get("loss") if name == "loss_calculated" else None
+
+    def _check_order(self, name: str) -> None:
+        allowed = _NEXT[self._phase]
+        if name in allowed:
+            return
+        raise SessionError(
+            f"event {name!r} out of order: it came {_PHASE_WORDS[self._phase]}",
+            got=name,
+            expected=f"next one of {', '.join(allowed)}",
+            fix="send a batch as batch_start, loss_calculated, optim_pre_step, optim_post_step, batch_end "
+            "(session.training_step() does this), and calibration as calibration_start ... calibration_end",
+        )
+
+    def _reaches(self, modifier: Modifier) -> bool:
+        window = self._window.get(id(modifier))
+        return window == "open" or (window == "closed" and modifier.acts_after_window)
+
+    def _open_windows(self) -> None:
+        epoch = self.state.epoch
+        for modifier in self.modifiers:
+            if self._window.get(id(modifier)) is None and modifier.active_at(epoch):
+                self._window[id(modifier)] = "open"
+                modifier.on_window_start(self.state)
+
+    def _close_windows(self) -> None:
+        epoch = self.state.epoch
+        for modifier in self.modifiers:
+            if self._window.get(id(modifier)) == "open" and not modifier.active_at(epoch):
+                self._window[id(modifier)] = "closed"
+                modifier.on_window_end(self.state)
+
+    def _check_loss_was_sent(self) -> None:
+        if self._losses_in_batch:
+            return
+        needing = [
+            type(m).__name__
+            for m in self.modifiers
+            if "loss_calculated" in m.events and self._window.get(id(m)) == "open"
+        ]
+        if needing:
+            raise SessionError(
+                f"{', '.join(needing)} change(s) the loss, but this batch sent no loss_calculated event",
+                got="batch_end without loss_calculated",
+                expected="loss = session.loss_calculated(loss) before backward()",
+                fix="use step.loss(loss) in session.training_step(), or llmpress's LlmpressTrainer "
+                "(a TrainerCallback alone cannot change the loss)",
+            )
 
     def batch_start(self) -> None:
         self.event("batch_start")

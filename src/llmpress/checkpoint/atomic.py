@@ -6,7 +6,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,12 +16,16 @@ __all__ = ["atomic_directory"]
 
 
 @contextmanager
-def atomic_directory(output_dir: str | Path) -> Iterator[Path]:
+def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = lambda name: True) -> Iterator[Path]:
     """Yield an empty temporary folder; on success it replaces ``output_dir``.
 
     On any error (or a kill) the temporary folder is what is lost, never ``output_dir``: an
     existing checkpoint there stays whole until the new one is complete. The swap is two
     renames; between them the old folder sits beside the target as ``.NAME.old-*``.
+
+    Entries of the old folder that the new one does not write and that ``replaces(name)`` does
+    not claim (a Trainer's ``checkpoint-*`` folders, a README) are carried into the new folder as
+    hard links before the swap, so saving into a folder never deletes what else lives there.
     """
     target = Path(output_dir).absolute()
     if target.exists() and not target.is_dir():
@@ -43,9 +47,30 @@ def atomic_directory(output_dir: str | Path) -> Iterator[Path]:
         if path.is_file():
             os.chmod(path, 0o644)
     if target.exists():
+        _carry_over(target, tmp, replaces)
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(target, old)
         os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+def _carry_over(old: Path, new: Path, replaces: Callable[[str], bool]) -> None:
+    for entry in old.iterdir():
+        if (new / entry.name).exists() or replaces(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, copy_function=_link_or_copy, symlinks=True)
+        else:
+            _link_or_copy(entry, new / entry.name)
+
+
+def _link_or_copy(source: str | Path, destination: str | Path) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), destination)
+        return
+    try:
+        os.link(source, destination)  # same filesystem (the temp folder is beside the target): no copy
+    except OSError:
+        shutil.copy2(source, destination)

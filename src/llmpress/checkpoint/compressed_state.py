@@ -15,6 +15,7 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
+from llmpress.quant.qat import QAT_ATTR, qat_snapshot
 from llmpress.quant.attach import quantized_modules
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -50,7 +51,8 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
                 del state[k]
             state.update({prefix + k: v for k, v in local.items()})
             continue
-        if scheme.weights is not None and f"{prefix}weight_scale" not in state:
+        in_training = getattr(module, QAT_ATTR, False)
+        if scheme.weights is not None and f"{prefix}weight_scale" not in state and not in_training:
             raise CheckpointError(
                 f"module {name!r} has a quantization scheme but its weight was never quantized",
                 got="no weight_scale",
@@ -65,10 +67,15 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         args = scheme.weights
         if args is not None and args.strategy == "group" and module.weight.shape[-1] % args.group_size:
             uneven.append(name)
+        if not save_compressed and not in_training:
+            continue
         if not save_compressed:
+            state.update({prefix + k: v for k, v in qat_snapshot(module).items()})
             continue
         own = [*module._parameters, *module._buffers]
         local = {k: state.pop(prefix + k) for k in own if prefix + k in state}
+        if in_training:  # mid-QAT: the weights as finalize would round them now
+            local = qat_snapshot(module)
         compressed = FORMATS.get(format_for(scheme)).compress(local, scheme)
         state.update({prefix + k: v for k, v in compressed.items()})
     if uneven:

@@ -16,6 +16,7 @@ from torch import nn
 
 from llmpress.checkpoint.atomic import atomic_directory
 from llmpress.checkpoint.compressed_state import compressed_state_dict, quantization_config_for
+from llmpress.checkpoint.sparsity import sparsity_config_for
 from llmpress.errors import CheckpointError
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
@@ -48,9 +49,9 @@ def save_checkpoint(
         return Path(output_dir)
     limit = parse_size(max_shard_size)
     state = compressed_state_dict(model, save_compressed)
-    with atomic_directory(output_dir) as tmp:
+    with atomic_directory(output_dir, replaces=_is_checkpoint_file) as tmp:
         _write_shards(tmp, state, limit)
-        _write_config(tmp, model, quantization_config_for(model, save_compressed))
+        _write_config(tmp, model, _compression_config(model, save_compressed))
         if processor is not None:
             processor.save_pretrained(str(tmp))
         recorded = recipe if recipe is not None else getattr(model, APPLIED_RECIPE_ATTR, None)
@@ -63,11 +64,30 @@ def save_checkpoint(
     return Path(output_dir)
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a save writes or makes stale (old weight shards, an old recipe); everything else in
+    the folder is kept."""
+    return (
+        name.endswith((".safetensors", ".safetensors.index.json"))
+        or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
+        or name in (RECIPE_NAME, "config.json", "generation_config.json")
+    )
+
+
+# save_pretrained arguments the one save path has no use for: it always writes safetensors from
+# the live model (the Trainer passes these on every checkpoint)
+_QUIETLY_IGNORED = ("safe_serialization", "state_dict")
+
+
 def route_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(dir)`` go through :func:`save_checkpoint`."""
 
     def save_pretrained(self: nn.Module, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.pop("is_main_process", True):
+            return
         options = {k: kwargs.pop(k) for k in ("save_compressed", "max_shard_size") if k in kwargs}
+        for name in _QUIETLY_IGNORED:
+            kwargs.pop(name, None)
         if kwargs or args:
             logger.warning("save_pretrained through llmpress ignores %s", sorted(kwargs) + [repr(a) for a in args])
         save_checkpoint(save_directory, self, **options)
@@ -116,6 +136,18 @@ def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> N
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def _compression_config(model: nn.Module, save_compressed: bool) -> dict[str, Any] | None:
+    """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it."""
+    config = quantization_config_for(model, save_compressed)
+    sparsity = sparsity_config_for(model)
+    if sparsity is None:
+        return config
+    if config is None:  # pruned, not quantized: compressed-tensors' sparsity-only form
+        config = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}}
+    config["sparsity_config"] = sparsity
+    return config
 
 
 def _write_config(folder: Path, model: nn.Module, quantization_config: dict[str, Any] | None) -> None:

@@ -173,7 +173,7 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _checkpoint_dtype(config) -> torch.dtype:
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
     try:
         return _as_dtype(stored) or torch.float32
     except CheckpointError:

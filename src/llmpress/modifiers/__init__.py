@@ -1,7 +1,20 @@
 """Modifiers: one folder per algorithm, registered by class name for recipes."""
 
 from llmpress.modifiers.base import MODIFIERS, Modifier, ModifierConfig
+from llmpress.modifiers.distillation import OutputDistillationModifier
 from llmpress.modifiers.gptq import GPTQModifier
+from llmpress.modifiers.learning_rate import LearningRateModifier
+from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
 
-__all__ = ["MODIFIERS", "GPTQModifier", "Modifier", "ModifierConfig", "QuantizationModifier"]
+__all__ = [
+    "MODIFIERS",
+    "ConstantPruningModifier",
+    "GPTQModifier",
+    "LearningRateModifier",
+    "MagnitudePruningModifier",
+    "Modifier",
+    "ModifierConfig",
+    "OutputDistillationModifier",
+    "QuantizationModifier",
+]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import difflib
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from llmpress.errors import MissingStateError, RecipeError
 from llmpress.registry import Registry
 
-__all__ = ["Modifier", "ModifierConfig", "MODIFIERS", "State", "STATE_FIELDS"]
+__all__ = ["Modifier", "ModifierConfig", "MODIFIERS", "State", "STATE_FIELDS", "WindowConfig"]
 
 MODIFIERS: Registry[type[Modifier]] = Registry("modifier", error=RecipeError)
 
@@ -32,16 +32,55 @@ STATE_FIELDS: dict[str, str] = {
 
 
 class State(dict):
-    """The session's recorded state: a dict limited to ``STATE_FIELDS``, read as attributes."""
+    """The session's recorded state: a dict limited to ``STATE_FIELDS``, read as attributes.
+
+    ``step`` (optimizer steps completed) is kept by the session, not by users; ``epoch`` is
+    derived from it and ``steps_per_epoch``."""
+
+    step: int = 0
 
     def __getattr__(self, name: str) -> Any:
         if name in STATE_FIELDS:
             return self.get(name)
         raise AttributeError(name)
 
+    @property
+    def epoch(self) -> float:
+        """Fractional epochs completed (0.0 while ``steps_per_epoch`` is unknown)."""
+        steps = self.get("steps_per_epoch")
+        return self.step / steps if steps else 0.0
+
+    def epoch_at(self, step: int) -> float:
+        steps = self.get("steps_per_epoch")
+        return step / steps if steps else 0.0
+
 
 class ModifierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+class WindowConfig(ModifierConfig):
+    """When a training modifier acts, in epochs (fractions allowed): ``start <= epoch < end``.
+    ``end: null`` (or llm-compressor's ``-1``) means until the session ends."""
+
+    start: float = 0.0
+    end: float | None = None
+
+    @field_validator("end", mode="before")
+    @classmethod
+    def _minus_one_is_open(cls, value: Any) -> Any:
+        return None if value is not None and float(value) == -1 else value
+
+    @model_validator(mode="after")
+    def _check_window(self) -> WindowConfig:
+        if self.start < 0 or (self.end is not None and self.end <= self.start):
+            raise ValueError(f"needs 0 <= start < end, got start={self.start}, end={self.end}")
+        return self
+
+    @property
+    def has_window(self) -> bool:
+        """Whether the window depends on the epoch (so the session must know steps_per_epoch)."""
+        return self.start > 0 or self.end is not None
 
 
 class Modifier:
@@ -71,8 +110,15 @@ class Modifier:
         """Names of the state fields this modifier needs at ``initialize``."""
         return ("model",)
 
+    def needed_state(self) -> tuple[str, ...]:
+        """``required_state`` plus ``steps_per_epoch`` when the modifier has an epoch window."""
+        needs = self.required_state()
+        if getattr(self.config, "has_window", False) and "steps_per_epoch" not in needs:
+            needs += ("steps_per_epoch",)
+        return needs
+
     def check_state(self, state: State) -> None:
-        for field in self.required_state():
+        for field in self.needed_state():
             if state.get(field) is None:
                 raise MissingStateError(
                     f"{type(self).__name__} needs {field!r}: call "
@@ -92,6 +138,33 @@ class Modifier:
 
     def on_event(self, event: str, state: State, **payload: Any) -> Any:
         return getattr(self, f"on_{event}")(state, **payload)
+
+    # -- the training window ---------------------------------------------------------------
+    def active_at(self, epoch: float) -> bool:
+        """Whether training events reach this modifier at ``epoch`` (always, without a window)."""
+        config = self.config
+        if not isinstance(config, WindowConfig):
+            return True
+        return config.start <= epoch and (config.end is None or epoch < config.end)
+
+    def progress(self, epoch: float) -> float:
+        """How far through its window the modifier is at ``epoch``: 0.0 at start, 1.0 at end."""
+        start, end = self.config.start, self.config.end
+        if end is None:
+            return 0.0 if epoch < start else 1.0
+        return min(max((epoch - start) / (end - start), 0.0), 1.0)
+
+    @property
+    def acts_after_window(self) -> bool:
+        """Whether training events still reach the modifier after its window closed (pruning
+        masks that stay enforced until finalize)."""
+        return False
+
+    def on_window_start(self, state: State) -> None:
+        """The first training event inside the window (QAT switches fake quantization on)."""
+
+    def on_window_end(self, state: State) -> None:
+        """The first optimizer step that leaves the window (not called when ``end`` is open)."""
 
     def finalize(self, state: State) -> None:
         self.on_finalize(state)

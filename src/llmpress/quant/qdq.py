@@ -118,11 +118,15 @@ def fake_quantize_activation(
     x: torch.Tensor, args: QuantizationArgs, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Fake-quantize a module input: dynamic args compute the scale from ``x`` now (per token
-    or per tensor); static args use the calibrated ``scale``."""
+    or per tensor); static args use the calibrated ``scale``. With gradients on, the gradient
+    of the rounding is the identity (straight-through)."""
     if args.dynamic or scale is None:
         flat = x.reshape(-1, x.shape[-1])
-        min_vals, max_vals = reduce_min_max(flat, args)
+        min_vals, max_vals = reduce_min_max(flat.detach(), args)
         scale, zero_point = compute_qparams(min_vals, max_vals, args)
     else:
         flat, zero_point = x.reshape(-1, x.shape[-1]), None
-    return fake_quantize(flat, scale, zero_point, args).reshape(x.shape)
+    quantized = fake_quantize(flat.detach(), scale.detach(), zero_point, args).reshape(x.shape)
+    if x.requires_grad:  # training (QAT): the rounding passes gradients straight through
+        return x + (quantized - x).detach()
+    return quantized

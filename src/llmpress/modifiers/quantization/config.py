@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from llmpress.errors import RecipeError
+from llmpress.modifiers.base import WindowConfig
 from llmpress.quant.scheme import QuantizationScheme, preset_scheme
 
 __all__ = ["QuantizationModifierConfig"]
 
 
-class QuantizationModifierConfig(BaseModel):
+class QuantizationModifierConfig(WindowConfig):
     """Either ``scheme`` (a preset name, a preset-to-targets map, or a scheme dict) or
-    ``config_groups`` (compressed-tensors groups, each with its own ``targets``)."""
+    ``config_groups`` (compressed-tensors groups, each with its own ``targets``).
 
-    model_config = ConfigDict(extra="forbid")
+    ``start`` / ``end`` (epochs) matter only in training: quantization-aware training runs
+    from ``start``; the weights are frozen onto their grid at ``end`` or at ``finalize``."""
 
     targets: list[str] = ["Linear"]
     ignore: list[str] = []

@@ -12,6 +12,10 @@ Example recipe::
 Weights are quantized at ``calibration_end`` with their observer (minmax or mse). Static input
 activations (``FP8``) need ``calibration_data``: their ranges are observed on it between
 ``calibration_start`` and ``calibration_end``. Dynamic activations (``W8A8``) need nothing.
+
+In a training loop (its first ``batch_start`` inside ``start``/``end``) it runs
+quantization-aware training instead: fake-quantized forwards with straight-through gradients,
+frozen onto the grid at ``end`` or ``finalize`` (see ``llmpress.quant.qat``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from llmpress.errors import SessionError, UnsupportedModelError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.modifiers.quantization.activations import InputRangeObserver
-from llmpress.quant.attach import attach_scheme, freeze_weight
+from llmpress.quant.qat import QAT_ATTR, enable_qat, freeze_qat
+from llmpress.quant.attach import attach_scheme, enable_input_quantization, freeze_weight
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -106,7 +111,31 @@ class QuantizationModifier(Modifier):
         self.pending = dict(self.modules)  # not quantized yet
         self.inputs = InputRangeObserver(type(self).__name__)
         self.calibrated = False
+        self.training = False
         self.errors: dict[str, float] = {}
+
+    def on_window_start(self, state: State) -> None:
+        """Training reached the window: quantization-aware training from here on."""
+        unscaled = [
+            n for n, (m, s) in self.pending.items()
+            if s.input_activations is not None and not s.input_activations.dynamic and getattr(m, "input_scale", None) is None
+        ]
+        if unscaled:
+            raise SessionError(
+                f"{type(self).__name__}: quantization-aware training with static input activations needs "
+                "their scales calibrated first",
+                got=f"{len(unscaled)} module(s) without input_scale, e.g. {unscaled[0]!r}",
+                expected="a scheme with dynamic activations (W8A8, W4A16), or input scales from a one-shot stage",
+                fix="run a one-shot stage with the same scheme before the training stage",
+            )
+        self.training = True
+        for module, _ in self.pending.values():
+            enable_qat(module)
+            enable_input_quantization(module)
+        logger.info("%s: quantization-aware training on %d module(s)", type(self).__name__, len(self.pending))
+
+    def on_window_end(self, state: State) -> None:
+        self.quantize_pending(list(self.pending))
 
     def on_calibration_start(self, state: State) -> None:
         self.inputs.observe(self.pending)
@@ -121,7 +150,7 @@ class QuantizationModifier(Modifier):
 
     def on_finalize(self, state: State) -> None:
         """Freeze whatever calibration did not (weights need no data; static inputs do)."""
-        if self.pending and not self.calibrated and self.config.needs_calibration:
+        if self.pending and not self.calibrated and not self.training and self.config.needs_calibration:
             raise SessionError(
                 f"{type(self).__name__} cannot finalize: its static input scales were never calibrated",
                 got="finalize() without calibration_start() / calibration_end()",
@@ -133,6 +162,9 @@ class QuantizationModifier(Modifier):
     def quantize_pending(self, names: list[str]) -> None:
         for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
+            if getattr(module, QAT_ATTR, False):
+                self.errors[name] = freeze_qat(module)  # its input hook is on already
+                continue
             if scheme.weights is not None:
                 self.errors[name] = freeze_weight(module)
             self.inputs.apply_input_quantization(name, module, scheme)

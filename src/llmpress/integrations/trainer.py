@@ -1,0 +1,107 @@
+"""The session inside Hugging Face's ``Trainer``: a callback for the events, a thin subclass for
+the loss.
+
+``SessionCallback`` feeds a session from the Trainer's own objects: at ``on_train_begin`` it
+records the model, the optimizer, the tokenizer and ``steps_per_epoch`` (optimizer steps, after
+gradient accumulation) and initializes the session unless the caller already did; each optimizer
+step then sends ``batch_start`` … ``batch_end``; ``on_train_end`` finalizes. A callback cannot
+change the loss, so ``LlmpressTrainer`` adds ``loss_calculated`` in ``compute_loss``; with the
+callback alone, a modifier that changes the loss (distillation) stops training with a clear
+error at the end of the first step instead of silently doing nothing.
+
+Every checkpoint the Trainer writes goes through ``save_pretrained``, which the session routes to
+llmpress's one save path: compressed weights, ``sparsity_config`` and the recipe so far.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from llmpress.errors import MissingDependencyError
+from llmpress.session import Session, Status
+
+__all__ = ["SessionCallback", "LlmpressTrainer", "steps_per_epoch"]
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as exc:  # pragma: no cover - transformers is a dependency
+    raise MissingDependencyError("the Trainer integration needs transformers", fix="pip install transformers") from exc
+
+
+def steps_per_epoch(train_dataloader: Any, gradient_accumulation_steps: int) -> int | None:
+    """Optimizer steps in one epoch, as the Trainer counts them."""
+    try:
+        batches = len(train_dataloader)
+    except TypeError:  # an iterable dataset has no length: windows in epochs cannot be known
+        return None
+    return max(math.ceil(batches / max(gradient_accumulation_steps, 1)), 1)
+
+
+class SessionCallback(TrainerCallback):
+    """Sends a Trainer's steps to ``session``; initializes it at the start and finalizes it at the
+    end of ``train()`` (``finalize=False`` leaves that to the caller)."""
+
+    def __init__(self, session: Session, *, finalize: bool = True) -> None:
+        self.session = session
+        self.finalize = finalize
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        session = self.session
+        if session.status != Status.CREATED:
+            return  # the caller initialized it with state of their own
+        recorded = session.state
+        steps = recorded.get("steps_per_epoch") or (
+            steps_per_epoch(train_dataloader, args.gradient_accumulation_steps) if train_dataloader is not None else None
+        )
+        session.update_state(
+            model=recorded.get("model") or model,
+            optimizer=recorded.get("optimizer") or optimizer,
+            steps_per_epoch=steps,
+            processor=recorded.get("processor") or kwargs.get("processing_class"),
+        )
+        session.initialize()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.session.batch_start()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.session.optim_pre_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.session.optim_post_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.session.batch_end()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.finalize and self.session.status == Status.INITIALIZED:
+            self.session.finalize()
+
+
+class LlmpressTrainer(Trainer):
+    """``transformers.Trainer`` with a session: ``LlmpressTrainer(model=..., args=..., session=s)``
+    or ``recipe=...`` (and ``teacher=...`` for distillation). The loss of every training batch
+    goes through ``session.loss_calculated``."""
+
+    def __init__(self, *args: Any, session: Session | None = None, recipe: Any = None, teacher: Any = None,
+                 finalize: bool = True, **kwargs: Any) -> None:
+        if (session is None) == (recipe is None):
+            from llmpress.errors import SessionError
+
+            raise SessionError(
+                "LlmpressTrainer needs exactly one of session= and recipe=",
+                got="both" if session is not None else "neither",
+                fix="pass recipe=... (a session is made for it) or session=llmpress.Session(recipe)",
+            )
+        self.session = session if session is not None else Session(recipe)
+        if teacher is not None:
+            self.session.update_state(teacher=teacher)
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        super().__init__(*args, callbacks=[*callbacks, SessionCallback(self.session, finalize=finalize)], **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if model.training and self.session.status == Status.INITIALIZED:
+            loss = self.session.loss_calculated(loss)
+        return (loss, outputs) if return_outputs else loss

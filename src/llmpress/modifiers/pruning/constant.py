@@ -1,0 +1,55 @@
+"""``ConstantPruningModifier``: weights that are zero stay zero through training.
+
+For fine-tuning a model that is already sparse (after SparseGPT, Wanda or magnitude pruning):
+the zeros found at ``initialize`` are re-applied after every optimizer step inside the window
+and once more at ``finalize``::
+
+    ConstantPruningModifier:
+      targets: ['re:.*proj$']
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
+from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, mask_structure_of, prunable_modules
+
+__all__ = ["ConstantPruningModifier"]
+
+
+class ConstantPruningConfig(WindowConfig):
+    targets: list[str] = ["Linear"]
+    ignore: list[str] = ["lm_head"]
+
+
+@MODIFIERS.register("ConstantPruningModifier")
+class ConstantPruningModifier(Modifier):
+    Config = ConstantPruningConfig
+    events = frozenset({"optim_post_step"})
+
+    def on_initialize(self, state: State) -> None:
+        modules = prunable_modules(state.model, self.config.targets, self.config.ignore, type(self).__name__)
+        self.masks: dict[str, tuple[nn.Module, torch.Tensor]] = {}
+        for name, module in modules.items():
+            mask = module.weight.detach() != 0
+            if not bool(mask.all()):  # only modules that are sparse have zeros to keep
+                self.masks[name] = (module, mask)
+                setattr(module, SPARSITY_ATTR, mask_structure_of(mask))
+
+    def on_optim_post_step(self, state: State) -> None:
+        self.apply()
+
+    def on_finalize(self, state: State) -> None:
+        self.apply()
+        self.masks.clear()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for module, mask in self.masks.values():
+            module.weight.mul_(mask)
+
+    def sparsity(self) -> dict[str, float]:
+        """Zeros per masked module, as a fraction of its weights."""
+        return {n: float((m.weight == 0).float().mean()) for n, (m, _) in self.masks.items()}
