@@ -1,6 +1,6 @@
 """llmpress: compress language models into the compressed-tensors format.
 
-Public names: ``oneshot``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
+Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
 ``CalibrationOptions``, ``load``, ``LlmpressConfig``, ``load_checkpoint``; modifiers in ``llmpress.modifiers``; errors in
 ``llmpress.errors``.
 """
@@ -8,9 +8,10 @@ Public names: ``oneshot``, ``Session``, ``active_session``, ``save_checkpoint``,
 from llmpress import errors, modifiers
 from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions
-from llmpress.entrypoints import oneshot
+from llmpress.entrypoints import oneshot, train
 from llmpress.errors import LlmpressError
 from llmpress.loading import CompressedTensorsConfig, LlmpressConfig, QuantizationMethod, Quantizer, load, load_checkpoint
+from llmpress.pipelines.training import TrainingOptions
 from llmpress.recipe import Recipe
 from llmpress.session import Session, active_session
 
@@ -32,4 +33,6 @@ __all__ = [
     "modifiers",
     "oneshot",
     "save_checkpoint",
+    "train",
+    "TrainingOptions",
 ]

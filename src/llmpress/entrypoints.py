@@ -1,7 +1,13 @@
-"""``oneshot``: compress a model with a recipe and calibration data, in one call."""
+"""``oneshot`` and ``train``: compress a model with a recipe, in one call.
+
+``oneshot`` runs one-shot stages on calibration data. ``train`` runs a recipe whose stages may
+also train (pruning schedules, QAT, distillation), e.g. GPTQ W4A16 then recovery training with
+distillation from the original model, from one YAML file, saving a checkpoint after each stage.
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -11,13 +17,14 @@ from torch import nn
 
 from llmpress.checkpoint import route_save_pretrained, save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
-from llmpress.errors import CheckpointError, MissingStateError
+from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
-from llmpress.recipe import Recipe
-from llmpress.session import Session
+from llmpress.pipelines.training import TrainingOptions, run_training, stage_epochs
+from llmpress.recipe import Recipe, RecipeStage
+from llmpress.session import TRAINING_EVENTS, Session
 
-__all__ = ["oneshot", "load_model_and_processor"]
+__all__ = ["oneshot", "train", "load_model_and_processor", "is_training_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,22 +81,110 @@ def oneshot(
         processor = processor if processor is not None else loaded_processor
     recipe = Recipe.from_any(recipe)
     options = calibration or CalibrationOptions()
+    training = [s.name for s in recipe.stages if is_training_stage(s)]
+    if training:
+        raise RecipeError(
+            f"stage {training[0]!r} trains (pruning schedule, QAT, distillation or learning rate); oneshot only calibrates",
+            expected="a recipe of one-shot stages",
+            fix="run it with llmpress.train(...) (on the command line: llmpress train)",
+        )
     if dataset is None:
         _require_no_calibration(recipe)
-    batches = None
-    if dataset is not None:
-        samples = load_calibration_samples(dataset, processor, options)
-        batches = batch_samples(samples, options.batch_size)
-    model.eval()
+    batches = _calibration_batches(dataset, processor, options)
     for stage in recipe.stages:
-        logger.info("running stage %s", stage.name)
-        session = Session(Recipe([stage]))
-        with session:
-            session.initialize(model=model, calibration_data=batches, processor=processor)
-            run = run_layerwise_calibration if options.pipeline == "layerwise" else run_basic_calibration
-            run(model, session, batches or [])
-            session.finalize()
+        _oneshot_stage(model, stage, batches, processor, options)
     route_save_pretrained(model)
     if output_dir is not None:
         save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
     return model
+
+
+def _calibration_batches(dataset: Any, processor: Any, options: CalibrationOptions) -> list[torch.Tensor] | None:
+    if dataset is None:
+        return None
+    return batch_samples(load_calibration_samples(dataset, processor, options), options.batch_size)
+
+
+def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor: Any, options: CalibrationOptions) -> None:
+    logger.info("running one-shot stage %s", stage.name)
+    model.eval()
+    session = Session(Recipe([stage]))
+    with session:
+        session.initialize(model=model, calibration_data=batches, processor=processor)
+        run = run_layerwise_calibration if options.pipeline == "layerwise" else run_basic_calibration
+        run(model, session, batches or [])
+        session.finalize()
+
+
+def is_training_stage(stage: RecipeStage) -> bool:
+    """``run_type: train`` / ``oneshot`` when the stage says; else whether a modifier of it acts
+    on training events (a stage of QuantizationModifier alone is one-shot RTN)."""
+    if stage.run_type is not None:
+        if stage.run_type not in ("train", "oneshot"):
+            raise RecipeError(f"stage {stage.name!r}: unknown run_type", got=stage.run_type, expected="'oneshot' or 'train'")
+        return stage.run_type == "train"
+    return any(set(m.events) & set(TRAINING_EVENTS) for m in stage.modifiers)
+
+
+def train(
+    model: nn.Module | str | Path,
+    recipe: Any,
+    dataset: Any,
+    *,
+    output_dir: str | Path | None = None,
+    processor: Any = None,
+    teacher: nn.Module | str | Path | None = None,
+    training: TrainingOptions | None = None,
+    calibration: CalibrationOptions | None = None,
+    save_compressed: bool = True,
+) -> nn.Module:
+    """Apply ``recipe`` stage by stage: one-shot stages calibrate on ``dataset``, training stages
+    train on it (causal LM loss, AdamW, ``training`` options). With ``output_dir``, each stage but
+    the last is saved to ``output_dir/<stage name>`` and the result to ``output_dir``.
+
+    ``teacher`` (a model or a checkpoint folder) is what distillation learns from; when a stage
+    distills and none is given, it is a copy of ``model`` as it was before the first stage.
+    """
+    if isinstance(model, (str, Path)):
+        model, loaded_processor = load_model_and_processor(model)
+        processor = processor if processor is not None else loaded_processor
+    if dataset is None:
+        raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
+    recipe = Recipe.from_any(recipe)
+    options = training or TrainingOptions()
+    calibration = calibration or CalibrationOptions()
+    if isinstance(teacher, (str, Path)):
+        teacher, _ = load_model_and_processor(teacher)
+    if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
+        logger.info("distilling from a copy of the model as it was before the first stage")
+        teacher = copy.deepcopy(model).eval()
+    calibration_batches = train_batches = None
+    for i, stage in enumerate(recipe.stages):
+        if is_training_stage(stage):
+            if train_batches is None:
+                sampling = CalibrationOptions(
+                    num_samples=options.num_samples, seq_len=options.seq_len, seed=options.seed, batch_size=options.batch_size
+                )
+                train_batches = _calibration_batches(dataset, processor, sampling)
+            _training_stage(model, stage, train_batches, processor, teacher, options)
+        else:
+            if calibration_batches is None:
+                calibration_batches = _calibration_batches(dataset, processor, calibration)
+            _oneshot_stage(model, stage, calibration_batches, processor, calibration)
+        if output_dir is not None and i < len(recipe.stages) - 1:
+            save_checkpoint(Path(output_dir) / stage.name, model, processor, save_compressed=save_compressed)
+    route_save_pretrained(model)
+    if output_dir is not None:
+        save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
+    return model
+
+
+def _training_stage(model: nn.Module, stage: RecipeStage, batches: list[torch.Tensor], processor: Any, teacher: Any, options: TrainingOptions) -> None:
+    logger.info("running training stage %s", stage.name)
+    session = Session(Recipe([stage]))
+    with session:
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay)
+        session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches), teacher=teacher, processor=processor)
+        run_training(model, session, batches, optimizer, epochs=stage_epochs(session, options), max_steps=options.max_steps, seed=options.seed)
+        session.finalize()

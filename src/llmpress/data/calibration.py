@@ -24,9 +24,9 @@ __all__ = ["CalibrationOptions", "load_calibration_samples", "batch_samples"]
 
 @dataclass
 class CalibrationOptions:
-    """How many samples of how many tokens, in which order."""
+    """How many samples of how many tokens, in which order (``num_samples=None``: all of them)."""
 
-    num_samples: int = 64
+    num_samples: int | None = 64
     seq_len: int = 256
     shuffle: bool = True
     seed: int = 0
@@ -41,7 +41,7 @@ class CalibrationOptions:
         if self.pipeline not in ("layerwise", "basic"):
             raise DataError("unknown calibration pipeline", got=self.pipeline, expected="'layerwise' or 'basic'")
         for name in ("num_samples", "seq_len", "batch_size"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise DataError(f"{name} must be at least 1", got=getattr(self, name), expected=">= 1")
 
 
@@ -97,7 +97,7 @@ def _tokenize(tokenizer: Any, text: str) -> list[int]:
 def _from_text(text: str, tokenizer: Any, options: CalibrationOptions, origin: str) -> list[torch.Tensor]:
     ids = torch.tensor(_tokenize(tokenizer, text), dtype=torch.long)
     available = ids.numel() // options.seq_len
-    if available < options.num_samples:
+    if available < (options.num_samples or 1):
         raise DataError(
             f"{origin} is too short for the calibration request",
             got=f"{ids.numel()} tokens = {available} samples of {options.seq_len}",

@@ -1,0 +1,368 @@
+"""Compression inside training loops: events, windows, the five training modifiers, QAT."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+import llmpress
+from llmpress.errors import MissingStateError, RecipeError, SessionError
+from llmpress.modifiers import (
+    ConstantPruningModifier,
+    LearningRateModifier,
+    MagnitudePruningModifier,
+    OutputDistillationModifier,
+    QuantizationModifier,
+)
+from llmpress.modifiers.distillation import distillation_loss
+from llmpress.modifiers.learning_rate import scheduled_lr
+from llmpress.modifiers.pruning import cubic_sparsity
+from llmpress.modifiers.pruning.masks import magnitude_mask
+from llmpress.quant.qat import QAT_ATTR
+
+
+def _batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _train(session: llmpress.Session, model, optimizer, steps: int, *, same_batch: bool = False) -> list[float]:
+    model.train()
+    losses = []
+    for i in range(steps):
+        batch = _batch(0 if same_batch else i)
+        with session.training_step() as step:
+            loss = step.loss(model(input_ids=batch, labels=batch).loss)
+            loss.backward()
+            step.optimizer_step(optimizer)
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+def _proj_sparsity(model) -> list[float]:
+    return [float((m.weight == 0).float().mean()) for n, m in model.named_modules() if n.endswith("_proj")]
+
+
+# -- events ------------------------------------------------------------------------------------
+def _initialized(recipe=None) -> llmpress.Session:
+    model = make_tiny_llama()
+    session = llmpress.Session(recipe or ConstantPruningModifier())
+    return session.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=4)
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        ["loss_calculated"],  # before batch_start
+        ["optim_pre_step"],
+        ["batch_end"],
+        ["batch_start", "batch_start"],
+        ["batch_start", "optim_post_step"],  # no optim_pre_step
+        ["batch_start", "optim_pre_step", "batch_end"],  # no optim_post_step
+        ["batch_start", "optim_pre_step", "optim_post_step", "optim_pre_step"],  # two steps in one batch
+        ["batch_start", "calibration_start"],
+        ["calibration_start", "batch_start"],
+        ["layer_calibrated"],
+    ],
+)
+def test_out_of_order_events_are_session_errors(events):
+    session = _initialized()
+    *fine, wrong = events
+    for name in fine:
+        session.event(name, **({"loss": torch.tensor(1.0)} if name == "loss_calculated" else {}))
+    with pytest.raises(SessionError, match="out of order"):
+        payload = {"loss": torch.tensor(1.0)} if wrong == "loss_calculated" else {}
+        payload = {"index": 0, "layer": None} if wrong == "layer_calibrated" else payload
+        session.event(wrong, **payload)
+
+
+def test_finalize_inside_a_batch_is_an_error():
+    session = _initialized()
+    session.batch_start()
+    with pytest.raises(SessionError, match="inside a batch"):
+        session.finalize()
+    session.batch_end()
+    session.finalize()
+
+
+def test_steps_count_optimizer_steps_and_give_epochs():
+    session = _initialized()
+    for _ in range(3):  # gradient accumulation: batches without a step do not count
+        session.batch_start()
+        session.loss_calculated(torch.tensor(1.0))
+        session.batch_end()
+    assert session.step == 0
+    for _ in range(6):
+        session.batch_start()
+        session.optim_pre_step()
+        session.optim_post_step()
+        session.batch_end()
+    assert session.step == 6 and session.epoch == pytest.approx(1.5)
+
+
+def test_a_failed_batch_leaves_the_session_usable():
+    session = _initialized()
+    with pytest.raises(RuntimeError):
+        with session.training_step():
+            raise RuntimeError("loss was nan")
+    with session.training_step():
+        pass
+    session.finalize()
+
+
+def test_modifiers_act_only_inside_their_window():
+    model = make_tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    lr = LearningRateModifier(lr_func="constant", init_lr=0.5, start=1.0, end=2.0)
+    session = llmpress.Session(lr).initialize(model=model, optimizer=optimizer, steps_per_epoch=2)
+    seen = []
+    for _ in range(6):
+        with session.training_step() as step:
+            step.optimizer_step(optimizer)
+        seen.append(optimizer.param_groups[0]["lr"])
+    assert seen[:1] == [0.1]  # epoch 0: untouched
+    assert seen[2:4] == [0.5, 0.5]  # epoch 1
+    session.finalize()
+
+
+def test_window_fields_validate_and_accept_minus_one():
+    assert MagnitudePruningModifier(final_sparsity=0.5, end=1).config.end == 1
+    assert ConstantPruningModifier(end=-1).config.end is None
+    with pytest.raises(RecipeError):
+        ConstantPruningModifier(start=2, end=1)
+    with pytest.raises(RecipeError, match="mask_structure"):
+        MagnitudePruningModifier(final_sparsity=0.5, end=1, mask_structure="4:2")
+    with pytest.raises(RecipeError, match="at most 0.50"):
+        MagnitudePruningModifier(final_sparsity=0.6, end=1, mask_structure="2:4")
+
+
+# -- every modifier names its missing state and works with state from several places ------------
+def _five_modifiers():
+    return [
+        (ConstantPruningModifier(), ["model"]),
+        (MagnitudePruningModifier(final_sparsity=0.5, end=1), ["model", "steps_per_epoch"]),
+        (QuantizationModifier(scheme="W4A16", ignore=["lm_head"]), ["model"]),
+        (OutputDistillationModifier(), ["model", "teacher"]),
+        (LearningRateModifier(lr_func="linear", init_lr=0.1, final_lr=0.01, end=1), ["optimizer", "steps_per_epoch"]),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_each_modifier_names_the_missing_state(index):
+    modifier, needs = _five_modifiers()[index]
+    model = make_tiny_llama()
+    full = {
+        "model": model,
+        "teacher": make_tiny_llama(seed=1),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "steps_per_epoch": 4,
+    }
+    for missing in needs:
+        session = llmpress.Session(modifier)
+        session.update_state(**{k: v for k, v in full.items() if k != missing})
+        with pytest.raises(MissingStateError, match=f"{type(modifier).__name__} needs '{missing}'"):
+            session.initialize()
+    session = llmpress.Session(modifier)
+    for key, value in full.items():  # one field per call, from different places
+        session.update_state(**{key: value})
+    session.initialize()
+    _train(session, model, full["optimizer"], 2)
+    session.finalize()
+
+
+# -- pruning ------------------------------------------------------------------------------------
+def test_cubic_schedule_and_magnitude_masks():
+    assert cubic_sparsity(0.0, 0.1, 0.5) == pytest.approx(0.1)
+    assert cubic_sparsity(1.0, 0.1, 0.5) == pytest.approx(0.5)
+    assert cubic_sparsity(0.5, 0.0, 0.8) == pytest.approx(0.8 * (1 - 0.125))
+    weight = torch.randn(8, 16)
+    keep = magnitude_mask(weight, 0.25, None)
+    assert int((~keep).sum()) == 32
+    assert weight.abs()[~keep].max() <= weight.abs()[keep].min()
+    two_four = magnitude_mask(weight, 0.5, (2, 4))
+    assert bool((two_four.reshape(-1, 4).sum(1) == 2).all())
+    partial = magnitude_mask(weight, 0.25, (2, 4))  # below 2:4's own sparsity: still within its pattern
+    assert int((~partial).sum()) == 32 and bool((partial | ~two_four).all())
+
+
+@pytest.mark.parametrize("structure", ["unstructured", "2:4"])
+def test_magnitude_pruning_schedule_reaches_final_sparsity(structure):
+    model = make_tiny_llama(intermediate=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pruning = MagnitudePruningModifier(
+        targets=["re:.*_proj$"], init_sparsity=0.1, final_sparsity=0.5, end=1, mask_structure=structure
+    )
+    session = llmpress.Session(pruning).initialize(model=model, optimizer=optimizer, steps_per_epoch=4)
+    seen = []
+    for i in range(6):
+        _train(session, model, optimizer, 1)
+        seen.append(sum(_proj_sparsity(model)) / len(_proj_sparsity(model)))
+    assert seen[0] == pytest.approx(cubic_sparsity(0.25, 0.1, 0.5), abs=0.01)
+    assert seen == sorted(seen) and seen[3] == pytest.approx(0.5, abs=0.005)
+    assert all(s == pytest.approx(0.5, abs=0.005) for s in _proj_sparsity(model))  # kept after the window
+    session.finalize()
+    if structure == "2:4":
+        for name, module in model.named_modules():
+            if name.endswith("_proj"):
+                assert bool(((module.weight != 0).reshape(-1, 4).sum(1) <= 2).all())
+
+
+def test_constant_pruning_keeps_zeros_through_optimizer_steps():
+    model = make_tiny_llama()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("_proj"):
+                module.weight.mul_(magnitude_mask(module.weight, 0.4, None))
+    zeros = {n: m.weight == 0 for n, m in model.named_modules() if n.endswith("_proj")}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session = llmpress.Session(ConstantPruningModifier()).initialize(model=model, optimizer=optimizer)
+    _train(session, model, optimizer, 3)
+    session.finalize()
+    for name, module in model.named_modules():
+        if name in zeros:
+            assert bool((module.weight[zeros[name]] == 0).all())
+            assert bool((module.weight[~zeros[name]] != 0).all())
+
+
+def test_pruning_checkpoint_keeps_zeros_and_says_so(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_llama(intermediate=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = llmpress.Session(MagnitudePruningModifier(final_sparsity=0.5, end=1, mask_structure="2:4"))
+    session.initialize(model=model, optimizer=optimizer, steps_per_epoch=2)
+    _train(session, model, optimizer, 1)
+    model.save_pretrained(tmp_path / "mid")  # mid-schedule, through the one save path
+    _train(session, model, optimizer, 1)
+    session.finalize()
+    model.save_pretrained(tmp_path / "final")
+    import json
+
+    for folder, sparsity in (("mid", cubic_sparsity(0.5, 0.0, 0.5)), ("final", 0.5)):
+        config = json.loads((tmp_path / folder / "config.json").read_text())["quantization_config"]["sparsity_config"]
+        assert config["global_sparsity"] == pytest.approx(sparsity, abs=0.01)
+        assert "MagnitudePruningModifier" in (tmp_path / folder / "recipe.yaml").read_text()
+    assert config["sparsity_structure"] == "2:4" and "lm_head" in config["ignore"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    ours = llmpress.load(tmp_path / "final")
+    for reloaded in (loaded, ours):
+        assert float((reloaded.model.layers[0].mlp.down_proj.weight == 0).float().mean()) == pytest.approx(0.5)
+
+
+# -- QAT ----------------------------------------------------------------------------------------
+def test_qat_starts_at_the_rtn_model_trains_and_freezes_on_the_grid(tmp_path):
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, "W4A16")
+    batch = _batch()
+    with torch.no_grad():
+        rtn_loss = float(model(input_ids=batch, labels=batch).loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = llmpress.Session(QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
+    session.initialize(model=model, optimizer=optimizer)
+    model.train()
+    with session.training_step() as step:
+        loss = step.loss(model(input_ids=batch, labels=batch).loss)
+        assert float(loss.detach()) == pytest.approx(rtn_loss, rel=1e-6)  # the same grid: the same model
+        loss.backward()
+        q_proj = model.model.layers[0].self_attn.q_proj
+        assert getattr(q_proj, QAT_ATTR) and q_proj.weight.grad.abs().sum() > 0  # straight-through
+        step.optimizer_step(optimizer)
+    losses = _train(session, model, optimizer, 20, same_batch=True)
+    assert losses[-1] < losses[0]
+    model.save_pretrained(tmp_path / "mid")  # mid-QAT: saved as finalize would round it now
+    with torch.no_grad():
+        mid_logits = model(input_ids=batch).logits
+    session.finalize()
+    assert not hasattr(q_proj, QAT_ATTR) and "forward" not in q_proj.__dict__
+    scale = q_proj.weight_scale.repeat_interleave(128, dim=1)
+    codes = q_proj.weight / scale
+    assert torch.allclose(codes, codes.round(), atol=1e-3)
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=batch).logits, mid_logits, atol=1e-5)
+        reloaded = llmpress.load_checkpoint(tmp_path / "mid")
+        assert torch.allclose(reloaded(input_ids=batch).logits, mid_logits, atol=1e-4)
+
+
+def test_qat_needs_calibrated_static_activation_scales():
+    model = make_tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = llmpress.Session(QuantizationModifier(scheme="FP8", ignore=["lm_head"]))
+    session.initialize(model=model, optimizer=optimizer, calibration_data=[_batch()])
+    with pytest.raises(SessionError, match="static input activations"):
+        session.batch_start()
+
+
+# -- distillation and learning rate -------------------------------------------------------------
+def test_distillation_loss_values():
+    logits = torch.randn(2, 5, 11)
+    assert float(distillation_loss(logits, logits, "kl")) == pytest.approx(0.0, abs=1e-6)
+    assert float(distillation_loss(logits, logits + 1.0, "mse")) == pytest.approx(1.0)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    other = logits.clone()
+    other[1] += 5.0
+    assert float(distillation_loss(logits, other, "mse", mask=mask)) == pytest.approx(0.0)
+
+
+def test_distillation_adds_the_teacher_term_and_hidden_states_train():
+    student = make_tiny_llama()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    same = llmpress.Session(OutputDistillationModifier(distill_weight=2.0))
+    same.initialize(model=student, teacher=copy.deepcopy(student), optimizer=optimizer)
+    batch = _batch()
+    with same.training_step() as step:
+        plain = student(input_ids=batch, labels=batch).loss
+        assert float(step.loss(plain)) == pytest.approx(float(plain), rel=1e-5)  # KL to itself: 0
+    same.finalize()
+
+    teacher = make_tiny_llama(seed=1)
+    modifier = OutputDistillationModifier(targets=["re:model.layers.\\d+$"], comparison="mse", orig_weight=0.0)
+    session = llmpress.Session(modifier).initialize(model=student, teacher=teacher, optimizer=optimizer)
+    losses = _train(session, student, optimizer, 15, same_batch=True)
+    assert losses[0] > 0 and losses[-1] < losses[0]
+    session.finalize()
+    assert not student._forward_pre_hooks and not teacher.model.layers[0]._forward_hooks
+
+
+def test_distillation_names_a_module_the_teacher_lacks():
+    from llmpress.errors import UnsupportedModelError
+
+    small_teacher = make_tiny_llama()
+    small_teacher.model.layers = small_teacher.model.layers[:1]
+    session = llmpress.Session(OutputDistillationModifier(targets=["model.layers.1"]))
+    with pytest.raises(UnsupportedModelError, match="teacher has no module 'model.layers.1'"):
+        session.initialize(model=make_tiny_llama(), teacher=small_teacher)
+
+
+def test_a_loss_changing_modifier_needs_loss_calculated():
+    student = make_tiny_llama()
+    session = llmpress.Session(OutputDistillationModifier())
+    session.initialize(model=student, teacher=make_tiny_llama(seed=1))
+    session.batch_start()
+    with pytest.raises(SessionError, match="LlmpressTrainer"):
+        session.batch_end()
+
+
+def test_learning_rate_schedules():
+    assert scheduled_lr("linear", 0.5, 1.0, 0.0) == pytest.approx(0.5)
+    assert scheduled_lr("cosine", 0.5, 1.0, 0.0) == pytest.approx(0.5)
+    assert scheduled_lr("cosine", 1.0, 1.0, 0.1) == pytest.approx(0.1)
+    assert scheduled_lr("exponential", 0.5, 1.0, 0.01) == pytest.approx(0.1)
+    with pytest.raises(RecipeError, match="needs final_lr and end"):
+        LearningRateModifier(lr_func="linear", init_lr=0.1)
+    model = make_tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    modifier = LearningRateModifier(lr_func="linear", init_lr=0.1, final_lr=0.0, end=1)
+    session = llmpress.Session(modifier).initialize(model=model, optimizer=optimizer, steps_per_epoch=4)
+    rates = []
+    for _ in range(5):
+        with session.training_step() as step:
+            rates.append(None)
+            session.optim_pre_step()
+            rates[-1] = optimizer.param_groups[0]["lr"]
+            session.optim_post_step()
+    assert rates == pytest.approx([0.1, 0.075, 0.05, 0.025, 0.0])
+    session.finalize()

@@ -1,0 +1,170 @@
+"""The session in Hugging Face's Trainer and in staged recipes; the pruning examples as they are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, make_tiny_llama, text_path, trained_model_dir
+
+import llmpress
+from llmpress.errors import RecipeError, SessionError
+from llmpress.modifiers import MagnitudePruningModifier, OutputDistillationModifier
+
+
+def _trainer_args(tmp_path, **overrides):
+    from transformers import TrainingArguments
+
+    settings = dict(
+        output_dir=str(tmp_path / "run"), num_train_epochs=2, per_device_train_batch_size=4,
+        learning_rate=1e-3, save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True,
+    )
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def _token_dataset(count: int = 16):
+    ids = torch.randint(0, 512, (count, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def test_trainer_prunes_on_schedule_and_every_checkpoint_is_sparse(tmp_path):
+    from llmpress.integrations.trainer import LlmpressTrainer
+
+    model = make_tiny_llama(intermediate=256)
+    pruning = MagnitudePruningModifier(targets=["re:.*_proj$"], final_sparsity=0.5, end=1.5)
+    trainer = LlmpressTrainer(
+        model=model, args=_trainer_args(tmp_path, gradient_accumulation_steps=2), train_dataset=_token_dataset(),
+        recipe=pruning,
+    )
+    trainer.train()
+    session = trainer.session
+    assert session.status.value == "finalized" and session.state.steps_per_epoch == 2 and session.step == 4
+    trainer.save_model(str(tmp_path / "run"))
+    run = tmp_path / "run"
+    for checkpoint, expected in (("checkpoint-2", 0.5 * (1 - (1 / 3) ** 3)), ("checkpoint-4", 0.5), (".", 0.5)):
+        config = json.loads((run / checkpoint / "config.json").read_text())["quantization_config"]
+        assert config["sparsity_config"]["global_sparsity"] == pytest.approx(expected, abs=0.005)
+        assert "MagnitudePruningModifier" in (run / checkpoint / "recipe.yaml").read_text()
+    assert (run / "checkpoint-2" / "optimizer.pt").exists()  # the final save kept the Trainer's checkpoints
+
+
+def test_trainer_distills_through_compute_loss_and_a_bare_callback_refuses(tmp_path):
+    from transformers import Trainer
+
+    from llmpress.integrations.trainer import LlmpressTrainer, SessionCallback
+
+    teacher = make_tiny_llama(seed=1)
+    trainer = LlmpressTrainer(
+        model=make_tiny_llama(), args=_trainer_args(tmp_path, num_train_epochs=1), train_dataset=_token_dataset(8),
+        recipe=OutputDistillationModifier(comparison="kl"), teacher=teacher,
+    )
+    trainer.train()
+    distill = trainer.session.modifiers[0].last_distill_loss
+    assert distill is not None and distill > 0
+
+    session = llmpress.Session(OutputDistillationModifier()).update_state(teacher=teacher)
+    bare = Trainer(
+        model=make_tiny_llama(), args=_trainer_args(tmp_path / "bare", num_train_epochs=1),
+        train_dataset=_token_dataset(8), callbacks=[SessionCallback(session)],
+    )
+    with pytest.raises(SessionError, match="LlmpressTrainer"):
+        bare.train()
+
+
+def test_saving_into_a_folder_keeps_what_else_is_there(tmp_path):
+    model = make_tiny_llama()
+    out = tmp_path / "out"
+    (out / "checkpoint-7").mkdir(parents=True)
+    (out / "checkpoint-7" / "optimizer.pt").write_bytes(b"state")
+    (out / "README.md").write_text("notes")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    llmpress.save_checkpoint(out, model)
+    assert (out / "checkpoint-7" / "optimizer.pt").read_bytes() == b"state"
+    assert (out / "README.md").read_text() == "notes"
+    assert not (out / "model-00001-of-00002.safetensors").exists()  # stale weights do not survive
+    assert (out / "model.safetensors").exists()
+
+
+def test_oneshot_refuses_training_stages_and_run_type_is_checked():
+    recipe = {"prune_stage": {"MagnitudePruningModifier": {"final_sparsity": 0.5, "end": 1}}}
+    with pytest.raises(RecipeError, match="llmpress.train"):
+        llmpress.oneshot(make_tiny_llama(), recipe)
+    with pytest.raises(RecipeError, match="run_type"):
+        llmpress.oneshot(make_tiny_llama(), {"a_stage": {"run_type": "later", "QuantizationModifier": {"scheme": "W8A8"}}})
+
+
+STAGED = """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier: {scheme: W4A16, ignore: [lm_head]}
+recovery_stage:
+  run_type: train
+  recovery_modifiers:
+    QuantizationModifier: {scheme: W4A16, ignore: [lm_head]}
+    OutputDistillationModifier: {targets: [logits], comparison: kl, orig_weight: 0.0}
+"""
+
+
+@pytest.mark.integration
+def test_staged_recipe_rtn_then_qat_with_distillation_beats_rtn(tmp_path):
+    """One YAML: RTN W4A16, then QAT recovery distilled from the original model. The stage
+    checkpoint is saved, and QAT's perplexity is below RTN's on the shared model."""
+    from llmpress.entrypoints import load_model_and_processor
+    from llmpress.evaluation import evaluation_windows, perplexity
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(STAGED)
+    options = llmpress.TrainingOptions(lr=1e-4, max_steps=40, batch_size=8, seq_len=128, epochs=10)
+    llmpress.train(trained_model_dir(), recipe, text_path("calibration.txt"), output_dir=tmp_path / "out", training=options)
+    _, tokenizer = load_model_and_processor(trained_model_dir())
+    windows = evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 20)
+    rtn = perplexity(llmpress.load_checkpoint(tmp_path / "out" / "quant_stage"), windows, progress=False).perplexity
+    qat = perplexity(llmpress.load_checkpoint(tmp_path / "out"), windows, progress=False).perplexity
+    assert qat < rtn
+    assert "recovery_stage" in (tmp_path / "out" / "recipe.yaml").read_text()
+    assert "recovery_stage" not in (tmp_path / "out" / "quant_stage" / "recipe.yaml").read_text()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized"
+
+
+def _run_example(script: str, output) -> str:
+    command = [
+        sys.executable, str(REPO / "examples" / script), "--model", str(trained_model_dir()),
+        "--text", str(text_path("calibration.txt")), "--output", str(output),
+        "--max-samples", "128", "--max-windows", "10",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _pruned_fraction(folder) -> dict[str, float]:
+    from llmpress.checkpoint.sparsity import sparsity_of
+
+    model = llmpress.load_checkpoint(folder)
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    modules = dict(model.named_modules())
+    return {name: sparsity_of(modules[name]) for name in config["targets"]}
+
+
+def _perplexities(stdout: str) -> tuple[float, float]:
+    rows = {line.split("  ")[0]: line.split() for line in stdout.splitlines() if line.startswith(("dense", "pruned"))}
+    return float(rows["dense (before)"][2]), float(rows["pruned (checkpoint)"][2])
+
+
+@pytest.mark.integration
+def test_pruning_examples_trainer_and_plain_loop_agree(tmp_path):
+    results = {}
+    for script in ("prune_with_trainer.py", "prune_with_torch_loop.py"):
+        stdout = _run_example(script, tmp_path / script)
+        sparsity = _pruned_fraction(tmp_path / script)
+        assert len(sparsity) == 28 and all(abs(s - 0.5) <= 0.01 for s in sparsity.values())
+        before, after = _perplexities(stdout)
+        results[script] = (sparsity, after)
+        assert after < before * 1.5  # recovered, not broken
+    (trainer_sparsity, trainer_ppl), (loop_sparsity, loop_ppl) = results.values()
+    assert trainer_sparsity == pytest.approx(loop_sparsity, abs=1e-3)
+    assert abs(trainer_ppl - loop_ppl) / loop_ppl < 0.05
