@@ -359,10 +359,9 @@ def test_learning_rate_schedules():
     session = llmpress.Session(modifier).initialize(model=model, optimizer=optimizer, steps_per_epoch=4)
     rates = []
     for _ in range(5):
-        with session.training_step() as step:
-            rates.append(None)
+        with session.training_step():
             session.optim_pre_step()
-            rates[-1] = optimizer.param_groups[0]["lr"]
+            rates.append(optimizer.param_groups[0]["lr"])
             session.optim_post_step()
     assert rates == pytest.approx([0.1, 0.075, 0.05, 0.025, 0.0])
     session.finalize()
