@@ -168,3 +168,27 @@ def test_pruning_examples_trainer_and_plain_loop_agree(tmp_path):
     (trainer_sparsity, trainer_ppl), (loop_sparsity, loop_ppl) = results.values()
     assert trainer_sparsity == pytest.approx(loop_sparsity, abs=1e-3)
     assert abs(trainer_ppl - loop_ppl) / loop_ppl < 0.05
+
+
+@pytest.mark.integration
+def test_cli_train_runs_a_staged_recipe_and_the_sparsity_survives_reloading(tmp_path):
+    from llmpress.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "prune_stage:\n  MagnitudePruningModifier: {final_sparsity: 0.5, end: 1, mask_structure: '2:4'}\n"
+        "quant_stage:\n  QuantizationModifier: {scheme: W8A8, ignore: [lm_head]}\n"
+    )
+    out = tmp_path / "out"
+    code = main([
+        "train", "--model", str(trained_model_dir()), "--recipe", str(recipe), "--dataset", str(text_path("calibration.txt")),
+        "--output", str(out), "--num-samples", "32", "--seq-len", "64", "--batch-size", "4",
+    ])
+    assert code == 0 and (out / "prune_stage" / "model.safetensors").exists()
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized" and config["sparsity_config"]["sparsity_structure"] == "2:4"
+    resaved = tmp_path / "resaved"
+    llmpress.load(out).save_pretrained(resaved)  # runtime int8 modules: the sparsity is still described
+    again = json.loads((resaved / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert again["targets"] == config["sparsity_config"]["targets"]
+    assert again["global_sparsity"] == pytest.approx(0.5, abs=0.01)

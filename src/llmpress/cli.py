@@ -1,4 +1,4 @@
-"""``llmpress`` command line: oneshot, eval, generate, inspect.
+"""``llmpress`` command line: oneshot, train, eval, generate, inspect.
 
 Every error llmpress raises on purpose prints one line (``error: ...``) and exits with status 2;
 no traceback unless ``LLMPRESS_DEBUG=1``.
@@ -29,6 +29,32 @@ def _oneshot(args: argparse.Namespace) -> int:
     oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options)
     print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from llmpress.data import CalibrationOptions
+    from llmpress.entrypoints import train
+    from llmpress.pipelines.training import TrainingOptions
+
+    training = TrainingOptions(
+        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size,
+        seq_len=args.seq_len, num_samples=args.num_samples, seed=args.seed,
+    )
+    calibration = CalibrationOptions(num_samples=args.calibration_samples, seq_len=args.seq_len, seed=args.seed)
+    start = time.perf_counter()
+    train(args.model, args.recipe, args.dataset, output_dir=args.output, teacher=args.teacher, training=training, calibration=calibration)
+    print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -87,6 +113,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{info['path']}")
     print(f"  model:   {info['architecture']} ({info['model_type']}), {info['parameters']:,} parameters")
     print(f"  format:  {info['format']} ({info['quantization_status']})")
+    if info.get("sparsity"):
+        print(f"  sparsity: {info['sparsity']}")
     print(f"  size:    {info['size_mb']:.2f} MB in {info['files']} safetensors file(s)")
     for group in info["groups"]:
         print(f"  {group['name']}: {group['summary']} -> {group['modules']} module(s), targets {group['targets']}")
@@ -127,6 +155,24 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--seed", type=int, default=0)
     oneshot.add_argument("--batch-size", type=_at_least(1), default=2, help="samples per calibration forward")
     oneshot.set_defaults(run=_oneshot)
+
+    training = commands.add_parser(
+        "train", help="run a recipe with training stages (pruning schedules, QAT, distillation) and one-shot stages"
+    )
+    training.add_argument("--model", required=True, help="model folder")
+    training.add_argument("--recipe", required=True, help="YAML/JSON recipe file; stages with run_type: train (or training modifiers) train")
+    training.add_argument("--dataset", required=True, help="text, JSON-lines file or dataset folder to calibrate and train on")
+    training.add_argument("--output", required=True, help="folder for the result; each earlier stage is saved in OUTPUT/<stage>")
+    training.add_argument("--teacher", help="teacher checkpoint for distillation (default: the input model)")
+    training.add_argument("--epochs", type=_positive_float, help="epochs per training stage (default: the recipe's latest end, else 1)")
+    training.add_argument("--max-steps", type=_at_least(1), help="at most this many optimizer steps per training stage")
+    training.add_argument("--lr", type=_positive_float, default=1e-4)
+    training.add_argument("--batch-size", type=_at_least(1), default=4)
+    training.add_argument("--seq-len", type=_at_least(2), default=256)
+    training.add_argument("--num-samples", type=_at_least(1), help="training samples (default: all of the dataset)")
+    training.add_argument("--calibration-samples", type=_at_least(1), default=64, help="samples for one-shot stages")
+    training.add_argument("--seed", type=int, default=0)
+    training.set_defaults(run=_train)
 
     evaluate = commands.add_parser("eval", help="perplexity of one or more checkpoints on a text file")
     evaluate.add_argument("--model", required=True, action="append", help="checkpoint folder (repeat to compare)")

@@ -62,7 +62,17 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
         "files": len(files),
         "size_mb": sum(f.stat().st_size for f in files) / 1e6,
         "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
+        "sparsity": _describe_sparsity(qcfg.get("sparsity_config")),
     }
+
+
+def _describe_sparsity(config: dict[str, Any] | None) -> str | None:
+    if not config:
+        return None
+    share = config.get("global_sparsity")
+    share = f"{share:.1%} zeros" if isinstance(share, (int, float)) else "zeros"
+    targets = config.get("targets") or []
+    return f"{config.get('sparsity_structure', 'unstructured')}, {share} in {len(targets)} target(s), stored {config.get('format', 'dense')}"
 
 
 def _skeleton(folder: Path) -> nn.Module | None:

@@ -12,16 +12,37 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SPARSITY_ATTR", "sparsity_config_for", "sparsity_of"]
+__all__ = ["SPARSITY_ATTR", "sparsity_config_for", "sparsity_of", "mark_sparse_modules"]
 
 # attribute on a pruned module: "unstructured" or "N:M"
 SPARSITY_ATTR = "llmpress_sparsity_structure"
 
 
+def _weight(module: nn.Module):
+    weight = getattr(module, "weight", None)
+    if weight is None and hasattr(module, "dequantized_weight"):  # a runtime QuantizedLinear
+        weight = module.dequantized_weight()
+    return weight
+
+
 def sparsity_of(module: nn.Module) -> float:
     """The fraction of the module's weight that is exactly zero."""
-    weight = module.weight
+    weight = _weight(module)
     return float((weight == 0).sum()) / max(weight.numel(), 1)
+
+
+def mark_sparse_modules(model: nn.Module, sparsity_config: dict[str, Any] | None) -> None:
+    """Mark the modules a loaded checkpoint's ``sparsity_config`` names, so saving the model
+    again describes them again."""
+    if not sparsity_config or not sparsity_config.get("targets"):
+        return
+    from llmpress.targets import assign_by_targets
+
+    structure = sparsity_config.get("sparsity_structure") or "unstructured"
+    chosen = assign_by_targets(model, [(list(sparsity_config["targets"]), None)], sparsity_config.get("ignore") or [])
+    for module, _ in chosen.values():
+        if _weight(module) is not None:
+            setattr(module, SPARSITY_ATTR, structure)
 
 
 def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
@@ -31,8 +52,9 @@ def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     if not pruned:
         return None
     structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
-    zeros = sum(float((m.weight == 0).sum()) for _, m in pruned)
-    total = sum(m.weight.numel() for _, m in pruned)
+    weights = [_weight(m) for _, m in pruned]
+    zeros = sum(float((w == 0).sum()) for w in weights)
+    total = sum(w.numel() for w in weights)
     names = {n for n, _ in pruned}
     linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     return {

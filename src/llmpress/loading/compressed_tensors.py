@@ -13,6 +13,7 @@ import logging
 import torch
 from torch import nn
 
+from llmpress.checkpoint.sparsity import mark_sparse_modules
 from llmpress.errors import CheckpointError
 from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod, register_quantizer
 from llmpress.loading.dense import dense_linear
@@ -104,6 +105,9 @@ class CompressedTensorsQuantizer(Quantizer):
         for name in waiting:
             self._finish(model, name, self.targets[name])  # raises, naming what is missing
         return [k for k in missing if k.rpartition(".")[0] not in self.targets]
+
+    def _process_model_after_weight_loading(self, model: nn.Module) -> None:
+        mark_sparse_modules(model, self.config._other.get("sparsity_config"))
 
     @property
     def is_trainable(self) -> bool:
