@@ -192,3 +192,23 @@ def test_cli_train_runs_a_staged_recipe_and_the_sparsity_survives_reloading(tmp_
     again = json.loads((resaved / "config.json").read_text())["quantization_config"]["sparsity_config"]
     assert again["targets"] == config["sparsity_config"]["targets"]
     assert again["global_sparsity"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_trainer_resumed_from_a_checkpoint_continues_the_schedule(tmp_path):
+    from llmpress.integrations.trainer import LlmpressTrainer
+
+    def run(resume=None):
+        pruning = MagnitudePruningModifier(targets=["re:.*_proj$"], final_sparsity=0.5, end=1.5)
+        trainer = LlmpressTrainer(
+            model=make_tiny_llama(intermediate=256), args=_trainer_args(tmp_path, num_train_epochs=2),
+            train_dataset=_token_dataset(), recipe=pruning,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    first = run()
+    assert first.session.step == 8
+    resumed = run(str(tmp_path / "run" / "checkpoint-4"))  # epoch 1 of 2
+    assert resumed.session.step == 8 and resumed.session.modifiers[0].sparsity == 0.5
+    weights = [m.weight for n, m in resumed.model.named_modules() if n.endswith("_proj")]
+    assert all(float((w == 0).float().mean()) == pytest.approx(0.5, abs=0.005) for w in weights)

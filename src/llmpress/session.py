@@ -157,6 +157,27 @@ class Session:
     def epoch(self) -> float:
         return self.state.epoch
 
+    def resume_at(self, step: int) -> Session:
+        """Continue a training run from ``step`` optimizer steps (a resumed checkpoint): windows
+        that already closed are opened and closed once, so their results (final masks, the
+        last learning rate) hold; the others open at the next ``batch_start`` as usual."""
+        self._require(Status.INITIALIZED, "resume_at")
+        if self._phase != "idle" or self.state.step or self._window:
+            raise SessionError(
+                "resume_at() called after training events",
+                got=f"{self.state.step} step(s) already counted",
+                expected="resume_at(step) right after initialize(), before the first batch_start",
+            )
+        self.state.step = int(step)
+        epoch = self.state.epoch
+        for modifier in self.modifiers:
+            end = getattr(modifier.config, "end", None)
+            if end is not None and epoch >= end:
+                self._window[id(modifier)] = "closed"
+                modifier.on_window_start(self.state)
+                modifier.on_window_end(self.state)
+        return self
+
     def training_step(self):
         """A context manager for one batch of a plain training loop::
 

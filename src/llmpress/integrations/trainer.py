@@ -4,7 +4,8 @@ the loss.
 ``SessionCallback`` feeds a session from the Trainer's own objects: at ``on_train_begin`` it
 records the model, the optimizer, the tokenizer and ``steps_per_epoch`` (optimizer steps, after
 gradient accumulation) and initializes the session unless the caller already did; each optimizer
-step then sends ``batch_start`` … ``batch_end``; ``on_train_end`` finalizes. A callback cannot
+step then sends ``batch_start`` … ``batch_end``; ``on_train_end`` finalizes. A run resumed from
+a checkpoint continues the schedules from the Trainer's step. A callback cannot
 change the loss, so ``LlmpressTrainer`` adds ``loss_calculated`` in ``compute_loss``; with the
 callback alone, a modifier that changes the loss (distillation) stops training with a clear
 error at the end of the first step instead of silently doing nothing.
@@ -49,6 +50,7 @@ class SessionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         session = self.session
         if session.status != Status.CREATED:
+            self._resume(state)
             return  # the caller initialized it with state of their own
         recorded = session.state
         steps = recorded.get("steps_per_epoch") or (
@@ -61,6 +63,12 @@ class SessionCallback(TrainerCallback):
             processor=recorded.get("processor") or kwargs.get("processing_class"),
         )
         session.initialize()
+        self._resume(state)
+
+    def _resume(self, state) -> None:
+        """``train(resume_from_checkpoint=...)``: the schedules continue from the Trainer's step."""
+        if state.global_step and self.session.step == 0:
+            self.session.resume_at(state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.session.batch_start()
