@@ -212,3 +212,24 @@ def test_trainer_resumed_from_a_checkpoint_continues_the_schedule(tmp_path):
     assert resumed.session.step == 8 and resumed.session.modifiers[0].sparsity == 0.5
     weights = [m.weight for n, m in resumed.model.named_modules() if n.endswith("_proj")]
     assert all(float((w == 0).float().mean()) == pytest.approx(0.5, abs=0.005) for w in weights)
+
+
+def test_trainer_qat_checkpoints_are_quantized_and_match_the_finalized_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from llmpress.integrations.trainer import LlmpressTrainer
+    from llmpress.modifiers import QuantizationModifier
+
+    trainer = LlmpressTrainer(
+        model=make_tiny_llama(intermediate=256), args=_trainer_args(tmp_path, num_train_epochs=1),
+        train_dataset=_token_dataset(), recipe=QuantizationModifier(scheme="W4A16", ignore=["lm_head"]),
+    )
+    trainer.train()  # the checkpoint of the last step is written mid-QAT, then train() finalizes
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["quantization_status"] == "compressed"
+    batch = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        final = trainer.model.eval()(input_ids=batch).logits
+        saved = AutoModelForCausalLM.from_pretrained(checkpoint)(input_ids=batch).logits
+    assert torch.allclose(saved, final, atol=1e-4)
