@@ -146,7 +146,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr("llmpress.checkpoint.save.save_file", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="disk full"):
         llmpress.save_checkpoint(out, make_tiny_llama(seed=5))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left

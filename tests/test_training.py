@@ -117,15 +117,18 @@ def test_a_failed_batch_leaves_the_session_usable():
 def test_modifiers_act_only_inside_their_window():
     model = make_tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    lr = LearningRateModifier(lr_func="constant", init_lr=0.5, start=1.0, end=2.0)
+    lr = LearningRateModifier(lr_func="linear", init_lr=0.5, final_lr=0.3, start=1.0, end=2.0)
     session = llmpress.Session(lr).initialize(model=model, optimizer=optimizer, steps_per_epoch=2)
     seen = []
-    for _ in range(6):
-        with session.training_step() as step:
-            step.optimizer_step(optimizer)
-        seen.append(optimizer.param_groups[0]["lr"])
-    assert seen[:1] == [0.1]  # epoch 0: untouched
-    assert seen[2:4] == [0.5, 0.5]  # epoch 1
+    for _ in range(7):
+        with session.training_step():
+            session.optim_pre_step()
+            seen.append(optimizer.param_groups[0]["lr"])  # the rate this step uses
+            session.optim_post_step()
+        optimizer.param_groups[0]["lr"] = 0.9  # the loop's own scheduler, say
+    assert seen[:2] == [0.1, 0.9]  # epoch 0: untouched
+    assert seen[2:4] == pytest.approx([0.5, 0.4])  # epoch 1: the schedule
+    assert seen[4:] == pytest.approx([0.3] * 3)  # after the window: the final rate stays
     session.finalize()
 
 
@@ -242,11 +245,12 @@ def test_pruning_checkpoint_keeps_zeros_and_says_so(tmp_path):
     model.save_pretrained(tmp_path / "final")
     import json
 
-    for folder, sparsity in (("mid", cubic_sparsity(0.5, 0.0, 0.5)), ("final", 0.5)):
+    for folder, sparsity, structure in (("mid", cubic_sparsity(0.5, 0.0, 0.5), "unstructured"), ("final", 0.5, "2:4")):
         config = json.loads((tmp_path / folder / "config.json").read_text())["quantization_config"]["sparsity_config"]
         assert config["global_sparsity"] == pytest.approx(sparsity, abs=0.01)
+        assert config["sparsity_structure"] == structure  # mid-schedule the zeros are not 2:4 yet
         assert "MagnitudePruningModifier" in (tmp_path / folder / "recipe.yaml").read_text()
-    assert config["sparsity_structure"] == "2:4" and "lm_head" in config["ignore"]
+    assert "lm_head" in config["ignore"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     ours = llmpress.load(tmp_path / "final")
     for reloaded in (loaded, ours):
@@ -381,3 +385,51 @@ def test_resume_at_replays_closed_windows_and_continues_open_ones():
     with pytest.raises(SessionError, match="after training events"):
         session.resume_at(2)
     session.finalize()
+
+
+def test_saving_before_qat_starts_gives_the_rtn_snapshot(tmp_path):
+    model = make_tiny_llama(intermediate=256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = llmpress.Session(QuantizationModifier(scheme="W4A16", ignore=["lm_head"], start=1))
+    session.initialize(model=model, optimizer=optimizer, steps_per_epoch=4)
+    _train(session, model, optimizer, 1)  # epoch 0: plain training, QAT starts at epoch 1
+    model.save_pretrained(tmp_path / "early")  # what finalize would give now: RTN of these weights
+    batch = _batch()
+    with torch.no_grad():
+        expected = copy.deepcopy(model)
+    rtn = llmpress.oneshot(expected, "W4A16")
+    with torch.no_grad():
+        saved = llmpress.load_checkpoint(tmp_path / "early")(input_ids=batch).logits
+        assert torch.allclose(saved, rtn(input_ids=batch).logits, atol=1e-4)
+    session.finalize()
+
+
+def test_qat_with_another_scheme_drops_the_earlier_grid_and_frozen_weights_stop_training():
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, "W8A16")  # per-channel int8 grid
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    qat = QuantizationModifier(scheme="W4A16", ignore=["lm_head"], end=0.5)
+    session = llmpress.Session(qat).initialize(model=model, optimizer=optimizer, steps_per_epoch=4)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert getattr(q_proj, "weight_scale", None) is None  # the int8 scales do not fit int4 groups
+    _train(session, model, optimizer, 2)  # the window closes: weights frozen on the int4 grid
+    frozen = q_proj.weight.detach().clone()
+    assert not q_proj.weight.requires_grad
+    _train(session, model, optimizer, 2)
+    assert torch.equal(q_proj.weight, frozen)
+    session.finalize()
+
+
+def test_teacher_must_not_be_the_student():
+    model = make_tiny_llama()
+    with pytest.raises(SessionError, match="teacher is the student"):
+        llmpress.Session(OutputDistillationModifier()).initialize(model=model, teacher=model)
+
+
+def test_gptq_refuses_a_training_window_and_one_shot_windows_say_why_they_need_epochs():
+    from llmpress.modifiers import GPTQModifier
+
+    with pytest.raises(RecipeError, match="one-shot"):
+        GPTQModifier(scheme="W4A16", start=1)
+    with pytest.raises(MissingStateError, match="start/end window"):
+        llmpress.Session(QuantizationModifier(scheme="W4A16", start=1)).initialize(model=make_tiny_llama())

@@ -179,6 +179,24 @@ def train(
     return model
 
 
+def _freeze_quantized_weights(model: nn.Module) -> None:
+    """Weights an earlier stage put on their grid stay there unless this stage trains them with
+    QAT (a QuantizationModifier of its own): plain steps would move them off the grid."""
+    from llmpress.quant.qat import PENDING_ATTR
+
+    frozen = [
+        m for m in model.modules()
+        if getattr(m, "weight_scale", None) is not None and not getattr(m, PENDING_ATTR, False) and m.weight.requires_grad
+    ]
+    for module in frozen:
+        module.weight.requires_grad_(False)
+    if frozen:
+        logger.info(
+            "%d quantized module(s) keep their weights fixed in this stage; add a QuantizationModifier "
+            "to the stage to train them with QAT", len(frozen),
+        )
+
+
 def _training_stage(model: nn.Module, stage: RecipeStage, batches: list[torch.Tensor], processor: Any, teacher: Any, options: TrainingOptions) -> None:
     logger.info("running training stage %s", stage.name)
     session = Session(Recipe([stage]))
@@ -186,5 +204,6 @@ def _training_stage(model: nn.Module, stage: RecipeStage, batches: list[torch.Te
         parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay)
         session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches), teacher=teacher, processor=processor)
+        _freeze_quantized_weights(model)
         run_training(model, session, batches, optimizer, epochs=stage_epochs(session, options), max_steps=options.max_steps, seed=options.seed)
         session.finalize()

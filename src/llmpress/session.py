@@ -87,6 +87,7 @@ class Session:
         self.status = Status.CREATED
         self._phase = "idle"
         self._losses_in_batch = 0
+        self._trained = False
         self._window: dict[int, str] = {}  # id(modifier) -> "open" / "closed" once it changed
         self._tokens: list[contextvars.Token] = []
 
@@ -133,6 +134,13 @@ class Session:
                 expected="finalize() between batches, after calibration_end()",
                 fix="send the closing event first",
             )
+        if self._trained:
+            unopened = [type(m).__name__ for m in self.modifiers if m.config_has_window and id(m) not in self._window]
+            if unopened:
+                logger.warning(
+                    "%s never reached the start of its window (training ended at epoch %.2f); "
+                    "finalize() applies it without training", ", ".join(unopened), self.state.epoch,
+                )
         for modifier in self.modifiers:
             modifier.finalize(self.state)
         self.status = Status.FINALIZED
@@ -200,6 +208,7 @@ class Session:
         self._require(Status.INITIALIZED, f"event {name!r}")
         self._check_order(name)
         if name == "batch_start":
+            self._trained = True
             self._open_windows()
             self._losses_in_batch = 0
         elif name == "loss_calculated":

@@ -39,6 +39,15 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        if target.exists():
+            _carry_over(target, tmp, replaces)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            "could not write the checkpoint folder (nothing in it was changed)",
+            got=f"{type(exc).__name__}: {exc}",
+            fix="check free disk space and permissions of the output folder",
+        ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -47,7 +56,6 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
         if path.is_file():
             os.chmod(path, 0o644)
     if target.exists():
-        _carry_over(target, tmp, replaces)
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(target, old)
         os.replace(tmp, target)

@@ -15,7 +15,7 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
-from llmpress.quant.qat import QAT_ATTR, qat_snapshot
+from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.attach import quantized_modules
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -51,8 +51,11 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
                 del state[k]
             state.update({prefix + k: v for k, v in local.items()})
             continue
-        in_training = getattr(module, QAT_ATTR, False)
-        if scheme.weights is not None and f"{prefix}weight_scale" not in state and not in_training:
+        unfrozen = scheme.weights is not None and f"{prefix}weight_scale" not in state
+        # mid-training (QAT on, or a session that will quantize the module later): the weights
+        # as finalize would round them now
+        in_training = getattr(module, QAT_ATTR, False) or (unfrozen and getattr(module, PENDING_ATTR, False))
+        if unfrozen and not in_training:
             raise CheckpointError(
                 f"module {name!r} has a quantization scheme but its weight was never quantized",
                 got="no weight_scale",

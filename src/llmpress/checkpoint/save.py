@@ -37,14 +37,19 @@ def save_checkpoint(
     save_compressed: bool = True,
     recipe: Recipe | None = None,
     max_shard_size: int | str = "5GB",
+    synchronize: bool = True,
 ) -> Path:
     """Write ``model`` (compressed when it is quantized), its config, tokenizer, recipe and
     remote-code files to ``output_dir``, atomically. Returns the folder.
 
     ``recipe`` replaces the model's own record of how it was made (the recipe it was loaded
     with followed by the stages applied since), which is what ``recipe.yaml`` holds otherwise.
+    Under ``torch.distributed`` every rank calls it and the main one writes; with
+    ``synchronize=False`` only the caller's rank is here (a Trainer saving on its main process)
+    and it writes without waiting for the others.
     """
-    if _is_secondary_rank():
+    synchronize = synchronize and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if synchronize and torch.distributed.get_rank() != 0:
         torch.distributed.barrier()  # the main process writes; the others wait for it
         return Path(output_dir)
     limit = parse_size(max_shard_size)
@@ -58,7 +63,7 @@ def save_checkpoint(
         if recorded is not None and recorded.stages:
             (tmp / RECIPE_NAME).write_text(recorded.to_yaml(), encoding="utf-8")
         _copy_remote_code(tmp, model)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if synchronize:
         torch.distributed.barrier()
     logger.info("saved %s checkpoint to %s", "compressed" if save_compressed else "dense", output_dir)
     return Path(output_dir)
@@ -68,7 +73,7 @@ def _is_checkpoint_file(name: str) -> bool:
     """Files a save writes or makes stale (old weight shards, an old recipe); everything else in
     the folder is kept."""
     return (
-        name.endswith((".safetensors", ".safetensors.index.json"))
+        (name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")))
         or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
         or name in (RECIPE_NAME, "config.json", "generation_config.json")
     )
@@ -79,13 +84,32 @@ def _is_checkpoint_file(name: str) -> bool:
 _QUIETLY_IGNORED = ("safe_serialization", "state_dict")
 
 
+def _check_given_state_dict(model: nn.Module, given: dict[str, torch.Tensor] | None) -> None:
+    """llmpress saves the live modules (their schemes, masks, QAT state); a state dict handed in
+    (a Trainer gathering FSDP or ZeRO-3 shards) is only fine when the live tensors are whole."""
+    if not given:
+        return
+    live = model.state_dict()
+    wrong = [k for k, v in given.items() if k in live and tuple(live[k].shape) != tuple(v.shape)]
+    if wrong or any(t.is_meta for t in live.values()):
+        raise CheckpointError(
+            "save_pretrained got a gathered state_dict while the model's own tensors are sharded",
+            got=f"{len(wrong)} tensor(s) whose live shape differs, e.g. {wrong[:1]}",
+            expected="a model whose modules hold whole tensors (no FSDP / DeepSpeed ZeRO-3 sharding)",
+            fix="train without parameter sharding, or gather the model and call llmpress.save_checkpoint on it",
+        )
+
+
 def route_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(dir)`` go through :func:`save_checkpoint`."""
 
     def save_pretrained(self: nn.Module, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
-        if not kwargs.pop("is_main_process", True):
-            return
         options = {k: kwargs.pop(k) for k in ("save_compressed", "max_shard_size") if k in kwargs}
+        if "is_main_process" in kwargs:  # transformers' convention: only the main process calls
+            if not kwargs.pop("is_main_process"):
+                return
+            options["synchronize"] = False
+        _check_given_state_dict(self, kwargs.get("state_dict"))
         for name in _QUIETLY_IGNORED:
             kwargs.pop(name, None)
         if kwargs or args:
@@ -107,11 +131,6 @@ def parse_size(size: int | str) -> int:
     if text.isdigit():
         return int(text)
     raise CheckpointError("cannot read the shard size", got=size, expected="a byte count or a size like '5GB'")
-
-
-def _is_secondary_rank() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
 
 
 def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> None:

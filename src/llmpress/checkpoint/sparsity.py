@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SPARSITY_ATTR", "sparsity_config_for", "sparsity_of", "mark_sparse_modules"]
+__all__ = ["SPARSITY_ATTR", "sparsity_config_for", "sparsity_of", "mark_sparse_modules", "structure_of"]
 
 # attribute on a pruned module: "unstructured" or "N:M"
 SPARSITY_ATTR = "llmpress_sparsity_structure"
@@ -29,6 +29,13 @@ def sparsity_of(module: nn.Module) -> float:
     """The fraction of the module's weight that is exactly zero."""
     weight = _weight(module)
     return float((weight == 0).sum()) / max(weight.numel(), 1)
+
+
+def structure_of(keep) -> str:
+    """``"2:4"`` when at most 2 of every 4 consecutive inputs are kept, else ``"unstructured"``."""
+    if keep.shape[-1] % 4 == 0 and bool((keep.reshape(-1, 4).sum(dim=1) <= 2).all()):
+        return "2:4"
+    return "unstructured"
 
 
 def mark_sparse_modules(model: nn.Module, sparsity_config: dict[str, Any] | None) -> None:
@@ -51,8 +58,11 @@ def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     pruned = [(n, m) for n, m in model.named_modules() if getattr(m, SPARSITY_ATTR, None)]
     if not pruned:
         return None
-    structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
     weights = [_weight(m) for _, m in pruned]
+    # N:M only when every pruned module's zeros really are N:M (mid-schedule they are not yet)
+    structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
+    if structures != {"unstructured"} and any(structure_of(w != 0) == "unstructured" for w in weights):
+        structures = {"unstructured"}
     zeros = sum(float((w == 0).sum()) for w in weights)
     total = sum(w.numel() for w in weights)
     names = {n for n, _ in pruned}

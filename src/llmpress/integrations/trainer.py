@@ -12,22 +12,50 @@ error at the end of the first step instead of silently doing nothing.
 
 Every checkpoint the Trainer writes goes through ``save_pretrained``, which the session routes to
 llmpress's one save path: compressed weights, ``sparsity_config`` and the recipe so far.
+``LlmpressTrainer`` also reads such checkpoints back when resuming (``resume_from_checkpoint``,
+``load_best_model_at_end``): a checkpoint saved mid-QAT resumes from its quantized weights.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from llmpress.errors import MissingDependencyError
 from llmpress.session import Session, Status
 
-__all__ = ["SessionCallback", "LlmpressTrainer", "steps_per_epoch"]
+__all__ = ["SessionCallback", "LlmpressTrainer", "steps_per_epoch", "load_compressed_into"]
 
 try:
     from transformers import Trainer, TrainerCallback
 except ImportError as exc:  # pragma: no cover - transformers is a dependency
     raise MissingDependencyError("the Trainer integration needs transformers", fix="pip install transformers") from exc
+
+
+def load_compressed_into(model: Any, folder: str) -> bool:
+    """Load a compressed checkpoint (one the session saved mid-QAT) into ``model``: weights on
+    their grid, and the grid itself (``weight_scale``), so QAT resumes where the file stands.
+    Returns False for a plain checkpoint, which the Trainer loads itself."""
+    config = Path(folder, "config.json")
+    quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not quantization or quantization.get("quantization_status") != "compressed" or not quantization.get("config_groups"):
+        return False
+    from llmpress.loading import load_checkpoint
+    from llmpress.quant.attach import set_module_buffer
+
+    dense = load_checkpoint(folder, dtype=next(model.parameters()).dtype)
+    model.load_state_dict({k: v for k, v in dense.state_dict().items() if not k.endswith(("_scale", "_zero_point"))}, strict=False)
+    live = dict(model.named_modules())
+    for name, module in dense.named_modules():
+        for buffer in ("weight_scale", "weight_zero_point"):
+            value = getattr(module, buffer, None)
+            if name in live and isinstance(value, torch.Tensor):
+                set_module_buffer(live[name], buffer, value)
+    return True
 
 
 def steps_per_epoch(train_dataloader: Any, gradient_accumulation_steps: int) -> int | None:
@@ -107,6 +135,20 @@ class LlmpressTrainer(Trainer):
             self.session.update_state(teacher=teacher)
         callbacks = list(kwargs.pop("callbacks", None) or [])
         super().__init__(*args, callbacks=[*callbacks, SessionCallback(self.session, finalize=finalize)], **kwargs)
+        if any("loss_calculated" in m.events for m in self.session.modifiers):
+            # The model's loss then stays a per-batch mean (not pre-scaled over the accumulated
+            # batches with num_items_in_batch), so a term a modifier adds (also a per-batch mean)
+            # is scaled for gradient accumulation together with it by the Trainer.
+            self.model_accepts_loss_kwargs = False
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not load_compressed_into(model if model is not None else self.model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+
+    def _load_best_model(self):
+        best = self.state.best_model_checkpoint
+        if best is None or not load_compressed_into(self.model, best):
+            super()._load_best_model()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)

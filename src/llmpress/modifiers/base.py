@@ -120,11 +120,14 @@ class Modifier:
     def check_state(self, state: State) -> None:
         for field in self.needed_state():
             if state.get(field) is None:
+                window = field == "steps_per_epoch" and "steps_per_epoch" not in self.required_state()
                 raise MissingStateError(
-                    f"{type(self).__name__} needs {field!r}: call "
-                    f"session.update_state({field}=...) before initialize()",
+                    f"{type(self).__name__} needs {field!r}"
+                    + (" for its start/end window (epochs)" if window else "")
+                    + f": call session.update_state({field}=...) before initialize()",
                     got=f"no {field}",
                     expected=STATE_FIELDS.get(field, field),
+                    fix="one-shot runs have no epochs: remove start/end from the recipe there" if window else None,
                 )
 
     # -- lifecycle, called by the session ---------------------------------------------------
@@ -140,6 +143,11 @@ class Modifier:
         return getattr(self, f"on_{event}")(state, **payload)
 
     # -- the training window ---------------------------------------------------------------
+    @property
+    def config_has_window(self) -> bool:
+        """Whether the modifier takes ``start`` / ``end`` (it acts in training)."""
+        return isinstance(self.config, WindowConfig)
+
     def active_at(self, epoch: float) -> bool:
         """Whether training events reach this modifier at ``epoch`` (always, without a window)."""
         config = self.config

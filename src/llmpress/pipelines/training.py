@@ -88,10 +88,15 @@ class TrainingOptions:
 
 
 def stage_epochs(session: Session, options: TrainingOptions) -> float:
+    """``options.epochs``, else long enough for every window: the latest ``end``, and one epoch
+    past a ``start`` that has no end."""
     if options.epochs is not None:
         return options.epochs
-    ends = [m.config.end for m in session.modifiers if getattr(m.config, "end", None) is not None]
-    return max(ends) if ends else 1.0
+    needed = [1.0]
+    for modifier in session.modifiers:
+        start, end = getattr(modifier.config, "start", 0.0), getattr(modifier.config, "end", None)
+        needed.append(end if end is not None else start + 1.0)
+    return max(needed)
 
 
 def run_training(

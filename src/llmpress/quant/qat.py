@@ -24,10 +24,13 @@ from llmpress.quant.attach import set_weight_qparams
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import fake_quantize
 
-__all__ = ["QAT_ATTR", "enable_qat", "disable_qat", "qat_weight", "freeze_qat", "qat_snapshot"]
+__all__ = ["QAT_ATTR", "PENDING_ATTR", "enable_qat", "disable_qat", "qat_weight", "freeze_qat", "qat_snapshot"]
 
 # attribute on a module in QAT: True while its forward is fake-quantized
 QAT_ATTR = "llmpress_qat"
+# attribute on a module a live session will quantize later (QAT not started yet): a checkpoint
+# saved meanwhile holds it rounded as finalize would round it now
+PENDING_ATTR = "llmpress_quantize_pending"
 
 
 def _qparams(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -83,7 +86,8 @@ def qat_snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def freeze_qat(module: nn.Module) -> float:
-    """End QAT: round the weight onto its grid for good; return the relative rounding error."""
+    """End QAT: round the weight onto its grid for good and stop training it (an optimizer step
+    after this would move it off the grid); return the relative rounding error."""
     disable_qat(module)
     if module.quantization_scheme.weights is None:
         return 0.0
@@ -91,4 +95,5 @@ def freeze_qat(module: nn.Module) -> float:
     snapshot = qat_snapshot(module)
     error = float((snapshot["weight"].float() - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
     set_weight_qparams(module, snapshot["weight"], snapshot["weight_scale"], snapshot.get("weight_zero_point"))
+    module.weight.requires_grad_(False)
     return error

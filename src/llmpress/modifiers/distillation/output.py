@@ -88,17 +88,31 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise UnsupportedModelError("cannot find the output tensor to distill", got=type(output).__name__)
 
 
-class _Outputs:
-    """Forward hooks that keep the latest output of each named module (``logits``: the model)."""
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Tensors inside ``value`` (tuples, lists, dicts) moved to ``device``; the rest unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
+
+class _Outputs:
+    """Forward hooks that keep the latest output of each named module (``logits``: the model);
+    ``with_grad_only`` skips forwards under ``no_grad`` (the student's evaluation)."""
+
+    def __init__(self, model: nn.Module, names: list[str], with_grad_only: bool) -> None:
         self.values: dict[str, torch.Tensor] = {}
+        self.with_grad_only = with_grad_only
         modules = dict(model.named_modules())
         self.handles = [modules[n].register_forward_hook(self._keeper(n)) for n in names]
 
     def _keeper(self, name: str):
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            self.values[name] = _first_tensor(output)
+            if torch.is_grad_enabled() or not self.with_grad_only:
+                self.values[name] = _first_tensor(output)
 
         return keep
 
@@ -118,14 +132,21 @@ class OutputDistillationModifier(Modifier):
 
     def on_initialize(self, state: State) -> None:
         student, teacher = state.model, state.teacher
+        if teacher is student:
+            raise SessionError(
+                f"{type(self).__name__}: the teacher is the student model itself",
+                got="teacher=model",
+                expected="a separate teacher model (it is frozen while the student trains)",
+                fix="pass a copy: session.update_state(teacher=copy.deepcopy(model)) before any weight changes",
+            )
         self.names = self._resolve(student, teacher)
         teacher.eval()
         teacher.requires_grad_(False)
         self.teacher = teacher
         self.inputs: tuple[tuple, dict] | None = None
         self.input_hook = student.register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
-        self.student_out = _Outputs(student, self.names)
-        self.teacher_out = _Outputs(teacher, self.names)
+        self.student_out = _Outputs(student, self.names, with_grad_only=True)
+        self.teacher_out = _Outputs(teacher, self.names, with_grad_only=False)
         self.last_distill_loss: float | None = None
 
     def _resolve(self, student: nn.Module, teacher: nn.Module) -> list[str]:
@@ -154,22 +175,25 @@ class OutputDistillationModifier(Modifier):
         return list(dict.fromkeys(names))
 
     def _keep_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.inputs = (args, kwargs)
+        if torch.is_grad_enabled():  # evaluation (no_grad) is not distilled: nothing held for it
+            self.inputs = (args, kwargs)
 
     def on_loss_calculated(self, state: State, loss: torch.Tensor) -> torch.Tensor:
         if self.inputs is None or len(self.student_out.values) < len(self.names):
             raise SessionError(
                 f"{type(self).__name__}: loss_calculated came without a forward pass of the student",
-                expected="model(**batch) between batch_start and loss_calculated",
+                expected="model(**batch) with gradients on, between batch_start and loss_calculated",
             )
         args, kwargs = self.inputs
         kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "num_items_in_batch")}
+        device = loss.device
+        teacher_device = next(self.teacher.parameters()).device
         with torch.no_grad():
-            self.teacher(*args, **kwargs)
+            self.teacher(*_to_device(args, teacher_device), **_to_device(kwargs, teacher_device))
         mask = kwargs.get("attention_mask")
         terms = [
             distillation_loss(
-                self.student_out.values[n], self.teacher_out.values[n], self.config.comparison,
+                self.student_out.values[n], self.teacher_out.values[n].to(device), self.config.comparison,
                 self.config.temperature, mask,
             )
             for n in self.names

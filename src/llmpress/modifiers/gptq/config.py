@@ -27,6 +27,12 @@ class GPTQModifierConfig(QuantizationModifierConfig):
 
     @model_validator(mode="after")
     def _check_gptq(self) -> GPTQModifierConfig:
+        if self.has_window:
+            raise RecipeError(
+                "GPTQModifier runs one-shot: start / end (training epochs) do not apply to it",
+                got=f"start={self.start}, end={self.end}",
+                fix="remove start and end; for training after GPTQ add a QuantizationModifier (QAT) to a training stage",
+            )
         if self.block_size < 1:
             raise RecipeError("GPTQModifier: block_size must be positive", got=self.block_size, expected=">= 1 (e.g. 128)")
         if not 0 <= self.dampening_frac < 1:

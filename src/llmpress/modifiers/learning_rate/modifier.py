@@ -10,8 +10,9 @@ progress through the window (epochs, fractions allowed)::
       start: 0
       end: 2
 
-When the window closes the final rate stays. Inside a Trainer it overrides the Trainer's own
-scheduler for the steps it covers (it writes ``lr`` just before each step).
+When the window closes the final rate stays (set before every later step too). Inside a Trainer
+it overrides the Trainer's own scheduler (it writes ``lr`` just before each step); the Trainer's
+logs still show its scheduler's rate, so use ``lr_scheduler_type="constant"`` there.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class LearningRateModifier(Modifier):
     def on_initialize(self, state: State) -> None:
         self.optimizer = state.optimizer
         self.lr: float | None = None
+
+    @property
+    def acts_after_window(self) -> bool:
+        return True  # the final rate stays, over any scheduler of the loop's own
 
     def on_window_start(self, state: State) -> None:
         self.set_lr(self.rate(state.epoch))

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
-from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, mask_structure_of, prunable_modules
+from llmpress.checkpoint.sparsity import structure_of
+from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
 __all__ = ["ConstantPruningModifier"]
 
@@ -36,7 +37,7 @@ class ConstantPruningModifier(Modifier):
             mask = module.weight.detach() != 0
             if not bool(mask.all()):  # only modules that are sparse have zeros to keep
                 self.masks[name] = (module, mask)
-                setattr(module, SPARSITY_ATTR, mask_structure_of(mask))
+                setattr(module, SPARSITY_ATTR, structure_of(mask))
 
     def on_optim_post_step(self, state: State) -> None:
         self.apply()

@@ -17,7 +17,6 @@ from llmpress.errors import RecipeError, UnsupportedModelError
 __all__ = [
     "parse_structure",
     "magnitude_mask",
-    "mask_structure_of",
     "prunable_modules",
     "SPARSITY_ATTR",
 ]
@@ -57,13 +56,6 @@ def magnitude_mask(weight: torch.Tensor, sparsity: float, structure: tuple[int, 
     pruned = score.flatten().topk(count, largest=False).indices
     keep.view(-1)[pruned] = False
     return keep
-
-
-def mask_structure_of(mask: torch.Tensor) -> str:
-    """``"2:4"`` when at most 2 of every 4 consecutive inputs are kept, else ``"unstructured"``."""
-    if mask.shape[-1] % 4 == 0 and bool((mask.reshape(-1, 4).sum(dim=1) <= 2).all()):
-        return "2:4"
-    return "unstructured"
 
 
 def prunable_modules(

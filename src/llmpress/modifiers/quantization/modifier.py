@@ -30,8 +30,8 @@ from llmpress.errors import SessionError, UnsupportedModelError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.modifiers.quantization.activations import InputRangeObserver
-from llmpress.quant.qat import QAT_ATTR, enable_qat, freeze_qat
-from llmpress.quant.attach import attach_scheme, enable_input_quantization, freeze_weight
+from llmpress.quant.attach import attach_scheme, enable_input_quantization, freeze_weight, set_module_buffer
+from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -105,9 +105,16 @@ class QuantizationModifier(Modifier):
         return self.config.needs_calibration
 
     def on_initialize(self, state: State) -> None:
+        earlier = {id(m): m.quantization_scheme for m in state.model.modules() if getattr(m, "quantization_scheme", None)}
         self.modules = assign_schemes(
             state.model, self.config.resolved_schemes(), self.config.ignore, type(self).__name__
         )
+        for module, scheme in self.modules.values():
+            setattr(module, PENDING_ATTR, True)
+            old = earlier.get(id(module))
+            if old is not None and old.weights != scheme.weights:  # another grid: the old scales do not apply
+                set_module_buffer(module, "weight_scale", None)
+                set_module_buffer(module, "weight_zero_point", None)
         self.pending = dict(self.modules)  # not quantized yet
         self.inputs = InputRangeObserver(type(self).__name__)
         self.calibrated = False
@@ -162,6 +169,8 @@ class QuantizationModifier(Modifier):
     def quantize_pending(self, names: list[str]) -> None:
         for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
+            if hasattr(module, PENDING_ATTR):
+                delattr(module, PENDING_ATTR)
             if getattr(module, QAT_ATTR, False):
                 self.errors[name] = freeze_qat(module)  # its input hook is on already
                 continue
