@@ -62,3 +62,23 @@ def no_stray_files():
     yield
     stray = set(os.listdir(REPO)) - before - {".pytest_cache"}
     assert not stray, f"test left stray files in the repository: {sorted(stray)}"
+
+
+# -- training loops for the session tests --------------------------------------------------
+def training_batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def train_steps(session, model, optimizer, steps: int, *, same_batch: bool = False) -> list[float]:
+    model.train()
+    losses = []
+    for i in range(steps):
+        batch = training_batch(0 if same_batch else i)
+        with session.training_step() as step:
+            loss = step.loss(model(input_ids=batch, labels=batch).loss)
+            loss.backward()
+            step.optimizer_step(optimizer)
+            optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
