@@ -95,6 +95,12 @@ def test_oneshot_refuses_training_stages_and_run_type_is_checked():
     recipe = {"prune_stage": {"MagnitudePruningModifier": {"final_sparsity": 0.5, "end": 1}}}
     with pytest.raises(RecipeError, match="llmpress.train"):
         llmpress.oneshot(make_tiny_llama(), recipe)
+    from llmpress.entrypoints import is_training_stage
+    from llmpress.recipe import Recipe
+
+    qat = Recipe.from_any({"qat_stage": {"QuantizationModifier": {"scheme": "W4A16", "end": 1}}}).stages[0]
+    rtn = Recipe.from_any({"rtn_stage": {"QuantizationModifier": {"scheme": "W4A16"}}}).stages[0]
+    assert is_training_stage(qat) and not is_training_stage(rtn)
     with pytest.raises(RecipeError, match="run_type"):
         llmpress.oneshot(make_tiny_llama(), {"a_stage": {"run_type": "later", "QuantizationModifier": {"scheme": "W8A8"}}})
 

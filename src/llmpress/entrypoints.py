@@ -118,12 +118,13 @@ def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor
 
 def is_training_stage(stage: RecipeStage) -> bool:
     """``run_type: train`` / ``oneshot`` when the stage says; else whether a modifier of it acts
-    on training events (a stage of QuantizationModifier alone is one-shot RTN)."""
+    on training events or has a start/end window in epochs (a stage of a plain
+    QuantizationModifier is one-shot RTN)."""
     if stage.run_type is not None:
         if stage.run_type not in ("train", "oneshot"):
             raise RecipeError(f"stage {stage.name!r}: unknown run_type", got=stage.run_type, expected="'oneshot' or 'train'")
         return stage.run_type == "train"
-    return any(set(m.events) & set(TRAINING_EVENTS) for m in stage.modifiers)
+    return any(set(m.events) & set(TRAINING_EVENTS) or getattr(m.config, "has_window", False) for m in stage.modifiers)
 
 
 def train(
