@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.pipelines.basic import run_basic_calibration
+from llmpress.loading.memory import release_free_memory
 from llmpress.session import Session
 
 __all__ = ["find_layers", "run_layerwise_calibration"]
@@ -125,6 +126,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     for index, layer in enumerate(bar):
         _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
         session.layer_calibrated(index, layer)  # ... and compress the layer
+        release_free_memory()  # the layer's solver temporaries go back to the system
         if index + 1 < len(layers):  # the compressed layer's outputs feed the next one
             _run_layer(layer, inputs)
     session.calibration_end()
