@@ -12,13 +12,12 @@ import textwrap
 import pytest
 import torch
 import yaml
+from conftest import REPO, make_tiny_llama, token_batches
 from safetensors import safe_open
 
 import llmpress
 from llmpress.errors import CheckpointError
 from llmpress.quant import PRESET_SCHEMES
-
-from conftest import REPO, make_tiny_llama, token_batches
 
 EXPECTED = {
     "W4A16": ("pack-quantized", {"weight_packed": torch.int32, "weight_shape": torch.int64}),
@@ -121,9 +120,8 @@ def test_save_pretrained_goes_through_the_one_save_path(tmp_path):
 
 
 def test_tokenizer_and_remote_code_are_saved(tmp_path):
-    from transformers import AutoTokenizer
-
     from conftest import trained_model_dir
+    from transformers import AutoTokenizer
 
     source = tmp_path / "src"
     source.mkdir()

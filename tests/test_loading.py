@@ -7,14 +7,19 @@ import json
 
 import pytest
 import torch
+from conftest import REPO, make_tiny_llama, token_batches, trained_model_dir
 from torch import nn
 
 import llmpress
 from llmpress.errors import CheckpointError, RecipeError
-from llmpress.loading import QUANTIZERS, Quantizer, QuantizationConfig, register_quantization_config, register_quantizer
+from llmpress.loading import (
+    QUANTIZERS,
+    QuantizationConfig,
+    Quantizer,
+    register_quantization_config,
+    register_quantizer,
+)
 from llmpress.runtime import QuantizedLinear
-
-from conftest import REPO, make_tiny_llama, token_batches, trained_model_dir
 
 LLMC_FIXTURE = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
 

@@ -10,7 +10,14 @@ from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions
 from llmpress.entrypoints import oneshot, train
 from llmpress.errors import LlmpressError
-from llmpress.loading import CompressedTensorsConfig, LlmpressConfig, QuantizationMethod, Quantizer, load, load_checkpoint
+from llmpress.loading import (
+    CompressedTensorsConfig,
+    LlmpressConfig,
+    QuantizationMethod,
+    Quantizer,
+    load,
+    load_checkpoint,
+)
 from llmpress.pipelines.training import TrainingOptions
 from llmpress.recipe import Recipe
 from llmpress.session import Session, active_session
@@ -21,18 +28,18 @@ __all__ = [
     "CalibrationOptions",
     "CompressedTensorsConfig",
     "LlmpressConfig",
+    "LlmpressError",
     "QuantizationMethod",
     "Quantizer",
-    "load",
-    "LlmpressError",
     "Recipe",
     "Session",
+    "TrainingOptions",
     "active_session",
     "errors",
+    "load",
     "load_checkpoint",
     "modifiers",
     "oneshot",
     "save_checkpoint",
     "train",
-    "TrainingOptions",
 ]

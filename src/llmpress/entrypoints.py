@@ -24,7 +24,7 @@ from llmpress.pipelines.training import TrainingOptions, run_training, stage_epo
 from llmpress.recipe import Recipe, RecipeStage
 from llmpress.session import TRAINING_EVENTS, Session
 
-__all__ = ["oneshot", "train", "load_model_and_processor", "is_training_stage"]
+__all__ = ["is_training_stage", "load_model_and_processor", "oneshot", "train"]
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from llmpress.errors import SessionError
 from llmpress.modifiers.base import STATE_FIELDS, Modifier, State
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
-__all__ = ["Session", "active_session", "EVENTS"]
+__all__ = ["EVENTS", "Session", "active_session"]
 
 logger = logging.getLogger(__name__)
 

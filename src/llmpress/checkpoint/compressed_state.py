@@ -15,8 +15,8 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
-from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.attach import quantized_modules
+from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["compressed_state_dict", "quantization_config_for", "unique_state_dict"]

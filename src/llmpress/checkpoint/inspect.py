@@ -13,7 +13,7 @@ from llmpress.errors import CheckpointError
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 from llmpress.targets import assign_by_targets
 
-__all__ = ["describe_checkpoint", "describe_args"]
+__all__ = ["describe_args", "describe_checkpoint"]
 
 
 def describe_args(args: QuantizationArgs | None, what: str) -> str:

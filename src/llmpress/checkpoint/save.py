@@ -15,12 +15,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from llmpress.checkpoint.atomic import atomic_directory
-from llmpress.checkpoint.compressed_state import compressed_state_dict, quantization_config_for
+from llmpress.checkpoint.compressed_state import (
+    compressed_state_dict,
+    quantization_config_for,
+)
 from llmpress.checkpoint.sparsity import sparsity_config_for
 from llmpress.errors import CheckpointError
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
-__all__ = ["save_checkpoint", "route_save_pretrained", "parse_size"]
+__all__ = ["parse_size", "route_save_pretrained", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 

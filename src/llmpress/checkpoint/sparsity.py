@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SPARSITY_ATTR", "sparsity_config_for", "sparsity_of", "mark_sparse_modules", "structure_of"]
+__all__ = ["SPARSITY_ATTR", "mark_sparse_modules", "sparsity_config_for", "sparsity_of", "structure_of"]
 
 # attribute on a pruned module: "unstructured" or "N:M"
 SPARSITY_ATTR = "llmpress_sparsity_structure"

@@ -19,7 +19,7 @@ import torch
 
 from llmpress.errors import DataError, MissingDependencyError
 
-__all__ = ["CalibrationOptions", "load_calibration_samples", "batch_samples"]
+__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples"]
 
 
 @dataclass

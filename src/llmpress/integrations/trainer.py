@@ -28,7 +28,7 @@ import torch
 from llmpress.errors import MissingDependencyError
 from llmpress.session import Session, Status
 
-__all__ = ["SessionCallback", "LlmpressTrainer", "steps_per_epoch", "load_compressed_into"]
+__all__ = ["LlmpressTrainer", "SessionCallback", "load_compressed_into", "steps_per_epoch"]
 
 try:
     from transformers import Trainer, TrainerCallback

@@ -15,7 +15,11 @@ from torch import nn
 
 from llmpress.checkpoint.sparsity import mark_sparse_modules
 from llmpress.errors import CheckpointError
-from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod, register_quantizer
+from llmpress.loading.config import (
+    CompressedTensorsConfig,
+    QuantizationMethod,
+    register_quantizer,
+)
 from llmpress.loading.dense import dense_linear
 from llmpress.loading.quantizer import Quantizer
 from llmpress.quant.scheme import QuantizationScheme

@@ -20,7 +20,12 @@ from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
 from llmpress.loading.memory import release_free_memory
 from llmpress.loading.quantizer import Quantizer
-from llmpress.loading.shards import ShardEntry, checkpoint_shards, read_header, stream_tensors
+from llmpress.loading.shards import (
+    ShardEntry,
+    checkpoint_shards,
+    read_header,
+    stream_tensors,
+)
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
 __all__ = ["load", "load_checkpoint"]

@@ -11,12 +11,18 @@ from __future__ import annotations
 import difflib
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from llmpress.errors import MissingStateError, RecipeError
 from llmpress.registry import Registry
 
-__all__ = ["Modifier", "ModifierConfig", "MODIFIERS", "State", "STATE_FIELDS", "WindowConfig"]
+__all__ = ["MODIFIERS", "STATE_FIELDS", "Modifier", "ModifierConfig", "State", "WindowConfig"]
 
 MODIFIERS: Registry[type[Modifier]] = Registry("modifier", error=RecipeError)
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.loading.memory import release_free_memory
+from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.session import Session
 
 __all__ = ["find_layers", "run_layerwise_calibration"]

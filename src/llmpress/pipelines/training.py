@@ -31,7 +31,7 @@ from llmpress.errors import DataError
 if TYPE_CHECKING:
     from llmpress.session import Session
 
-__all__ = ["TrainingStep", "TrainingOptions", "run_training", "stage_epochs"]
+__all__ = ["TrainingOptions", "TrainingStep", "run_training", "stage_epochs"]
 
 logger = logging.getLogger(__name__)
 

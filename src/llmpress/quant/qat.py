@@ -24,7 +24,7 @@ from llmpress.quant.attach import set_weight_qparams
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import fake_quantize
 
-__all__ = ["QAT_ATTR", "PENDING_ATTR", "enable_qat", "disable_qat", "qat_weight", "freeze_qat", "qat_snapshot"]
+__all__ = ["PENDING_ATTR", "QAT_ATTR", "disable_qat", "enable_qat", "freeze_qat", "qat_snapshot", "qat_weight"]
 
 # attribute on a module in QAT: True while its forward is fake-quantized
 QAT_ATTR = "llmpress_qat"

@@ -14,14 +14,14 @@ import torch
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = [
-    "num_groups",
-    "expand_to_columns",
-    "reduce_min_max",
     "compute_qparams",
-    "quantize",
     "dequantize",
+    "expand_to_columns",
     "fake_quantize",
     "fake_quantize_activation",
+    "num_groups",
+    "quantize",
+    "reduce_min_max",
 ]
 
 

@@ -20,12 +20,12 @@ import torch
 __all__ = [
     "COMPUTE_DTYPE",
     "INT4_GROUP_SIZES",
-    "int4_supported",
-    "int8_supported",
-    "int4_pack",
     "int4_matmul",
+    "int4_pack",
+    "int4_supported",
     "int4_unpack",
     "int8_matmul",
+    "int8_supported",
 ]
 
 COMPUTE_DTYPE = torch.bfloat16

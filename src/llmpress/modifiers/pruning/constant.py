@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
 from llmpress.checkpoint.sparsity import structure_of
+from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
 __all__ = ["ConstantPruningModifier"]

@@ -26,7 +26,12 @@ from pydantic import field_validator, model_validator
 from torch import nn
 
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
-from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, magnitude_mask, parse_structure, prunable_modules
+from llmpress.modifiers.pruning.masks import (
+    SPARSITY_ATTR,
+    magnitude_mask,
+    parse_structure,
+    prunable_modules,
+)
 
 __all__ = ["MagnitudePruningModifier", "cubic_sparsity"]
 

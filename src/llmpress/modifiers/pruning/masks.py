@@ -15,10 +15,10 @@ from llmpress.checkpoint.sparsity import SPARSITY_ATTR
 from llmpress.errors import RecipeError, UnsupportedModelError
 
 __all__ = [
-    "parse_structure",
-    "magnitude_mask",
-    "prunable_modules",
     "SPARSITY_ATTR",
+    "magnitude_mask",
+    "parse_structure",
+    "prunable_modules",
 ]
 
 def parse_structure(text: str) -> tuple[int, int] | None:

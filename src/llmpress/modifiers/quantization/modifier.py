@@ -28,9 +28,14 @@ from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError, UnsupportedModelError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
-from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.modifiers.quantization.activations import InputRangeObserver
-from llmpress.quant.attach import attach_scheme, enable_input_quantization, freeze_weight, set_module_buffer
+from llmpress.modifiers.quantization.config import QuantizationModifierConfig
+from llmpress.quant.attach import (
+    attach_scheme,
+    enable_input_quantization,
+    freeze_weight,
+    set_module_buffer,
+)
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
