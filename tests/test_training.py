@@ -247,3 +247,17 @@ def test_resume_at_replays_closed_windows_and_continues_open_ones():
     with pytest.raises(SessionError, match="after training events"):
         session.resume_at(2)
     session.finalize()
+
+
+def test_n_m_sparsity_is_recorded_with_its_own_n_and_m(tmp_path):
+    import json
+
+    model = make_tiny_llama(intermediate=256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    pruning = MagnitudePruningModifier(targets=["re:.*_proj$"], final_sparsity=0.5, end=1, mask_structure="4:8")
+    session = llmpress.Session(pruning).initialize(model=model, optimizer=optimizer, steps_per_epoch=1)
+    train_steps(session, model, optimizer, 1)
+    session.finalize()
+    model.save_pretrained(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert config["sparsity_structure"] == "4:8"

@@ -83,10 +83,13 @@ def test_saving_into_a_folder_keeps_what_else_is_there(tmp_path):
     (out / "checkpoint-7").mkdir(parents=True)
     (out / "checkpoint-7" / "optimizer.pt").write_bytes(b"state")
     (out / "README.md").write_text("notes")
+    (out / "run.sh").write_text("#!/bin/sh\n")
+    (out / "run.sh").chmod(0o755)
     (out / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
     llmpress.save_checkpoint(out, model)
     assert (out / "checkpoint-7" / "optimizer.pt").read_bytes() == b"state"
     assert (out / "README.md").read_text() == "notes"
+    assert (out / "run.sh").stat().st_mode & 0o777 == 0o755  # kept files keep their modes
     assert not (out / "model-00001-of-00002.safetensors").exists()  # stale weights do not survive
     assert (out / "model.safetensors").exists()
 

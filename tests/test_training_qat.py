@@ -182,3 +182,15 @@ def test_gptq_refuses_a_training_window_and_one_shot_windows_say_why_they_need_e
         GPTQModifier(scheme="W4A16", start=1)
     with pytest.raises(MissingStateError, match="start/end window"):
         llmpress.Session(QuantizationModifier(scheme="W4A16", start=1)).initialize(model=make_tiny_llama())
+
+
+def test_a_stage_with_another_scheme_drops_the_old_input_quantization():
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, "FP8", [training_batch(0)[0].tolist()])  # static input scales, input hooks
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert getattr(q_proj, "input_scale", None) is not None
+    session = llmpress.Session(QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
+    session.initialize(model=model)
+    assert getattr(q_proj, "input_scale", None) is None and getattr(q_proj, "weight_scale", None) is None
+    session.finalize()
+    assert q_proj.quantization_scheme.input_activations is None and q_proj.weight_scale.shape == (128, 1)

@@ -187,7 +187,10 @@ def _freeze_quantized_weights(model: nn.Module) -> None:
 
     frozen = [
         m for m in model.modules()
-        if getattr(m, "weight_scale", None) is not None and not getattr(m, PENDING_ATTR, False) and m.weight.requires_grad
+        if getattr(m, "weight_scale", None) is not None
+        and not getattr(m, PENDING_ATTR, False)
+        and isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+        and m.weight.requires_grad
     ]
     for module in frozen:
         module.weight.requires_grad_(False)
@@ -202,6 +205,12 @@ def _training_stage(model: nn.Module, stage: RecipeStage, batches: list[torch.Te
     logger.info("running training stage %s", stage.name)
     session = Session(Recipe([stage]))
     with session:
+        # every weight trains unless an earlier stage fixed it on its grid (decided just below,
+        # once this stage's QAT modules are known); a frozen QAT weight of an earlier stage
+        # trains again when this stage quantizes it too
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                parameter.requires_grad_(True)
         parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=options.weight_decay)
         session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches), teacher=teacher, processor=processor)

@@ -39,6 +39,10 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is as readable as any folder
+        for path in tmp.rglob("*"):  # what this save wrote (carried files keep their own modes)
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o644)
         if target.exists():
             _carry_over(target, tmp, replaces)
     except OSError as exc:
@@ -51,14 +55,16 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is as readable as any folder
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            os.chmod(path, 0o644)
     if target.exists():
         old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(target, old)
         os.replace(tmp, target)
+        # files another process wrote into the old folder during the swap (a Trainer's other
+        # ranks saving their RNG state) are carried too; hard links share the file being written
+        try:
+            _carry_over(old, target, replaces)
+        except OSError:
+            pass  # the new checkpoint is in place; a late file could not be kept
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)

@@ -92,12 +92,16 @@ def _check_given_state_dict(model: nn.Module, given: dict[str, torch.Tensor] | N
     (a Trainer gathering FSDP or ZeRO-3 shards) is only fine when the live tensors are whole."""
     if not given:
         return
-    live = model.state_dict()
+    live = dict(model.named_parameters())  # not state_dict(): under FSDP that is a collective
     wrong = [k for k, v in given.items() if k in live and tuple(live[k].shape) != tuple(v.shape)]
-    if wrong or any(t.is_meta for t in live.values()):
+    sharded = [
+        n for n, p in live.items()
+        if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ in ("DTensor", "FlatParameter") or "_fsdp_wrapped_module" in n
+    ]
+    if wrong or sharded:
         raise CheckpointError(
             "save_pretrained got a gathered state_dict while the model's own tensors are sharded",
-            got=f"{len(wrong)} tensor(s) whose live shape differs, e.g. {wrong[:1]}",
+            got=f"{len(wrong) + len(sharded)} sharded or reshaped tensor(s), e.g. {(wrong or sharded)[:1]}",
             expected="a model whose modules hold whole tensors (no FSDP / DeepSpeed ZeRO-3 sharding)",
             fix="train without parameter sharding, or gather the model and call llmpress.save_checkpoint on it",
         )

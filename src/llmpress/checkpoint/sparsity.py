@@ -38,6 +38,14 @@ def structure_of(keep) -> str:
     return "unstructured"
 
 
+def _keeps(keep, structure: str) -> bool:
+    """Whether the keep-mask has at most N of every M consecutive inputs (``structure`` "N:M")."""
+    if structure == "unstructured":
+        return True
+    n, m = (int(x) for x in structure.split(":"))
+    return keep.shape[-1] % m == 0 and bool((keep.reshape(-1, m).sum(dim=1) <= n).all())
+
+
 def mark_sparse_modules(model: nn.Module, sparsity_config: dict[str, Any] | None) -> None:
     """Mark the modules a loaded checkpoint's ``sparsity_config`` names, so saving the model
     again describes them again."""
@@ -59,9 +67,9 @@ def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     if not pruned:
         return None
     weights = [_weight(m) for _, m in pruned]
-    # N:M only when every pruned module's zeros really are N:M (mid-schedule they are not yet)
+    # N:M only when every pruned module's zeros really are its N:M (mid-schedule they are not yet)
     structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
-    if structures != {"unstructured"} and any(structure_of(w != 0) == "unstructured" for w in weights):
+    if any(not _keeps(w != 0, getattr(m, SPARSITY_ATTR)) for (_, m), w in zip(pruned, weights)):
         structures = {"unstructured"}
     zeros = sum(float((w == 0).sum()) for w in weights)
     total = sum(w.numel() for w in weights)

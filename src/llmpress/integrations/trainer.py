@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from llmpress.errors import MissingDependencyError
+from llmpress.errors import CheckpointError, MissingDependencyError
 from llmpress.session import Session, Status
 
 __all__ = ["LlmpressTrainer", "SessionCallback", "load_compressed_into", "steps_per_epoch"]
@@ -41,20 +41,34 @@ def load_compressed_into(model: Any, folder: str) -> bool:
     their grid, and the grid itself (``weight_scale``), so QAT resumes where the file stands.
     Returns False for a plain checkpoint, which the Trainer loads itself."""
     config = Path(folder, "config.json")
-    quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    try:
+        quantization = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    except ValueError as exc:
+        raise CheckpointError("the checkpoint's config.json is not valid JSON", got=f"{config}: {exc}") from None
     if not quantization or quantization.get("quantization_status") != "compressed" or not quantization.get("config_groups"):
         return False
     from llmpress.loading import load_checkpoint
     from llmpress.quant.attach import set_module_buffer
 
-    dense = load_checkpoint(folder, dtype=next(model.parameters()).dtype)
-    model.load_state_dict({k: v for k, v in dense.state_dict().items() if not k.endswith(("_scale", "_zero_point"))}, strict=False)
+    weight = next(model.parameters())
+    dense = load_checkpoint(folder, dtype=weight.dtype)
+    qparams = ("weight_scale", "weight_zero_point", "input_scale")
+    state = {k: v for k, v in dense.state_dict().items() if not k.endswith(qparams)}
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(qparams)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(
+            "the compressed checkpoint does not match the model being trained",
+            got=f"{len(missing)} missing, {len(result.unexpected_keys)} unexpected tensor(s), "
+            f"e.g. {(missing or result.unexpected_keys)[0]!r}",
+            expected="a checkpoint the same Trainer saved for this model",
+        )
     live = dict(model.named_modules())
     for name, module in dense.named_modules():
         for buffer in ("weight_scale", "weight_zero_point"):
             value = getattr(module, buffer, None)
             if name in live and isinstance(value, torch.Tensor):
-                set_module_buffer(live[name], buffer, value)
+                set_module_buffer(live[name], buffer, value.to(live[name].weight.device))
     return True
 
 

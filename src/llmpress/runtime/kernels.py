@@ -44,6 +44,7 @@ def int4_supported(out_features: int, in_features: int, group_size: int | None) 
         _has("_weight_int4pack_mm_for_cpu")
         and _has("_convert_weight_to_int4pack_for_cpu")
         and group_size in INT4_GROUP_SIZES
+        and in_features > 0
         and in_features % group_size == 0
         and in_features % (2 * _INNER_K_TILES) == 0
         and out_features % 16 == 0

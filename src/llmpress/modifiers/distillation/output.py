@@ -187,7 +187,7 @@ class OutputDistillationModifier(Modifier):
         args, kwargs = self.inputs
         kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "num_items_in_batch")}
         device = loss.device
-        teacher_device = next(self.teacher.parameters()).device
+        teacher_device = next(self.teacher.parameters(), loss).device
         with torch.no_grad():
             self.teacher(*_to_device(args, teacher_device), **_to_device(kwargs, teacher_device))
         mask = kwargs.get("attention_mask")

@@ -32,9 +32,9 @@ from llmpress.modifiers.quantization.activations import InputRangeObserver
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.quant.attach import (
     attach_scheme,
+    detach_quantization,
     enable_input_quantization,
     freeze_weight,
-    set_module_buffer,
 )
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
@@ -117,9 +117,9 @@ class QuantizationModifier(Modifier):
         for module, scheme in self.modules.values():
             setattr(module, PENDING_ATTR, True)
             old = earlier.get(id(module))
-            if old is not None and old.weights != scheme.weights:  # another grid: the old scales do not apply
-                set_module_buffer(module, "weight_scale", None)
-                set_module_buffer(module, "weight_zero_point", None)
+            if old is not None and (old.weights, old.input_activations) != (scheme.weights, scheme.input_activations):
+                detach_quantization(module)  # another grid: the old scales and input hook do not apply
+                attach_scheme(module, scheme)
         self.pending = dict(self.modules)  # not quantized yet
         self.inputs = InputRangeObserver(type(self).__name__)
         self.calibrated = False
