@@ -186,6 +186,10 @@ class Session:
                 modifier.on_window_end(self.state)
         return self
 
+    def abandon_batch(self) -> None:
+        """The loop failed inside a batch: go back to between batches without sending events."""
+        self._phase = "idle"
+
     def training_step(self):
         """A context manager for one batch of a plain training loop::
 

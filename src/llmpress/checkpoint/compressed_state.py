@@ -70,17 +70,15 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         args = scheme.weights
         if args is not None and args.strategy == "group" and module.weight.shape[-1] % args.group_size:
             uneven.append(name)
-        if not save_compressed and not in_training:
-            continue
-        if not save_compressed:
-            state.update({prefix + k: v for k, v in qat_snapshot(module).items()})
-            continue
+        if not (save_compressed or in_training):
+            continue  # dense and frozen: the state dict already holds it
         own = [*module._parameters, *module._buffers]
         local = {k: state.pop(prefix + k) for k in own if prefix + k in state}
         if in_training:  # mid-QAT: the weights as finalize would round them now
             local = qat_snapshot(module)
-        compressed = FORMATS.get(format_for(scheme)).compress(local, scheme)
-        state.update({prefix + k: v for k, v in compressed.items()})
+        if save_compressed:
+            local = FORMATS.get(format_for(scheme)).compress(local, scheme)
+        state.update({prefix + k: v for k, v in local.items()})
     if uneven:
         logger.warning(
             "%d module(s) have a column count that is not a multiple of their group size (%s): "

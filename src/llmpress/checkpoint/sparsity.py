@@ -33,9 +33,7 @@ def sparsity_of(module: nn.Module) -> float:
 
 def structure_of(keep) -> str:
     """``"2:4"`` when at most 2 of every 4 consecutive inputs are kept, else ``"unstructured"``."""
-    if keep.shape[-1] % 4 == 0 and bool((keep.reshape(-1, 4).sum(dim=1) <= 2).all()):
-        return "2:4"
-    return "unstructured"
+    return "2:4" if _keeps(keep, "2:4") else "unstructured"
 
 
 def _keeps(keep, structure: str) -> bool:
@@ -66,13 +64,13 @@ def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     pruned = [(n, m) for n, m in model.named_modules() if getattr(m, SPARSITY_ATTR, None)]
     if not pruned:
         return None
-    weights = [_weight(m) for _, m in pruned]
+    keeps = [_weight(m) != 0 for _, m in pruned]
     # N:M only when every pruned module's zeros really are its N:M (mid-schedule they are not yet)
     structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
-    if any(not _keeps(w != 0, getattr(m, SPARSITY_ATTR)) for (_, m), w in zip(pruned, weights)):
+    if any(not _keeps(keep, getattr(m, SPARSITY_ATTR)) for (_, m), keep in zip(pruned, keeps)):
         structures = {"unstructured"}
-    zeros = sum(float((w == 0).sum()) for w in weights)
-    total = sum(w.numel() for w in weights)
+    total = sum(keep.numel() for keep in keeps)
+    zeros = total - sum(int(keep.sum()) for keep in keeps)
     names = {n for n, _ in pruned}
     linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     return {

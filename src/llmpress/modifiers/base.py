@@ -53,8 +53,7 @@ class State(dict):
     @property
     def epoch(self) -> float:
         """Fractional epochs completed (0.0 while ``steps_per_epoch`` is unknown)."""
-        steps = self.get("steps_per_epoch")
-        return self.step / steps if steps else 0.0
+        return self.epoch_at(self.step)
 
     def epoch_at(self, step: int) -> float:
         steps = self.get("steps_per_epoch")
@@ -156,10 +155,10 @@ class Modifier:
 
     def active_at(self, epoch: float) -> bool:
         """Whether training events reach this modifier at ``epoch`` (always, without a window)."""
-        config = self.config
-        if not isinstance(config, WindowConfig):
+        if not self.config_has_window:
             return True
-        return config.start <= epoch and (config.end is None or epoch < config.end)
+        start, end = self.config.start, self.config.end
+        return start <= epoch and (end is None or epoch < end)
 
     def progress(self, epoch: float) -> float:
         """How far through its window the modifier is at ``epoch``: 0.0 at start, 1.0 at end."""

@@ -47,8 +47,8 @@ class TrainingStep:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
             self.session.batch_end()
-        else:  # the loop failed inside the batch: leave the session between batches, send nothing
-            self.session._phase = "idle"
+        else:
+            self.session.abandon_batch()
 
     def loss(self, loss: Any) -> Any:
         """Send ``loss_calculated`` and return the loss with every modifier's term added."""

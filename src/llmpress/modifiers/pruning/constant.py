@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmpress.checkpoint.sparsity import structure_of
+from llmpress.checkpoint.sparsity import sparsity_of, structure_of
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
@@ -53,4 +53,4 @@ class ConstantPruningModifier(Modifier):
 
     def sparsity(self) -> dict[str, float]:
         """Zeros per masked module, as a fraction of its weights."""
-        return {n: float((m.weight == 0).float().mean()) for n, (m, _) in self.masks.items()}
+        return {n: sparsity_of(m) for n, (m, _) in self.masks.items()}

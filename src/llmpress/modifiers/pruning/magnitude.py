@@ -25,6 +25,7 @@ import torch
 from pydantic import field_validator, model_validator
 from torch import nn
 
+from llmpress.checkpoint.sparsity import sparsity_of
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
 from llmpress.modifiers.pruning.masks import (
     SPARSITY_ATTR,
@@ -144,4 +145,4 @@ class MagnitudePruningModifier(Modifier):
 
     def measured_sparsity(self) -> dict[str, float]:
         """Zeros per pruned module, as a fraction of its weights."""
-        return {n: float((m.weight == 0).float().mean()) for n, m in self.modules.items()}
+        return {n: sparsity_of(m) for n, m in self.modules.items()}
