@@ -1,6 +1,6 @@
 """Loading and running compressed models: llmpress vs transformers + compressed-tensors, one run.
 
-    python bench/load_and_run.py [--models tiny random-2048] [--new-tokens 32] [--work DIR]
+    python bench/load_and_run.py [--models tiny random-2048] [--new-tokens 32] [--repeat 3] [--work DIR]
 
 For each model (the shared tiny-llama, and a randomly initialised Llama with hidden size 2048 and
 8 layers built from a config), it writes an fp32 checkpoint, an int4 (W4A16, group 128) and an
@@ -9,8 +9,10 @@ in its own process:
 
 - load time and peak RSS of the int4 checkpoint: ``llmpress.load`` vs transformers'
   ``from_pretrained`` with compressed-tensors (which decompresses on the first forward, so the
-  time to a first forward is shown too);
-- logits of both on the same input (relative L2 difference);
+  time to a first forward is shown too); ``--repeat`` runs of each, alternating, medians shown;
+- logits of both on the same input (relative L2 difference), for llmpress's checkpoint and for
+  one llm-compressor wrote (RTN W4A16 in ``.venv-peers``, when it exists): through llmpress's bf16
+  kernels, and through the exact dense view (``llmpress.load(..., dequantize=True)``);
 - greedy decode tokens/s at batch 1: fp32, bf16, llmpress int8 and int4, transformers +
   compressed-tensors on the int4 checkpoint;
 - quantize-on-load (``LlmpressConfig(bits=4)``) of the fp32 checkpoint: peak RSS against the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +32,8 @@ from pathlib import Path
 
 import torch
 from common import REPO, fixture, save_random_llama
+
+PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 
 
 def make_random_llama(folder: Path) -> Path:
@@ -47,9 +52,10 @@ def compress(model_dir: Path, output: Path, weights: dict) -> Path:
     return output
 
 
-def worker(*args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TQDM_DISABLE": "1"}
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "load_worker.py"), *args], capture_output=True, text=True, env=env)
+def worker(*args: str, python: Path | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": "" if python else str(REPO / "src"), "TQDM_DISABLE": "1"}
+    command = [str(python or sys.executable), str(REPO / "bench" / "load_worker.py"), *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"worker {args} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -59,16 +65,37 @@ def file_mb(folder: Path) -> float:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
 
 
-def bench_model(name: str, fp32: Path, work: Path, new_tokens: int) -> dict:
+def median_of(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def logits_gap(checkpoint: Path, work: Path) -> dict:
+    """Relative L2 distance of llmpress's logits (bf16 kernels; exact dense view) from
+    transformers + compressed-tensors' on the same checkpoint and input."""
+    worker("logits", "--tool", "transformers", "--model", str(checkpoint), "--out", str(work / "peer.pt"))
+    peer = torch.load(work / "peer.pt")
+    gaps = {}
+    for tool in ("llmpress", "llmpress-exact"):
+        worker("logits", "--tool", tool, "--model", str(checkpoint), "--out", str(work / "ours.pt"))
+        gaps[tool] = float((torch.load(work / "ours.pt") - peer).norm() / peer.norm())
+    return gaps
+
+
+def bench_model(name: str, fp32: Path, work: Path, new_tokens: int, repeat: int) -> dict:
     int4 = compress(fp32, work / f"{name}-int4", {"num_bits": 4, "group_size": 128})
     int8 = compress(fp32, work / f"{name}-int8", {"num_bits": 8, "strategy": "channel"})
     row: dict = {"model": name, "fp32_mb": file_mb(fp32), "int4_mb": file_mb(int4)}
-    row["load_ours"] = worker("load", "--tool", "llmpress", "--model", str(int4))
-    row["load_peer"] = worker("load", "--tool", "transformers", "--model", str(int4))
-    worker("logits", "--tool", "llmpress", "--model", str(int4), "--out", str(work / "ours.pt"))
-    worker("logits", "--tool", "transformers", "--model", str(int4), "--out", str(work / "peer.pt"))
-    ours, peer = torch.load(work / "ours.pt"), torch.load(work / "peer.pt")
-    row["logits_rel_l2"] = float((ours - peer).norm() / peer.norm())
+    ours_runs, peer_runs = [], []
+    for _ in range(repeat):  # alternating, so both see the same state of the machine
+        ours_runs.append(worker("load", "--tool", "llmpress", "--model", str(int4)))
+        peer_runs.append(worker("load", "--tool", "transformers", "--model", str(int4)))
+    row["load_ours"], row["load_peer"] = median_of(ours_runs), median_of(peer_runs)
+    row["logits"] = {"llmpress": logits_gap(int4, work)}
+    if PEER_PYTHON.exists():
+        llmc = work / f"{name}-int4-llmcompressor"
+        if not (llmc / "config.json").exists():
+            worker("llmc-compress", "--model", str(fp32), "--out", str(llmc), python=PEER_PYTHON)
+        row["logits"]["llm-compressor"] = logits_gap(llmc, work)
     decode = {}
     for label, tool, model in [("fp32", "fp32", fp32), ("bf16", "bf16", fp32), ("llmpress int8", "llmpress", int8),
                                ("llmpress int4", "llmpress", int4), ("transformers+ct int4", "transformers", int4)]:
@@ -83,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "random-2048"], choices=["tiny", "random-2048"])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=3, help="load measurements per tool (medians shown)")
     parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,15 +121,20 @@ def main() -> None:
     rows = []
     for name in args.models:
         fp32 = sources[name] if name == "tiny" else make_random_llama(sources[name])
-        rows.append(bench_model(name, fp32, work, args.new_tokens))
+        rows.append(bench_model(name, fp32, work, args.new_tokens, args.repeat))
 
     print("\nLoading the int4 checkpoint (W4A16 g128): llmpress vs transformers + compressed-tensors")
-    print(f"{'model':<12} {'load s':>13} {'ratio':>6} {'to 1st fwd s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6} {'logits rel L2':>13}")
+    print(f"{'model':<12} {'load s':>13} {'ratio':>6} {'to 1st fwd s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6}")
     for r in rows:
         o, p = r["load_ours"], r["load_peer"]
         print(f"{r['model']:<12} {o['load_s']:>6.2f}/{p['load_s']:<6.2f} {o['load_s'] / p['load_s']:>6.2f}"
               f" {o['ready_s']:>6.2f}/{p['ready_s']:<6.2f} {o['ready_s'] / p['ready_s']:>6.2f}"
-              f" {o['peak_rss_mb']:>7.0f}/{p['peak_rss_mb']:<7.0f} {o['peak_rss_mb'] / p['peak_rss_mb']:>6.2f} {r['logits_rel_l2']:>13.2e}")
+              f" {o['peak_rss_mb']:>7.0f}/{p['peak_rss_mb']:<7.0f} {o['peak_rss_mb'] / p['peak_rss_mb']:>6.2f}")
+    print("\nLogits vs transformers + compressed-tensors on the same int4 checkpoint (relative L2; 2 x 64 random tokens)")
+    print(f"{'model':<12} {'written by':<15} {'llmpress.load (bf16 kernels)':>29} {'dequantize=True (exact)':>24}")
+    for r in rows:
+        for writer, gaps in r["logits"].items():
+            print(f"{r['model']:<12} {writer:<15} {gaps['llmpress']:>29.2e} {gaps['llmpress-exact']:>24.2e}")
     print(f"\nGreedy decode, batch 1, {args.new_tokens} new tokens after a 16-token prompt (tokens/s; ratio to fp32)")
     labels = list(rows[0]["decode"])
     print(f"{'model':<12} " + " ".join(f"{label:>22}" for label in labels) + f" {'int4 / t+ct':>12}")
@@ -114,7 +147,8 @@ def main() -> None:
     for r in rows:
         o = r["onload"]
         print(f"{r['model']:<12} {r['fp32_mb']:>12.0f} {o['load_rss_mb']:>12.0f} {o['load_rss_mb'] / r['fp32_mb']:>6.2f} {o['load_s']:>7.2f}")
-    print("\npeak RSS: the whole process (imports included), at the end of loading; times exclude imports;"
+    print(f"\nload: medians of {args.repeat} alternating runs; peak RSS: the whole process (imports included),"
+          "\nat the end of loading; times exclude imports;"
           "\nratios are llmpress / transformers + compressed-tensors unless said otherwise.")
 
 

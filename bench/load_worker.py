@@ -3,7 +3,8 @@
     python bench/load_worker.py load   --tool llmpress|transformers --model DIR
     python bench/load_worker.py decode --tool fp32|bf16|llmpress|transformers --model DIR [--new-tokens N]
     python bench/load_worker.py onload --model FP32_DIR --bits 4|8
-    python bench/load_worker.py logits --tool llmpress|transformers --model DIR --out FILE
+    python bench/load_worker.py logits --tool llmpress|llmpress-exact|transformers --model DIR --out FILE
+    python bench/load_worker.py llmc-compress --model FP32_DIR --out DIR   (in llm-compressor's venv)
 
 Peak RSS is the process's high-water mark (VmHWM), imports included; times exclude imports.
 """
@@ -19,14 +20,27 @@ from common import peak_rss_mb
 
 
 def load(tool: str, model: str, quantization_config=None):
-    if tool in ("llmpress", "llmpress-onload"):
+    if tool in ("llmpress", "llmpress-onload", "llmpress-exact"):
         import llmpress
 
-        return llmpress.load(model, quantization_config=quantization_config)
+        # llmpress-exact: the dense view of the checkpoint in fp32 (no bf16 kernels)
+        return llmpress.load(model, quantization_config=quantization_config, dequantize=tool == "llmpress-exact")
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if tool == "bf16" else torch.float32
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+
+
+def llmc_compress(model_dir: str, output: str) -> None:
+    """llm-compressor's own W4A16 (group 128, symmetric) round-to-nearest checkpoint."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    recipe = QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": {"targets": ["Linear"], "weights": weights}})
+    oneshot(model=model, recipe=recipe, output_dir=output)
 
 
 def prompt(vocab: int) -> torch.Tensor:
@@ -35,7 +49,7 @@ def prompt(vocab: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("task", choices=["load", "decode", "onload", "logits"])
+    parser.add_argument("task", choices=["load", "decode", "onload", "logits", "llmc-compress"])
     parser.add_argument("--tool", default="llmpress")
     parser.add_argument("--model", required=True)
     parser.add_argument("--bits", type=int, default=4)
@@ -43,6 +57,10 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.task == "llmc-compress":
+        llmc_compress(args.model, args.out)
+        print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
+        return
     # imports are not timed, both tools pay them: transformers' lazy modules for Llama included
     import transformers.core_model_loading  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401

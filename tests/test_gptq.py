@@ -180,3 +180,19 @@ def test_shared_inputs_share_one_hessian():
     assert collector.of_module["q_proj"] is collector.of_module["k_proj"] is collector.of_module["v_proj"]
     assert collector.of_module["o_proj"] is not collector.of_module["q_proj"]
     collector.remove()
+
+
+@pytest.mark.parametrize("n", [64, 700])  # one leaf; several levels of the blocked inverse
+def test_inverse_hessian_factor_in_place_matches_the_textbook_one(n):
+    x = torch.randn(4 * n, n, generator=torch.Generator().manual_seed(n))
+    hessian = 2 / x.shape[0] * x.t() @ x
+    damp = 0.01 * float(hessian.diagonal().mean())
+    expected = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian + damp * torch.eye(n))), upper=True)
+    kept = hessian.clone()
+    factor, used = inverse_hessian_factor(hessian, 0.01)
+    assert used == 0.01 and torch.equal(hessian, kept)  # not overwritten unless asked
+    torch.testing.assert_close(factor, expected, atol=1e-4, rtol=1e-3)
+    assert torch.equal(factor, torch.triu(factor))
+    given_up, _ = inverse_hessian_factor(hessian, 0.01, overwrite=True)
+    assert given_up.data_ptr() == hessian.data_ptr()
+    torch.testing.assert_close(given_up, factor)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmpress.errors import UnsupportedModelError
+from llmpress.modifiers.gptq.linalg import inverse_hessian_factor
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import expand_to_columns
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
@@ -21,8 +21,6 @@ from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 __all__ = ["GPTQResult", "gptq_quantize", "inverse_hessian_factor"]
 
 logger = logging.getLogger(__name__)
-
-MAX_DAMPENING_RETRIES = 6
 
 
 @dataclass
@@ -32,34 +30,6 @@ class GPTQResult:
     zero_point: torch.Tensor | None
     loss: float  # sum over entries of (w - q)^2 / d^2: GPTQ's own error measure
     dampening: float  # the dampening fraction that made the Hessian invertible
-
-
-def inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of ``(H + damp * I)^-1``; retries with 10x more dampening (up to
-    ``MAX_DAMPENING_RETRIES`` times) instead of failing on a Hessian that is not positive definite."""
-    mean_diag = float(torch.mean(torch.diag(hessian)))
-    frac = dampening_frac
-    for attempt in range(MAX_DAMPENING_RETRIES + 1):
-        hessian.diagonal().add_(frac * mean_diag)  # in place, undone below on failure
-        factor, info = torch.linalg.cholesky_ex(hessian)
-        hessian.diagonal().sub_(frac * mean_diag)
-        if int(info) == 0:
-            inverse = torch.cholesky_inverse(factor)
-            del factor
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            if int(info) == 0:
-                return upper, frac
-        if attempt == MAX_DAMPENING_RETRIES:
-            break
-        retry = max(frac * 10, 1e-3)
-        logger.warning("GPTQ: Hessian not positive definite with dampening %.3g; retrying with %.3g", frac, retry)
-        frac = retry
-    raise UnsupportedModelError(
-        "GPTQ could not invert the Hessian even with strong dampening",
-        got=f"dampening_frac up to {frac:.3g}",
-        expected="a positive definite Hessian",
-        fix="use more or more varied calibration samples, or raise dampening_frac",
-    )
 
 
 def _channel_args(args: QuantizationArgs) -> QuantizationArgs:
@@ -94,13 +64,15 @@ def _per_column(scale, zero_point, weight: torch.Tensor, args: QuantizationArgs,
     return scale.contiguous(), None if zero_point is None else zero_point.float().contiguous()
 
 
-def _round_column(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs) -> torch.Tensor:
+def _round_rows(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs) -> torch.Tensor:
+    """``w`` rounded onto its grid (a new tensor): one column of the weight, stored as a row."""
     q_min, q_max = args.q_range
     if args.is_float:
-        return (w / scale).clamp(q_min, q_max).to(torch.float8_e4m3fn).float() * scale
+        return torch.div(w, scale).clamp_(q_min, q_max).to(torch.float8_e4m3fn).float().mul_(scale)
+    q = torch.div(w, scale).round_()
     if zero_point is None:
-        return torch.clamp(torch.round(w / scale), q_min, q_max) * scale
-    return (torch.clamp(torch.round(w / scale) + zero_point, q_min, q_max) - zero_point) * scale
+        return q.clamp_(q_min, q_max).mul_(scale)
+    return q.add_(zero_point).clamp_(q_min, q_max).sub_(zero_point).mul_(scale)
 
 
 INNER_BLOCK = 32
@@ -126,12 +98,15 @@ def gptq_quantize(
     dampening_frac: float = 0.01,
     actorder: bool = False,
     scale_dtype: torch.dtype = torch.float32,
+    overwrite_hessian: bool = False,
 ) -> GPTQResult:
     """Quantize ``weight`` ``[rows, cols]`` given the Hessian ``[cols, cols]`` of its inputs
     (``2/n * X^T X``). With ``actorder`` columns go in order of decreasing Hessian diagonal
-    (the inputs with the most energy first); qparams then come from the unpermuted weight."""
+    (the inputs with the most energy first); qparams then come from the unpermuted weight.
+    With ``overwrite_hessian`` the caller gives ``hessian`` up: the inverse factor is computed
+    in its memory (one Hessian-sized buffer less at the peak)."""
     W = weight.detach().to(torch.float32).clone()
-    H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns
+    H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns (unless given up)
     rows, cols = W.shape
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -142,8 +117,16 @@ def gptq_quantize(
     col_scale, col_zp = _per_column(fixed_scale, fixed_zp, W, args, perm)
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
-    Hinv, used_damp = inverse_hessian_factor(H, dampening_frac)
+    owned = overwrite_hessian or H is not hessian
+    Hinv, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=owned)
+    del H
 
+    # The update runs on the transpose: each weight column is a contiguous row, so the
+    # per-column work (rounding, rank-1 updates) reads and writes contiguous memory.
+    WT = W.t().contiguous()
+    del W
+    scale_rows = None if col_scale is None else col_scale.t().contiguous()
+    zp_rows = None if col_zp is None else col_zp.t().contiguous()
     group = args.group_size if args.strategy == QuantizationStrategy.GROUP else None
     group_scales, group_zps = [], []
     channel = _channel_args(args)
@@ -151,37 +134,36 @@ def gptq_quantize(
     scale = zp = None
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
-        W1 = W[:, start:end].clone()
-        Q1 = torch.empty_like(W1)
-        Err1 = torch.empty_like(W1)
+        Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
         Hinv1 = Hinv[start:end, start:end]
-        inv_diag = 1.0 / torch.diagonal(Hinv1)
+        inv_diag = (1.0 / torch.diagonal(Hinv1)).tolist()
         for inner_start, inner_end in _inner_blocks(start, end, group):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
             # matrix product per inner block: the same arithmetic, far less memory traffic
-            for i in range(inner_start - start, inner_end - start):
-                col = start + i
-                if col_scale is not None:
-                    scale, zp = col_scale[:, col], None if col_zp is None else col_zp[:, col]
+            for col in range(inner_start, inner_end):
+                i = col - start
+                if scale_rows is not None:
+                    scale, zp = scale_rows[col], None if zp_rows is None else zp_rows[col]
                 elif col % group == 0:  # a new group: qparams from its (already updated) columns
-                    rest = W[:, end : col + group] if col + group > end else W[:, :0]
-                    g_scale, g_zp = _qparams(torch.cat([W1[:, i : i + group], rest], dim=1), channel, scale_dtype)
+                    g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype)
                     group_scales.append(g_scale)
                     group_zps.append(g_zp)
                     scale = g_scale[:, 0]
                     zp = None if g_zp is None else g_zp[:, 0].float()
-                w = W1[:, i]
-                q = _round_column(w, scale, zp, args)
-                Q1[:, i] = q
-                err = (w - q).mul_(inv_diag[i])
-                Err1[:, i] = err
-                W1[:, i + 1 : inner_end - start].addr_(err, Hinv1[i, i + 1 : inner_end - start], alpha=-1)
+                w = WT[col]
+                q = _round_rows(w, scale, zp, args)
+                err = torch.sub(w, q, out=Err1[i]).mul_(inv_diag[i])
+                w.copy_(q)
+                if col + 1 < inner_end:
+                    WT[col + 1 : inner_end].addr_(Hinv1[i, i + 1 : inner_end - start], err, alpha=-1)
             a, b = inner_start - start, inner_end - start
-            W1[:, b:].addmm_(Err1[:, a:b], Hinv1[a:b, b:], alpha=-1)
+            if inner_end < end:
+                WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)
         loss += float(Err1.square().sum())
-        W[:, start:end] = Q1
-        W[:, end:].addmm_(Err1, Hinv[start:end, end:], alpha=-1)
+        if end < cols:
+            WT[end:].addmm_(Hinv[start:end, end:].t(), Err1, alpha=-1)
 
+    W = WT.t().contiguous()
     if perm is not None:
         W = W[:, torch.argsort(perm)]
     if fixed_scale is not None:

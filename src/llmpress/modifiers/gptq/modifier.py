@@ -136,17 +136,23 @@ class GPTQModifier(Modifier):
         scheme: QuantizationScheme = self.pending[names[0]][1]
         args = scheme.weights
         actorder = (self.config.actorder or args.actorder) is not None
-        hessian = self.hessians.of_module[names[0]].result()
+        accumulator = self.hessians.of_module[names[0]]
+        shared = any(a is accumulator for n, a in self.hessians.of_module.items() if n not in names)
+        hessian = accumulator.result()
         # row-wise qparams (channel, group) let modules sharing a Hessian quantize as one matrix
         fuse = args.strategy in ("channel", "group") and len(names) > 1
         batches = [modules] if fuse else [[m] for m in modules]
-        for batch in batches:
+        for index, batch in enumerate(batches):
             weight = torch.cat([m.weight.data for m in batch], dim=0)
+            last_use = index == len(batches) - 1 and not shared
+            if last_use:  # the solver may take the Hessian's memory: this group is its last user
+                self.hessians.release(names)
             result = gptq_quantize(
                 weight, hessian.to(weight.device), args,
                 block_size=self.config.block_size, dampening_frac=self.config.dampening_frac, actorder=actorder,
-                scale_dtype=weight.dtype,
+                scale_dtype=weight.dtype, overwrite_hessian=last_use,
             )
+            del weight
             offset = 0
             for module in batch:
                 rows = module.weight.shape[0]
@@ -157,4 +163,5 @@ class GPTQModifier(Modifier):
             share = result.loss / len(batch)
             for module in batch:
                 self.losses[names[modules.index(module)]] = share
+            del result
         self.seconds += time.perf_counter() - start
