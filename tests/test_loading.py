@@ -248,3 +248,55 @@ def test_int4_byte_layout_equals_the_kernels_own_conversion(rows):
         words |= unsigned[:, i::8] << (4 * i)
     assert torch.equal(kernels.int4_pack_words(words, scale, None)[0], reference)
     assert kernels._kernel_block() in (32, 64, None)
+
+
+def test_large_tensors_are_mapped_copy_on_write(tmp_path):
+    from safetensors.torch import save_file
+
+    from llmpress.loading.shards import MAP_MIN_BYTES, read_header, stream_tensors
+
+    path = tmp_path / "w.safetensors"
+    big, small = torch.randn(MAP_MIN_BYTES // 4 + 5), torch.randn(7)
+    save_file({"small": small, "big": big}, str(path))
+    got = {entry.name: read() for entry, read in stream_tensors(path, read_header(path))}
+    assert torch.equal(got["big"], big) and torch.equal(got["small"], small)
+    got["big"].add_(1)  # writable, and the file keeps its bytes
+    again = {entry.name: read() for entry, read in stream_tensors(path, read_header(path))}
+    assert torch.equal(again["big"], big)
+    save_file({"small": small, "big": torch.zeros_like(big)}, str(tmp_path / "new.safetensors"))
+    (tmp_path / "new.safetensors").replace(path)  # a save replacing the file: loaded tensors stay
+    assert torch.equal(got["big"], big + 1)
+
+
+def test_a_loaded_model_survives_a_save_into_its_own_folder(tmp_path, monkeypatch):
+    from llmpress.loading import shards
+
+    monkeypatch.setattr(shards, "MAP_MIN_BYTES", 0)  # every tensor mapped from the file
+    llmpress.oneshot(make_tiny_llama(intermediate=256), "W4A16", token_batches(), output_dir=tmp_path / "c")
+    model = llmpress.load(tmp_path / "c")
+    ids = torch.tensor(token_batches(2, 16, seed=3))
+    before = logits(model, ids)
+    llmpress.save_checkpoint(tmp_path / "c", model)
+    torch.testing.assert_close(logits(model, ids), before)
+    torch.testing.assert_close(logits(llmpress.load(tmp_path / "c"), ids), before)
+
+
+def test_llm_compressor_014_recipes_load_and_a_bad_recipe_file_only_warns(tmp_path, caplog):
+    llmpress.oneshot(make_tiny_llama(intermediate=256), "W4A16", token_batches(), output_dir=tmp_path / "c")
+    # what llm-compressor 0.14 writes for a round-to-nearest W4A16 run
+    (tmp_path / "c" / "recipe.yaml").write_text(
+        "default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
+        "      config_groups:\n        group_0:\n          targets: [Linear]\n"
+        "          weights: {num_bits: 4, type: int, symmetric: true, group_size: 128, strategy: group,\n"
+        "            block_structure: null, dynamic: false, actorder: null, scale_dtype: null, zp_dtype: null,\n"
+        "            observer: memoryless_minmax, observer_kwargs: {}}\n"
+        "          input_activations: null\n          output_activations: null\n          format: null\n"
+        "      targets: [Linear]\n      ignore: [lm_head]\n"
+        "      bypass_divisibility_checks: false\n      requires_calibration_data: false\n"
+    )
+    assert llmpress.load(tmp_path / "c")._llmpress_applied_recipe is not None
+    (tmp_path / "c" / "recipe.yaml").write_text("stage:\n  mods:\n    NoSuchModifier: {}\n")
+    with caplog.at_level("WARNING"):
+        model = llmpress.load(tmp_path / "c")  # the weights do not depend on the recipe
+    assert "not a recipe llmpress can read" in caplog.text
+    assert kernels_of(model) == {"int4"}

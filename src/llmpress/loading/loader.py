@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.save import route_save_pretrained
-from llmpress.errors import CheckpointError, UnsupportedModelError
+from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
 from llmpress.loading.memory import release_free_memory
 from llmpress.loading.quantizer import Quantizer
@@ -112,7 +112,10 @@ def load(
         route_save_pretrained(model)
     recipe_file = folder / "recipe.yaml"
     if recipe_file.is_file():
-        setattr(model, APPLIED_RECIPE_ATTR, Recipe.from_file(recipe_file))
+        try:  # what was applied, kept for the next save; the weights do not depend on it
+            setattr(model, APPLIED_RECIPE_ATTR, Recipe.from_file(recipe_file))
+        except RecipeError as exc:
+            logger.warning("%s is not a recipe llmpress can read, so a later save will not carry it: %s", recipe_file, exc)
     model.eval()
     return model
 

@@ -1,16 +1,21 @@
-"""Stream tensors out of safetensors shards one at a time, with plain reads.
+"""Stream tensors out of safetensors shards one at a time.
 
 ``safetensors.safe_open`` memory-maps the whole file, and every page a load touches then counts in
 the process's resident memory until the file is closed: loading a 2 GB checkpoint shows 2 GB of
-RSS even when each tensor is quantized and dropped as it arrives. Reading each tensor with
-``readinto`` into its own buffer keeps resident memory at what the model holds plus one tensor.
-The file format (an 8-byte header length, a JSON header, raw little-endian data) is simple and
-stable; the header is parsed here, tensors are read in file order.
+RSS even when each tensor is quantized and dropped as it arrives. Here each large tensor gets its
+own private (copy-on-write) mapping of just its bytes, alive exactly as long as the tensor: a
+tensor the quantizer converts and drops gives its pages back at once, and one the model keeps
+(an embedding, say) costs no copy, and only the pages it touches become resident (the kernel
+maps file pages in runs, far cheaper than faulting in fresh anonymous memory and copying into it).
+Small tensors, and reads that convert dtype, use plain ``readinto``. The file format (an 8-byte
+header length, a JSON header, raw little-endian data) is simple and stable; the header is parsed
+here, tensors are read in file order.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,6 +86,22 @@ def read_header(path: Path) -> list[ShardEntry]:
 
 
 _CHUNK_BYTES = 32 << 20  # converting reads go through a scratch buffer of this size
+MAP_MIN_BYTES = 1 << 20  # tensors at least this large are memory-mapped rather than read
+
+
+def _mapped(fileno: int, entry: ShardEntry) -> torch.Tensor | None:
+    """``entry`` as a tensor over a private mapping of its own pages (writable, copy on write),
+    or None where that is not possible (misaligned data, a platform without mmap)."""
+    size = entry.stop - entry.start
+    first_page = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+    if (entry.start - first_page) % max(entry.dtype.itemsize, 1):
+        return None
+    try:
+        region = mmap.mmap(fileno, entry.stop - first_page, offset=first_page, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None
+    data = torch.frombuffer(region, dtype=torch.uint8, count=size, offset=entry.start - first_page)
+    return data.view(entry.dtype).reshape(entry.shape)  # the tensor keeps the mapping alive
 
 
 def stream_tensors(path: Path, entries: list[ShardEntry]) -> Iterator[tuple[ShardEntry, Callable[..., torch.Tensor]]]:
@@ -104,6 +125,9 @@ def stream_tensors(path: Path, entries: list[ShardEntry]) -> Iterator[tuple[Shar
             def read(dtype: torch.dtype | None = None, entry: ShardEntry = entry) -> torch.Tensor:
                 size = entry.stop - entry.start
                 if dtype is None or dtype == entry.dtype or not (dtype.is_floating_point and entry.dtype.is_floating_point):
+                    mapped = _mapped(f.fileno(), entry) if size >= MAP_MIN_BYTES else None
+                    if mapped is not None:
+                        return mapped
                     buffer = torch.empty(size, dtype=torch.uint8)
                     if size:
                         read_bytes(entry.start, size, buffer, entry.name)

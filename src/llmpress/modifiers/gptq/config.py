@@ -19,11 +19,9 @@ class GPTQModifierConfig(QuantizationModifierConfig):
     actorder: ActivationOrdering | None = None
     offload_hessians: bool = False
     # Accepted so that recipes saved by llm-compressor run unchanged. llmpress always quantizes
-    # modules that share a Hessian as one matrix, needs calibration data for GPTQ, and handles
-    # column counts that are not a multiple of the group size, so these change nothing here.
+    # modules that share a Hessian as one matrix and needs calibration data for GPTQ.
     batched_quantization: Literal["auto"] | int | None = "auto"
     requires_calibration_data: Literal[True] = True
-    bypass_divisibility_checks: bool = False
 
     @model_validator(mode="after")
     def _check_gptq(self) -> GPTQModifierConfig:

@@ -25,6 +25,11 @@ class QuantizationModifierConfig(WindowConfig):
     scheme: str | dict[str, Any] | None = None
     config_groups: dict[str, QuantizationScheme] | None = None
     kv_cache_scheme: dict[str, Any] | None = None
+    # Accepted so that recipes llm-compressor saved (0.14 writes both) run and load unchanged:
+    # llmpress handles column counts that are not a multiple of the group size, and whether
+    # calibration data is needed follows from the schemes, so neither changes anything here.
+    bypass_divisibility_checks: bool = False
+    requires_calibration_data: bool | None = None
 
     @field_validator("targets", "ignore", mode="before")
     @classmethod
