@@ -248,6 +248,9 @@ def test_int4_byte_layout_equals_the_kernels_own_conversion(rows):
         words |= unsigned[:, i::8] << (4 * i)
     assert torch.equal(kernels.int4_pack_words(words, scale, None)[0], reference)
     assert kernels._kernel_block() in (32, 64, None)
+    table = kernels.int4_pack(q, scale, None)[1]  # reading back: bytes, and through the kernel
+    assert torch.equal(kernels.int4_unpack(reference, 128, table, 256), q)
+    assert torch.equal(kernels._unpack_through_kernel(reference, 128, table, 256), q)
 
 
 def test_large_tensors_are_mapped_copy_on_write(tmp_path):

@@ -159,11 +159,31 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: t
 
 
 def int4_unpack(packed: torch.Tensor, group_size: int, table: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The signed values ``q`` ``[out, in]`` back from the kernel layout (exact).
+    """The signed values ``q`` ``[out, in]`` back from the kernel layout (exact): byte by byte
+    where this CPU's layout is known, else through the kernel itself."""
+    block = _kernel_block()
+    rows = packed.shape[0]
+    if block is not None and rows % block == 0 and packed.shape[1] * 2 == in_features:
+        return _unpack_bytes(packed, block).view(torch.int8).sub_(8)
+    return _unpack_through_kernel(packed, group_size, table, in_features)
 
-    The layout is the kernel's own, so the weight is read back through the kernel: identity rows
-    give ``w.T`` in bf16, and ``(w - zero) / scale`` rounds to ``q`` exactly (|error| < 0.05).
-    """
+
+def _unpack_bytes(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """The unsigned values ``[out, in]`` (uint8) from the kernel layout: ``_pack_bytes`` undone."""
+    rows, half = packed.shape
+    side = block // 2
+    layout = packed.view(rows // block, half, 2, side)
+    values = torch.empty(rows // block, 2, side, half, 2, dtype=torch.uint8)
+    for parity in (0, 1):  # even columns, odd columns
+        source = layout[:, :, parity].transpose(1, 2)  # [blocks, side, half]
+        torch.bitwise_and(source, 0xF, out=values[:, 0, :, :, parity])  # rows j
+        torch.bitwise_right_shift(source, 4, out=values[:, 1, :, :, parity])  # rows j + side
+    return values.view(rows, 2 * half)
+
+
+def _unpack_through_kernel(packed: torch.Tensor, group_size: int, table: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Identity rows through the kernel give ``w.T`` in bf16, and ``(w - zero) / scale`` rounds
+    to ``q`` exactly (|error| < 0.05)."""
     scale = table[..., 0].t().float().repeat_interleave(group_size, dim=1)
     zero = table[..., 1].t().float().repeat_interleave(group_size, dim=1)
     rows = []

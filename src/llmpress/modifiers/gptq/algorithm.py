@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GPTQResult:
-    weight: torch.Tensor  # on the quantization grid, float32, [rows, cols]
+    weight: torch.Tensor  # on the quantization grid, float32, [rows, cols] (possibly a transposed view)
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     loss: float  # sum over entries of (w - q)^2 / d^2: GPTQ's own error measure
@@ -105,26 +105,25 @@ def gptq_quantize(
     (the inputs with the most energy first); qparams then come from the unpermuted weight.
     With ``overwrite_hessian`` the caller gives ``hessian`` up: the inverse factor is computed
     in its memory (one Hessian-sized buffer less at the peak)."""
-    W = weight.detach().to(torch.float32).clone()
+    rows, cols = weight.shape
+    # The update runs on the transpose: each weight column is a contiguous row, so the
+    # per-column work (rounding, rank-1 updates) reads and writes contiguous memory.
+    WT = torch.empty(cols, rows, dtype=torch.float32, device=weight.device)
+    WT.copy_(weight.detach().t())
     H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns (unless given up)
-    rows, cols = W.shape
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
-    W[:, dead] = 0
+    WT[dead] = 0
 
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
-    fixed_scale, fixed_zp = _upfront_qparams(W, args, actorder, scale_dtype)
-    col_scale, col_zp = _per_column(fixed_scale, fixed_zp, W, args, perm)
+    fixed_scale, fixed_zp = _upfront_qparams(WT.t(), args, actorder, scale_dtype)
+    col_scale, col_zp = _per_column(fixed_scale, fixed_zp, WT.t(), args, perm)
     if perm is not None:
-        W, H = W[:, perm], H[perm][:, perm]
+        WT, H = WT[perm], H[perm][:, perm]
     owned = overwrite_hessian or H is not hessian
     Hinv, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=owned)
     del H
 
-    # The update runs on the transpose: each weight column is a contiguous row, so the
-    # per-column work (rounding, rank-1 updates) reads and writes contiguous memory.
-    WT = W.t().contiguous()
-    del W
     scale_rows = None if col_scale is None else col_scale.t().contiguous()
     zp_rows = None if col_zp is None else col_zp.t().contiguous()
     group = args.group_size if args.strategy == QuantizationStrategy.GROUP else None
@@ -163,7 +162,7 @@ def gptq_quantize(
         if end < cols:
             WT[end:].addmm_(Hinv[start:end, end:].t(), Err1, alpha=-1)
 
-    W = WT.t().contiguous()
+    W = WT.t()  # a view: callers copy the rows they need
     if perm is not None:
         W = W[:, torch.argsort(perm)]
     if fixed_scale is not None:

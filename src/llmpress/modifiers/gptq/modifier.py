@@ -143,7 +143,7 @@ class GPTQModifier(Modifier):
         fuse = args.strategy in ("channel", "group") and len(names) > 1
         batches = [modules] if fuse else [[m] for m in modules]
         for index, batch in enumerate(batches):
-            weight = torch.cat([m.weight.data for m in batch], dim=0)
+            weight = batch[0].weight.data if len(batch) == 1 else torch.cat([m.weight.data for m in batch], dim=0)
             last_use = index == len(batches) - 1 and not shared
             if last_use:  # the solver may take the Hessian's memory: this group is its last user
                 self.hessians.release(names)
