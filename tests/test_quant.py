@@ -113,3 +113,36 @@ def test_int4_packs_eight_values_per_word():
     word = int(pack_to_int32(values, 4)[0, 0]) & 0xFFFFFFFF
     nibbles = [(word >> (4 * i)) & 0xF for i in range(8)]
     assert nibbles == [v + 8 for v in values[0].tolist()]
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W8A16", "W4A16_ASYM", "FP8"])
+def test_finished_layers_wait_as_integers_and_come_back_bit_for_bit(preset):
+    from llmpress.quant.attach import attach_scheme, freeze_weight
+    from llmpress.quant.compact import CompactWeights
+    from llmpress.quant.scheme import preset_scheme
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(64, 32))
+    attach_scheme(layer[0], preset_scheme(preset))
+    freeze_weight(layer[0])  # on its grid; layer[1] is plain and stays as it is
+    weight, plain, param = layer[0].weight.detach().clone(), layer[1].weight, layer[0].weight
+    held = CompactWeights()
+    freed = held.hold(layer)
+    assert freed == weight.numel() * 4 and held.held_bytes < freed
+    assert layer[0].weight.is_meta and layer[1].weight is plain
+    with pytest.raises(RuntimeError, match="held as integers"):
+        layer(torch.randn(2, 256))  # a held layer cannot be run by mistake
+    held.restore()
+    assert layer[0].weight is param and torch.equal(param, weight) and held.held_bytes == 0
+
+
+def test_a_weight_off_its_grid_is_not_held():
+    from llmpress.quant.attach import attach_scheme, freeze_weight
+    from llmpress.quant.compact import CompactWeights
+    from llmpress.quant.scheme import preset_scheme
+
+    linear = torch.nn.Linear(128, 16)
+    attach_scheme(linear, preset_scheme("W4A16"))
+    freeze_weight(linear)
+    linear.weight.data.add_(1e-3)  # moved off the grid (training, say)
+    assert CompactWeights().hold(linear) == 0 and not linear.weight.is_meta

@@ -39,6 +39,8 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to write: quantized modules compressed by their scheme's format."""
+    from llmpress.loading.memory import release_free_memory  # (the loading package imports this one)
+
     state = unique_state_dict(model)
     uneven = []
     for name, module, scheme in quantized_modules(model):
@@ -78,6 +80,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
             local = qat_snapshot(module)
         if save_compressed:
             local = FORMATS.get(format_for(scheme)).compress(local, scheme)
+            release_free_memory()  # packing temporaries: give them back before the next module
         state.update({prefix + k: v for k, v in local.items()})
     if uneven:
         logger.warning(

@@ -4,8 +4,9 @@ The calibration batches run to the first of the model's repeated blocks (``model
 and its equivalents) and stop there. Then, for each block: its calibration forward lets the
 modifiers' hooks collect what they need (Hessians, activation ranges); ``layer_calibrated`` lets
 them compress the block; a second forward with the compressed weights gives the next block's
-inputs. Only one block's activations are in flight; the rest of the model stays where it was
-loaded. Models without such a list fall back to whole-model calibration, with a warning.
+inputs. Only one block's activations are in flight; blocks not reached yet stay where they were
+loaded (memory-mapped by ``llmpress.load``), and finished blocks wait as integers
+(``quant/compact.py``) until calibration ends. Models without such a list fall back to whole-model calibration, with a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from llmpress.loading.memory import release_free_memory
 from llmpress.pipelines.basic import run_basic_calibration
+from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session
 
 __all__ = ["find_layers", "run_layerwise_calibration"]
@@ -122,11 +124,17 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         return
     session.calibration_start()
     inputs = _capture_first_layer_inputs(model, layers[0], batches)
-    bar = tqdm(layers, desc="Calibrating layers", unit="layer")
-    for index, layer in enumerate(bar):
-        _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
-        session.layer_calibrated(index, layer)  # ... and compress the layer
-        release_free_memory()  # the layer's solver temporaries go back to the system
-        if index + 1 < len(layers):  # the compressed layer's outputs feed the next one
-            _run_layer(layer, inputs)
+    held = CompactWeights()  # finished layers wait as integers: one layer in float at a time
+    try:
+        bar = tqdm(layers, desc="Calibrating layers", unit="layer")
+        for index, layer in enumerate(bar):
+            _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
+            session.layer_calibrated(index, layer)  # ... and compress the layer
+            if index + 1 < len(layers):  # the compressed layer's outputs feed the next one
+                _run_layer(layer, inputs)
+            held.hold(layer)
+            release_free_memory()  # the layer's solver temporaries and float weights go back
+        inputs.clear()
+    finally:
+        held.restore()
     session.calibration_end()

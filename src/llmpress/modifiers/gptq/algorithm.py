@@ -9,6 +9,7 @@ rank-1, and the rest of the matrix gets one matrix product per block.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,7 @@ def _inner_blocks(start: int, end: int, group: int | None) -> list[tuple[int, in
 
 @torch.no_grad()
 def gptq_quantize(
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     hessian: torch.Tensor,
     args: QuantizationArgs,
     *,
@@ -100,16 +101,21 @@ def gptq_quantize(
     scale_dtype: torch.dtype = torch.float32,
     overwrite_hessian: bool = False,
 ) -> GPTQResult:
-    """Quantize ``weight`` ``[rows, cols]`` given the Hessian ``[cols, cols]`` of its inputs
+    """Quantize ``weight`` ``[rows, cols]`` (or the row blocks that stack into it) given the Hessian ``[cols, cols]`` of its inputs
     (``2/n * X^T X``). With ``actorder`` columns go in order of decreasing Hessian diagonal
     (the inputs with the most energy first); qparams then come from the unpermuted weight.
     With ``overwrite_hessian`` the caller gives ``hessian`` up: the inverse factor is computed
     in its memory (one Hessian-sized buffer less at the peak)."""
-    rows, cols = weight.shape
+    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
     # The update runs on the transpose: each weight column is a contiguous row, so the
-    # per-column work (rounding, rank-1 updates) reads and writes contiguous memory.
-    WT = torch.empty(cols, rows, dtype=torch.float32, device=weight.device)
-    WT.copy_(weight.detach().t())
+    # per-column work (rounding, rank-1 updates) reads and writes contiguous memory. Row
+    # blocks (modules sharing the Hessian) are copied in side by side: no concatenated copy.
+    WT = torch.empty(cols, rows, dtype=torch.float32, device=parts[0].device)
+    offset = 0
+    for part in parts:
+        WT[:, offset : offset + part.shape[0]].copy_(part.detach().t())
+        offset += part.shape[0]
     H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns (unless given up)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -143,14 +142,14 @@ class GPTQModifier(Modifier):
         fuse = args.strategy in ("channel", "group") and len(names) > 1
         batches = [modules] if fuse else [[m] for m in modules]
         for index, batch in enumerate(batches):
-            weight = batch[0].weight.data if len(batch) == 1 else torch.cat([m.weight.data for m in batch], dim=0)
+            weight = [m.weight.data for m in batch]
             last_use = index == len(batches) - 1 and not shared
             if last_use:  # the solver may take the Hessian's memory: this group is its last user
                 self.hessians.release(names)
             result = gptq_quantize(
-                weight, hessian.to(weight.device), args,
+                weight, hessian.to(weight[0].device), args,
                 block_size=self.config.block_size, dampening_frac=self.config.dampening_frac, actorder=actorder,
-                scale_dtype=weight.dtype, overwrite_hessian=last_use,
+                scale_dtype=weight[0].dtype, overwrite_hessian=last_use,
             )
             del weight
             offset = 0
