@@ -196,3 +196,12 @@ def test_inverse_hessian_factor_in_place_matches_the_textbook_one(n):
     given_up, _ = inverse_hessian_factor(hessian, 0.01, overwrite=True)
     assert given_up.data_ptr() == hessian.data_ptr()
     torch.testing.assert_close(given_up, factor)
+
+
+def test_a_retried_factor_is_the_factor_of_the_more_dampened_hessian():
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    hessian = x.t() @ x - 0.05 * torch.eye(64)  # indefinite: the first attempts fail
+    factor, used = inverse_hessian_factor(hessian.clone(), 0.0)
+    assert used > 0
+    damped = hessian + used * float(hessian.diagonal().mean()) * torch.eye(64)
+    torch.testing.assert_close(factor.t() @ factor, torch.linalg.inv(damped), atol=1e-3, rtol=1e-3)

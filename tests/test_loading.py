@@ -271,6 +271,20 @@ def test_large_tensors_are_mapped_copy_on_write(tmp_path):
     assert torch.equal(got["big"], big + 1)
 
 
+def test_mappings_stay_within_their_budget(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from llmpress.loading import shards
+
+    path = tmp_path / "w.safetensors"
+    tensors = {f"t{i}": torch.randn(shards.MAP_MIN_BYTES // 4) for i in range(3)}
+    save_file(tensors, str(path))
+    monkeypatch.setattr(shards, "_MAP_BUDGET", shards._live_maps[0] + 1)  # room for one more
+    got = {entry.name: read() for entry, read in shards.stream_tensors(path, shards.read_header(path))}
+    assert shards._live_maps[0] == shards._MAP_BUDGET  # one mapped, two read
+    assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+
+
 def test_a_loaded_model_survives_a_save_into_its_own_folder(tmp_path, monkeypatch):
     from llmpress.loading import shards
 

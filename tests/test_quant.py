@@ -146,3 +146,16 @@ def test_a_weight_off_its_grid_is_not_held():
     freeze_weight(linear)
     linear.weight.data.add_(1e-3)  # moved off the grid (training, say)
     assert CompactWeights().hold(linear) == 0 and not linear.weight.is_meta
+
+
+def test_a_shared_weight_is_not_held():
+    from llmpress.quant.attach import attach_scheme, freeze_weight
+    from llmpress.quant.compact import CompactWeights
+    from llmpress.quant.scheme import preset_scheme
+
+    first, second = torch.nn.Linear(128, 16), torch.nn.Linear(128, 16)
+    second.weight = first.weight  # tied
+    attach_scheme(first, preset_scheme("W4A16"))
+    freeze_weight(first)
+    model = torch.nn.Sequential(first, second)
+    assert CompactWeights(model).hold(model[0]) == 0 and not first.weight.is_meta

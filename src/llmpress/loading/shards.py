@@ -7,7 +7,11 @@ own private (copy-on-write) mapping of just its bytes, alive exactly as long as 
 tensor the quantizer converts and drops gives its pages back at once, and one the model keeps
 (an embedding, say) costs no copy, and only the pages it touches become resident (the kernel
 maps file pages in runs, far cheaper than faulting in fresh anonymous memory and copying into it).
-Small tensors, and reads that convert dtype, use plain ``readinto``. The file format (an 8-byte
+Small tensors, reads that convert dtype, and tensors beyond a budget of live mappings (each
+holds a file descriptor) use plain ``readinto``; so does Windows, where an open mapping would
+block a later save into the same folder. A mapped tensor's untouched pages read the file: a
+weight file truncated or rewritten in place (not replaced, as every save does) while the model
+is alive changes or breaks that model. The file format (an 8-byte
 header length, a JSON header, raw little-endian data) is simple and stable; the header is parsed
 here, tensors are read in file order.
 """
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,17 +95,42 @@ _CHUNK_BYTES = 32 << 20  # converting reads go through a scratch buffer of this 
 MAP_MIN_BYTES = 1 << 20  # tensors at least this large are memory-mapped rather than read
 
 
+def _map_budget() -> int:
+    """How many mappings may be alive at once. Each holds a duplicate of the file descriptor
+    (Python's mmap keeps one until 3.13), so a quarter of the descriptor limit, at most 512.
+    None on Windows, where open mappings would block the folder swap of a later save."""
+    if os.name != "posix":
+        return 0
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    return 512 if soft == resource.RLIM_INFINITY else max(0, min(512, soft // 4))
+
+
+_MAP_BUDGET = _map_budget()
+_live_maps = [0]
+
+
+def _released() -> None:
+    _live_maps[0] -= 1
+
+
 def _mapped(fileno: int, entry: ShardEntry) -> torch.Tensor | None:
     """``entry`` as a tensor over a private mapping of its own pages (writable, copy on write),
-    or None where that is not possible (misaligned data, a platform without mmap)."""
+    or None where that is not possible (misaligned data, too many mappings alive, no mmap)."""
     size = entry.stop - entry.start
     first_page = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
-    if (entry.start - first_page) % max(entry.dtype.itemsize, 1):
+    if (entry.start - first_page) % max(entry.dtype.itemsize, 1) or _live_maps[0] >= _MAP_BUDGET:
         return None
     try:
         region = mmap.mmap(fileno, entry.stop - first_page, offset=first_page, access=mmap.ACCESS_COPY)
     except (OSError, ValueError):
         return None
+    _live_maps[0] += 1
+    weakref.finalize(region, _released)
     data = torch.frombuffer(region, dtype=torch.uint8, count=size, offset=entry.start - first_page)
     return data.view(entry.dtype).reshape(entry.shape)  # the tensor keeps the mapping alive
 

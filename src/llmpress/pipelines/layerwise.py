@@ -124,7 +124,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         return
     session.calibration_start()
     inputs = _capture_first_layer_inputs(model, layers[0], batches)
-    held = CompactWeights()  # finished layers wait as integers: one layer in float at a time
+    held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
         for index, layer in enumerate(bar):

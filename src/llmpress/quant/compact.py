@@ -7,7 +7,8 @@ the end: ``k * scale`` is the same float product that put it on the grid. The fu
 weights of a whole model then never sit in memory together with the calibration state
 (activations, Hessians, solver temporaries): the peak is one layer in float plus the rest in
 int8. Each weight is rebuilt and compared before its float copy is dropped; a weight that does
-not come back exactly (not on its grid yet, an unusual scheme) stays as it is.
+not come back with equal values (not on its grid yet, an unusual scheme) stays as it is. (Equal
+values: a ``-0.0`` comes back as ``0.0``.)
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ class CompactWeights:
     tensor of the right shape and running the module raises, so an accidental use fails
     loudly instead of computing with nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module | None = None) -> None:
         self._held: list[tuple[nn.Module, nn.Parameter, torch.Tensor, torch.Tensor, torch.dtype, object, object]] = []
+        # a weight that several modules (or a block repeated in the list) share is left alone:
+        # holding it would take it away from a module that still runs
+        seen: dict[int, int] = {}
+        for _, param in (model.named_parameters(remove_duplicate=False) if model is not None else ()):
+            seen[id(param)] = seen.get(id(param), 0) + 1
+        self._shared = {key for key, count in seen.items() if count > 1}
 
     @property
     def held_bytes(self) -> int:
@@ -70,6 +77,8 @@ class CompactWeights:
         """Hold what can be held in ``layer``; returns the bytes of float weight let go."""
         freed = 0
         for module in layer.modules():
+            if id(getattr(module, "weight", None)) in self._shared:
+                continue
             k = _grid_values(module)
             if k is None:
                 continue
@@ -85,9 +94,21 @@ class CompactWeights:
         return freed
 
     def restore(self) -> None:
+        """Rebuild every held weight. One that cannot be rebuilt (out of memory, say) stays
+        held, guarded, with its integers; the others are still restored, then the error raised."""
+        failed, error = [], None
         while self._held:
-            module, param, k, scale, dtype, args, guard = self._held.pop()
-            guard.remove()
-            expanded = expand_to_columns(scale, k.shape[1], args)
-            param.data = (k.float() * expanded).to(dtype)
+            entry = self._held.pop()
+            module, param, k, scale, dtype, args, guard = entry
+            try:
+                rebuilt = (k.float() * expand_to_columns(scale, k.shape[1], args)).to(dtype)
+            except (MemoryError, RuntimeError) as exc:
+                failed.append(entry)
+                error = error or exc
+                continue
+            param.data = rebuilt
             module._parameters["weight"] = param
+            guard.remove()
+        self._held = failed
+        if error is not None:
+            raise error

@@ -3,10 +3,10 @@
 GPTQ wants the upper Cholesky factor ``U`` of ``(H + damp * I)^-1`` (``H^-1 = U^T U``). With ``J``
 the order-reversing permutation and ``J H J = L L^T``: ``H^-1 = (J L^-1 J)^T (J L^-1 J)``, and
 ``J L^-1 J`` is upper triangular. So one Cholesky and one triangular inverse suffice (instead of
-Cholesky, inverse, and a second Cholesky of the inverse: half the time), and every step can run
-in the buffer that held ``H``: ``J H J`` is ``H`` with its flat storage reversed, LAPACK factors
-in place, the triangular inverse goes block by block, and ``J . J`` is one more reversal. For a
-down_proj-sized Hessian (2816 inputs) that keeps three 32 MB copies out of the peak.
+Cholesky, inverse, and a second Cholesky of the inverse: half the time), and the result can live
+in the buffer that held ``H``: ``J H J`` is ``H`` with its flat storage reversed, the factor is
+copied over it, the triangular inverse goes block by block, and ``J . J`` is one more reversal.
+For a down_proj-sized Hessian (2816 inputs) that keeps two 32 MB copies out of the peak.
 """
 
 from __future__ import annotations
@@ -57,13 +57,6 @@ def _invert_lower_in_place(lower: torch.Tensor) -> None:
     corner.copy_(lower[half:, half:] @ (corner @ lower[:half, :half])).neg_()
 
 
-def _restore_symmetric(matrix: torch.Tensor, diagonal: torch.Tensor) -> None:
-    """Undo a failed in-place Cholesky: its strict upper triangle still holds ``H``'s."""
-    upper = torch.triu(matrix, diagonal=1)
-    matrix.copy_(upper + upper.t())
-    matrix.diagonal().copy_(diagonal)
-
-
 def inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float, *, overwrite: bool = False) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of ``(H + damp * I)^-1`` and the dampening fraction used; retries
     with 10x more dampening (up to ``MAX_DAMPENING_RETRIES`` times) instead of failing on a
@@ -75,17 +68,21 @@ def inverse_hessian_factor(hessian: torch.Tensor, dampening_frac: float, *, over
     _reverse_in_place(work)
     diagonal = diagonal.flip(0)
     frac = dampening_frac
-    info = torch.empty((), dtype=torch.int32, device=work.device)
     for attempt in range(MAX_DAMPENING_RETRIES + 1):
         work.diagonal().add_(frac * mean_diag)
-        torch.linalg.cholesky_ex(work, out=(work, info))
-        if int(info) == 0 and bool(torch.isfinite(work.diagonal().reciprocal()).all()):
+        # out of place: a failed factorization leaves the Hessian as it was (LAPACK's in-place
+        # variant clears the upper triangle even when it fails); copied over it on success
+        factor, info = torch.linalg.cholesky_ex(work)
+        work.diagonal().copy_(diagonal)
+        if int(info) == 0 and bool(torch.isfinite(factor.diagonal().reciprocal()).all()):
+            work.copy_(factor)
+            del factor
             _invert_lower_in_place(work)
             if bool(torch.isfinite(work).all()):
                 _reverse_in_place(work)
                 return work, frac
             break  # the inverse overflowed; the Hessian is gone, so this cannot be retried
-        _restore_symmetric(work, diagonal)
+        del factor
         if attempt == MAX_DAMPENING_RETRIES:
             break
         retry = max(frac * 10, 1e-3)
