@@ -135,6 +135,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
             held.hold(layer)
             release_free_memory()  # the layer's solver temporaries and float weights go back
         inputs.clear()
+        release_free_memory()  # the activations go back before the float weights return
     finally:
         held.restore()
     session.calibration_end()
