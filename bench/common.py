@@ -4,10 +4,13 @@ it also runs in the peers' virtual environment)."""
 from __future__ import annotations
 
 import resource
+import statistics
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "fixtures"
+PEER_VENV = REPO / ".venv-peers"  # llm-compressor 0.14, apart from our pins
+PEER_PYTHON = PEER_VENV / "bin" / "python"
 
 
 def fixture(*parts: str) -> Path:
@@ -39,3 +42,8 @@ def peak_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per-figure medians over repeated runs."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}

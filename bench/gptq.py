@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,10 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, fixture, save_random_llama
+from common import PEER_PYTHON, PEER_VENV, REPO, fixture, median_run, save_random_llama
 
-PEER_VENV = REPO / ".venv-peers"
-PEER_PYTHON = PEER_VENV / "bin" / "python"
 
 
 def ensure_peer_venv() -> None:
@@ -63,11 +60,6 @@ def run_worker(python: Path, tool: str, model: Path, tokens: Path, bits: int, ou
         raise SystemExit(f"{tool} failed:\n{result.stderr[-3000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
     return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
-
-
-def median_run(runs: list[dict]) -> dict:
-    """Per-figure medians over repeated runs."""
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def transformers_perplexity(checkpoint: Path, windows: torch.Tensor) -> float:

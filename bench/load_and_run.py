@@ -24,16 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from common import REPO, fixture, save_random_llama
-
-PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+from common import PEER_PYTHON, REPO, fixture, median_run, save_random_llama
 
 
 def make_random_llama(folder: Path) -> Path:
@@ -65,10 +62,6 @@ def file_mb(folder: Path) -> float:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
 
 
-def median_of(runs: list[dict]) -> dict:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-
-
 def logits_gap(checkpoint: Path, work: Path) -> dict:
     """Relative L2 distance of llmpress's logits (bf16 kernels; exact dense view) from
     transformers + compressed-tensors' on the same checkpoint and input."""
@@ -89,7 +82,7 @@ def bench_model(name: str, fp32: Path, work: Path, new_tokens: int, repeat: int)
     for _ in range(repeat):  # alternating, so both see the same state of the machine
         ours_runs.append(worker("load", "--tool", "llmpress", "--model", str(int4)))
         peer_runs.append(worker("load", "--tool", "transformers", "--model", str(int4)))
-    row["load_ours"], row["load_peer"] = median_of(ours_runs), median_of(peer_runs)
+    row["load_ours"], row["load_peer"] = median_run(ours_runs), median_run(peer_runs)
     row["logits"] = {"llmpress": logits_gap(int4, work)}
     if PEER_PYTHON.exists():
         llmc = work / f"{name}-int4-llmcompressor"

@@ -15,6 +15,7 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
+from llmpress.memory import release_free_memory
 from llmpress.quant.attach import quantized_modules
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.scheme import QuantizationScheme
@@ -39,8 +40,6 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to write: quantized modules compressed by their scheme's format."""
-    from llmpress.loading.memory import release_free_memory  # (the loading package imports this one)
-
     state = unique_state_dict(model)
     uneven = []
     for name, module, scheme in quantized_modules(model):

@@ -18,7 +18,7 @@ from torch import nn
 from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
-from llmpress.loading.memory import release_free_memory
+from llmpress.memory import release_free_memory
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.shards import (
     ShardEntry,

@@ -11,9 +11,9 @@ Small tensors, reads that convert dtype, and tensors beyond a budget of live map
 holds a file descriptor) use plain ``readinto``; so does Windows, where an open mapping would
 block a later save into the same folder. A mapped tensor's untouched pages read the file: a
 weight file truncated or rewritten in place (not replaced, as every save does) while the model
-is alive changes or breaks that model. The file format (an 8-byte
-header length, a JSON header, raw little-endian data) is simple and stable; the header is parsed
-here, tensors are read in file order.
+is alive changes or breaks that model. The file format (an 8-byte header length, a JSON header,
+raw little-endian data) is simple and stable; the header is parsed here, tensors are read in file
+order.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ MAP_MIN_BYTES = 1 << 20  # tensors at least this large are memory-mapped rather 
 def _map_budget() -> int:
     """How many mappings may be alive at once. Each holds a duplicate of the file descriptor
     (Python's mmap keeps one until 3.13), so a quarter of the descriptor limit, at most 512.
-    None on Windows, where open mappings would block the folder swap of a later save."""
+    None at all on Windows, where open mappings would block the folder swap of a later save."""
     if os.name != "posix":
         return 0
     try:

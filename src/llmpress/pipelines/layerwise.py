@@ -6,7 +6,8 @@ modifiers' hooks collect what they need (Hessians, activation ranges); ``layer_c
 them compress the block; a second forward with the compressed weights gives the next block's
 inputs. Only one block's activations are in flight; blocks not reached yet stay where they were
 loaded (memory-mapped by ``llmpress.load``), and finished blocks wait as integers
-(``quant/compact.py``) until calibration ends. Models without such a list fall back to whole-model calibration, with a warning.
+(``quant/compact.py``) until calibration ends. Models without such a list fall back to
+whole-model calibration, with a warning.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmpress.loading.memory import release_free_memory
+from llmpress.memory import release_free_memory
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session

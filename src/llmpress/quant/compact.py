@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from llmpress.quant.qdq import expand_to_columns
 
 __all__ = ["CompactWeights"]
 
 
+def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``k * scale`` (the module's scale expanded to columns) in ``dtype``: the on-grid weight."""
+    args = module.quantization_scheme.weights
+    return (k.float() * expand_to_columns(module.weight_scale.to(torch.float32), k.shape[1], args)).to(dtype)
+
+
 def _grid_values(module: nn.Module) -> torch.Tensor | None:
-    """``k`` with ``weight == k * scale`` (scale expanded to columns) exactly, or None."""
+    """``k`` with ``_rebuild(module, k)`` equal to the module's weight, or None."""
     scheme = getattr(module, "quantization_scheme", None)
     scale = getattr(module, "weight_scale", None)
     weight = getattr(module, "weight", None)
@@ -33,15 +40,14 @@ def _grid_values(module: nn.Module) -> torch.Tensor | None:
         return None
     w = weight.detach()
     try:
-        expanded = expand_to_columns(scale.to(torch.float32), w.shape[1], args)
-        ratio = w.float() / expanded
+        ratio = w.float() / expand_to_columns(scale.to(torch.float32), w.shape[1], args)
         if args.is_float:
             k = ratio.to(torch.float8_e4m3fn)
         else:
             wide = args.num_bits == 8 and getattr(module, "weight_zero_point", None) is not None
             k = ratio.round_().to(torch.int16 if wide else torch.int8)
         del ratio
-        rebuilt = (k.float() * expanded).to(w.dtype)
+        rebuilt = _rebuild(module, k, w.dtype)
     except (RuntimeError, ValueError):  # shapes a scheme expands differently: leave it alone
         return None
     return k if torch.equal(rebuilt, w) else None
@@ -61,7 +67,7 @@ class CompactWeights:
     loudly instead of computing with nothing."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
-        self._held: list[tuple[nn.Module, nn.Parameter, torch.Tensor, torch.Tensor, torch.dtype, object, object]] = []
+        self._held: list[tuple[nn.Module, nn.Parameter, torch.Tensor, RemovableHandle]] = []
         # a weight that several modules (or a block repeated in the list) share is left alone:
         # holding it would take it away from a module that still runs
         seen: dict[int, int] = {}
@@ -71,7 +77,7 @@ class CompactWeights:
 
     @property
     def held_bytes(self) -> int:
-        return sum(entry[2].numel() * entry[2].element_size() for entry in self._held)
+        return sum(k.numel() * k.element_size() for _, _, k, _ in self._held)
 
     def hold(self, layer: nn.Module) -> int:
         """Hold what can be held in ``layer``; returns the bytes of float weight let go."""
@@ -83,11 +89,9 @@ class CompactWeights:
             if k is None:
                 continue
             param: nn.Parameter = module.weight
-            args = module.quantization_scheme.weights
-            scale = module.weight_scale.to(torch.float32)
             freed += param.numel() * param.element_size()
             guard = module.register_forward_pre_hook(_refuse_while_held)
-            self._held.append((module, param, k, scale, param.dtype, args, guard))
+            self._held.append((module, param, k, guard))
             placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
             module._parameters["weight"] = nn.Parameter(placeholder, requires_grad=param.requires_grad)
             param.data = torch.empty(0, dtype=param.dtype)  # the float storage goes back now
@@ -99,9 +103,9 @@ class CompactWeights:
         failed, error = [], None
         while self._held:
             entry = self._held.pop()
-            module, param, k, scale, dtype, args, guard = entry
+            module, param, k, guard = entry
             try:
-                rebuilt = (k.float() * expand_to_columns(scale, k.shape[1], args)).to(dtype)
+                rebuilt = _rebuild(module, k, param.dtype)  # param keeps its dtype while empty
             except (MemoryError, RuntimeError) as exc:
                 failed.append(entry)
                 error = error or exc

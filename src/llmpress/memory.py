@@ -1,4 +1,5 @@
-"""Give freed heap memory back to the operating system while a model streams in.
+"""Give freed heap memory back to the operating system: while a model streams in, after each
+layer of layer-by-layer calibration, and between modules packed for a save.
 
 A load frees many temporaries of a few MB (unpacked integers, int32 staging for the int4 kernel).
 glibc keeps such blocks in its heap (its mmap threshold grows with each large free), so the
