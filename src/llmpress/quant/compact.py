@@ -18,31 +18,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from llmpress.memory import release_free_memory
-from llmpress.quant.qdq import expand_to_columns
-from llmpress.quant.scheme import QuantizationStrategy
+from llmpress.quant.qdq import broadcast_qparam
 
 __all__ = ["CompactWeights"]
-
-
-def _scale_view(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` and the module's float32 scale shaped to broadcast against each other without an
-    expanded ``[rows, cols]`` copy of the scale: ``[rows, groups, group_size]`` against
-    ``[rows, groups, 1]`` for whole groups, else the scale expanded to columns."""
-    args = module.quantization_scheme.weights
-    scale = module.weight_scale.to(torch.float32)
-    rows, cols = x.shape
-    size = args.group_size if args.strategy == QuantizationStrategy.GROUP else None
-    if size and cols % size == 0 and scale.shape == (rows, cols // size):
-        return x.view(rows, cols // size, size), scale.unsqueeze(-1)
-    return x, expand_to_columns(scale, cols, args)
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``k * scale`` in ``dtype``: the on-grid weight, built in one float32 buffer."""
     out = k.to(torch.float32)
-    view, scale = _scale_view(module, out)
-    view.mul_(scale)
-    return out.to(dtype)
+    view, scale = broadcast_qparam(out, module.weight_scale.to(torch.float32), module.quantization_scheme.weights)
+    return view.mul_(scale).view(k.shape).to(dtype)
 
 
 def _grid_values(module: nn.Module) -> torch.Tensor | None:
@@ -57,7 +42,7 @@ def _grid_values(module: nn.Module) -> torch.Tensor | None:
         return None
     w = weight.detach()
     try:
-        view, scale32 = _scale_view(module, w.float())
+        view, scale32 = broadcast_qparam(w.float(), scale.to(torch.float32), args)
         ratio = torch.div(view, scale32).view(w.shape)
         del view
         if args.is_float:

@@ -16,6 +16,7 @@ from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 __all__ = [
     "compute_qparams",
     "dequantize",
+    "broadcast_qparam",
     "expand_to_columns",
     "fake_quantize",
     "fake_quantize_activation",
@@ -34,6 +35,18 @@ def expand_to_columns(qparam: torch.Tensor, columns: int, args: QuantizationArgs
     if args.strategy != QuantizationStrategy.GROUP:
         return qparam
     return qparam.repeat_interleave(args.group_size, dim=-1)[..., :columns]
+
+
+def broadcast_qparam(x: torch.Tensor, qparam: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``qparam`` shaped to broadcast against each other. Whole groups go as
+    ``[out, groups, group_size]`` against ``[out, groups, 1]`` (no column-wide copy of the
+    qparam); a last group that is shorter falls back to ``expand_to_columns``."""
+    if args.strategy == QuantizationStrategy.GROUP and x.dim() == 2:
+        rows, cols = x.shape
+        size = args.group_size
+        if cols % size == 0 and tuple(qparam.shape) == (rows, cols // size):
+            return x.reshape(rows, cols // size, size), qparam.unsqueeze(-1)
+    return x, expand_to_columns(qparam, x.shape[-1], args)
 
 
 def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,16 +91,16 @@ def quantize(
     zero_point: torch.Tensor | None,
     args: QuantizationArgs,
 ) -> torch.Tensor:
-    """Quantized values (int8 holding ``num_bits``-wide integers, or float8_e4m3fn)."""
-    columns = x.shape[-1]
-    scale = expand_to_columns(scale, columns, args).to(torch.float32)
+    """Quantized values (int8 holding ``num_bits``-wide integers, or float8_e4m3fn). One float
+    temporary of ``x``'s size, worked in place."""
     q_min, q_max = args.q_range
-    scaled = x.to(torch.float32) / scale
+    view, scale = broadcast_qparam(x, scale.to(torch.float32), args)
+    scaled = torch.div(view.to(torch.float32), scale)
     if args.is_float:
-        return scaled.clamp(q_min, q_max).to(torch.float8_e4m3fn)
+        return scaled.clamp_(q_min, q_max).view(x.shape).to(torch.float8_e4m3fn)
     if zero_point is not None:
-        scaled = scaled + expand_to_columns(zero_point, columns, args).to(torch.float32)
-    return torch.clamp(torch.round(scaled), q_min, q_max).to(torch.int8)
+        scaled.add_(broadcast_qparam(x, zero_point.to(torch.float32), args)[1])
+    return scaled.round_().clamp_(q_min, q_max).view(x.shape).to(torch.int8)
 
 
 def dequantize(
@@ -97,11 +110,13 @@ def dequantize(
     args: QuantizationArgs,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    columns = q.shape[-1]
     values = q.to(torch.float32)
+    view, scale = broadcast_qparam(values, scale.to(torch.float32), args)
     if zero_point is not None and not args.is_float:
-        values = values - expand_to_columns(zero_point, columns, args).to(torch.float32)
-    return (values * expand_to_columns(scale, columns, args).to(torch.float32)).to(dtype)
+        view = view - broadcast_qparam(values, zero_point.to(torch.float32), args)[1]
+    else:
+        view = view.clone() if values is q else view
+    return view.mul_(scale).view(q.shape).to(dtype)
 
 
 def fake_quantize(
