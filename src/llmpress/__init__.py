@@ -5,22 +5,25 @@ Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active
 ``llmpress.errors``.
 """
 
-from llmpress import errors, modifiers
-from llmpress.checkpoint import save_checkpoint
-from llmpress.data import CalibrationOptions
-from llmpress.entrypoints import oneshot, train
-from llmpress.errors import LlmpressError
-from llmpress.loading import (
-    CompressedTensorsConfig,
-    LlmpressConfig,
-    QuantizationMethod,
-    Quantizer,
-    load,
-    load_checkpoint,
-)
-from llmpress.pipelines.training import TrainingOptions
-from llmpress.recipe import Recipe
-from llmpress.session import Session, active_session
+from llmpress.gc_pause import gc_paused
+
+with gc_paused():  # torch and transformers come in here: see llmpress/gc_pause.py
+    from llmpress import errors, modifiers
+    from llmpress.checkpoint import save_checkpoint
+    from llmpress.data import CalibrationOptions
+    from llmpress.entrypoints import oneshot, train
+    from llmpress.errors import LlmpressError
+    from llmpress.loading import (
+        CompressedTensorsConfig,
+        LlmpressConfig,
+        QuantizationMethod,
+        Quantizer,
+        load,
+        load_checkpoint,
+    )
+    from llmpress.pipelines.training import TrainingOptions
+    from llmpress.recipe import Recipe
+    from llmpress.session import Session, active_session
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,3 @@
-import sys
+from llmpress.cli import run
 
-from llmpress.cli import main
-
-sys.exit(main())
+run()

@@ -14,6 +14,7 @@ import sys
 import time
 
 from llmpress.errors import LlmpressError
+from llmpress.gc_pause import freeze_before_exit
 
 __all__ = ["main"]
 
@@ -213,5 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The ``llmpress`` command: ``main`` in a process of its own, which it then ends."""
+    code = main()
+    sys.stdout.flush()
+    freeze_before_exit()  # everything is written: the interpreter's last collection can skip the heap
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

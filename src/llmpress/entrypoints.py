@@ -18,6 +18,7 @@ from torch import nn
 from llmpress.checkpoint import route_save_pretrained, save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
+from llmpress.gc_pause import gc_paused
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
 from llmpress.pipelines.training import TrainingOptions, run_training, stage_epochs
@@ -38,8 +39,9 @@ def load_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float3
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError("model folder not found", got=str(folder), expected="a local model folder")
-    model = load_checkpoint(folder, dtype=dtype)
-    processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
+    with gc_paused():  # the model class and the tokenizer import much of transformers
+        model = load_checkpoint(folder, dtype=dtype)
+        processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
     return model, processor
 
 

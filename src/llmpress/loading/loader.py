@@ -17,8 +17,8 @@ from torch import nn
 
 from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
+from llmpress.gc_pause import gc_paused
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
-from llmpress.memory import release_free_memory
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.shards import (
     ShardEntry,
@@ -26,6 +26,7 @@ from llmpress.loading.shards import (
     read_header,
     stream_tensors,
 )
+from llmpress.memory import release_free_memory
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
 __all__ = ["load", "load_checkpoint"]
@@ -194,7 +195,7 @@ def _skeleton(config, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        with init_empty_weights(include_buffers=False):
+        with gc_paused(), init_empty_weights(include_buffers=False):  # imports the model's classes
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:
         raise UnsupportedModelError(
