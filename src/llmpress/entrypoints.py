@@ -39,8 +39,8 @@ def load_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float3
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError("model folder not found", got=str(folder), expected="a local model folder")
-    with gc_paused():  # the model class and the tokenizer import much of transformers
-        model = load_checkpoint(folder, dtype=dtype)
+    model = load_checkpoint(folder, dtype=dtype)
+    with gc_paused():  # the tokenizer classes import much of transformers
         processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
     return model, processor
 
