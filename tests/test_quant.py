@@ -86,6 +86,49 @@ def test_values_on_the_grid_round_trip_exactly():
     assert torch.equal(quantize(on_grid, scale, zero_point, args), q)
 
 
+def _reference_qdq(x, scale, zero_point, args):
+    """quantize / dequantize written with every qparam copied out to each column."""
+    from llmpress.quant.qdq import expand_to_columns
+
+    s = expand_to_columns(scale, x.shape[-1], args).float()
+    z = None if zero_point is None else expand_to_columns(zero_point, x.shape[-1], args).float()
+    q_min, q_max = args.q_range
+    scaled = x.float() / s
+    if args.is_float:
+        q = scaled.clamp(q_min, q_max).to(torch.float8_e4m3fn)
+        return q, (q.float() * s)
+    q = torch.clamp(torch.round(scaled if z is None else scaled + z), q_min, q_max).to(torch.int8)
+    return q, ((q.float() if z is None else q.float() - z) * s)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        QuantizationArgs(num_bits=4, strategy="group", group_size=32),
+        QuantizationArgs(num_bits=4, strategy="group", group_size=32, symmetric=False),
+        QuantizationArgs(num_bits=8, strategy="channel"),
+        QuantizationArgs(num_bits=8, type="float", strategy="tensor"),
+    ],
+)
+@pytest.mark.parametrize("columns", [96, 80])  # whole groups, and a shorter last group
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "bfloat16"])
+def test_qdq_equals_the_column_wise_formula(args, columns, layout):
+    """Group qparams broadcast per group (no column-wide copy) give the same bits as the plain
+    formula, whatever the input's layout and dtype, and never write into the input."""
+    weight = torch.randn(columns, 24).t() if layout == "transposed" else torch.randn(24, columns)
+    weight = weight.to(torch.bfloat16) if layout == "bfloat16" else weight
+    scale, zero_point = weight_qparams(weight, args)
+    before = weight.clone()
+    q = quantize(weight, scale, zero_point, args)
+    expected_q, expected_values = _reference_qdq(weight, scale, zero_point, args)
+    assert torch.equal(q.float(), expected_q.float())
+    assert torch.equal(dequantize(q, scale, zero_point, args), expected_values)
+    q32 = q.float()  # integers held as float32: dequantize must not rescale them in place
+    assert torch.equal(dequantize(q32, scale, zero_point, args), expected_values)
+    assert torch.equal(q32, q.float())
+    assert torch.equal(weight, before)
+
+
 def test_mse_observer_never_worse_than_minmax():
     weight = torch.randn(32, 256)
     weight[0, 0] = 25.0  # an outlier that minmax must cover
@@ -159,3 +202,26 @@ def test_a_shared_weight_is_not_held():
     freeze_weight(first)
     model = torch.nn.Sequential(first, second)
     assert CompactWeights(model).hold(model[0]) == 0 and not first.weight.is_meta
+
+
+def test_the_gc_pause_restores_the_collector_even_after_an_error():
+    import gc
+
+    from llmpress.gc_pause import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ImportError):
+        with gc_paused():
+            assert not gc.isenabled()
+            with gc_paused():  # nested: the inner block leaves it off for the outer one
+                pass
+            assert not gc.isenabled()
+            raise ImportError("an import failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()

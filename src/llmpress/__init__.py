@@ -5,9 +5,9 @@ Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active
 ``llmpress.errors``.
 """
 
-from llmpress.gc_pause import gc_paused
+from llmpress.gc_pause import gc_paused as _gc_paused
 
-with gc_paused():  # torch and transformers come in here: see llmpress/gc_pause.py
+with _gc_paused():  # torch and transformers come in here: see llmpress/gc_pause.py
     from llmpress import errors, modifiers
     from llmpress.checkpoint import save_checkpoint
     from llmpress.data import CalibrationOptions

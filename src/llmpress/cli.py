@@ -16,7 +16,7 @@ import time
 from llmpress.errors import LlmpressError
 from llmpress.gc_pause import freeze_before_exit
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 def _oneshot(args: argparse.Namespace) -> int:
@@ -217,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """The ``llmpress`` command: ``main`` in a process of its own, which it then ends."""
     code = main()
-    sys.stdout.flush()
     freeze_before_exit()  # everything is written: the interpreter's last collection can skip the heap
     sys.exit(code)
 

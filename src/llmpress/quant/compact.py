@@ -18,16 +18,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from llmpress.memory import release_free_memory
-from llmpress.quant.qdq import broadcast_qparam
+from llmpress.quant.qdq import float_copy, grouped
 
 __all__ = ["CompactWeights"]
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``k * scale`` in ``dtype``: the on-grid weight, built in one float32 buffer."""
-    out = k.to(torch.float32)
-    view, scale = broadcast_qparam(out, module.weight_scale.to(torch.float32), module.quantization_scheme.weights)
-    return view.mul_(scale).view(k.shape).to(dtype)
+    scale = module.weight_scale.to(torch.float32)
+    view, scale, _ = grouped(float_copy(k), scale, None, module.quantization_scheme.weights)
+    return view.mul_(scale).reshape(k.shape).to(dtype)
 
 
 def _grid_values(module: nn.Module) -> torch.Tensor | None:
@@ -42,8 +42,8 @@ def _grid_values(module: nn.Module) -> torch.Tensor | None:
         return None
     w = weight.detach()
     try:
-        view, scale32 = broadcast_qparam(w.float(), scale.to(torch.float32), args)
-        ratio = torch.div(view, scale32).view(w.shape)
+        view, scale32, _ = grouped(float_copy(w), scale.to(torch.float32), None, args)
+        ratio = view.div_(scale32).reshape(w.shape)
         del view
         if args.is_float:
             k = ratio.to(torch.float8_e4m3fn)

@@ -16,10 +16,11 @@ from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 __all__ = [
     "compute_qparams",
     "dequantize",
-    "broadcast_qparam",
     "expand_to_columns",
     "fake_quantize",
     "fake_quantize_activation",
+    "float_copy",
+    "grouped",
     "num_groups",
     "quantize",
     "reduce_min_max",
@@ -37,16 +38,29 @@ def expand_to_columns(qparam: torch.Tensor, columns: int, args: QuantizationArgs
     return qparam.repeat_interleave(args.group_size, dim=-1)[..., :columns]
 
 
-def broadcast_qparam(x: torch.Tensor, qparam: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` and ``qparam`` shaped to broadcast against each other. Whole groups go as
-    ``[out, groups, group_size]`` against ``[out, groups, 1]`` (no column-wide copy of the
-    qparam); a last group that is shorter falls back to ``expand_to_columns``."""
+def grouped(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x``, ``scale`` and ``zero_point`` shaped to broadcast against each other, the layout
+    chosen once from the scale. Whole groups go as ``[out, groups, group_size]`` against
+    ``[out, groups, 1]``, with no column-wide copy of the qparams; anything else (a shorter last
+    group, a qparam of another shape) falls back to ``expand_to_columns``."""
     if args.strategy == QuantizationStrategy.GROUP and x.dim() == 2:
         rows, cols = x.shape
         size = args.group_size
-        if cols % size == 0 and tuple(qparam.shape) == (rows, cols // size):
-            return x.reshape(rows, cols // size, size), qparam.unsqueeze(-1)
-    return x, expand_to_columns(qparam, x.shape[-1], args)
+        shape = (rows, cols // size)
+        whole = cols % size == 0 and tuple(scale.shape) == shape
+        if whole and (zero_point is None or tuple(zero_point.shape) == shape):
+            zp = None if zero_point is None else zero_point.unsqueeze(-1)
+            return x.reshape(rows, cols // size, size), scale.unsqueeze(-1), zp
+    columns = x.shape[-1]
+    zp = None if zero_point is None else expand_to_columns(zero_point, columns, args)
+    return x, expand_to_columns(scale, columns, args), zp
+
+
+def float_copy(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous float32 tensor with ``x``'s values: the one buffer qdq works in."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,16 +105,18 @@ def quantize(
     zero_point: torch.Tensor | None,
     args: QuantizationArgs,
 ) -> torch.Tensor:
-    """Quantized values (int8 holding ``num_bits``-wide integers, or float8_e4m3fn). One float
-    temporary of ``x``'s size, worked in place."""
+    """Quantized values (int8 holding ``num_bits``-wide integers, or float8_e4m3fn). Works in
+    one float32 copy of ``x``."""
     q_min, q_max = args.q_range
-    view, scale = broadcast_qparam(x, scale.to(torch.float32), args)
-    scaled = torch.div(view.to(torch.float32), scale)
+    zero_point = None if args.is_float or zero_point is None else zero_point.to(torch.float32)
+    values = float_copy(x)
+    view, scale, zero_point = grouped(values, scale.to(torch.float32), zero_point, args)
+    view.div_(scale)
     if args.is_float:
-        return scaled.clamp_(q_min, q_max).view(x.shape).to(torch.float8_e4m3fn)
+        return view.clamp_(q_min, q_max).reshape(x.shape).to(torch.float8_e4m3fn)
     if zero_point is not None:
-        scaled.add_(broadcast_qparam(x, zero_point.to(torch.float32), args)[1])
-    return scaled.round_().clamp_(q_min, q_max).view(x.shape).to(torch.int8)
+        view.add_(zero_point)
+    return view.round_().clamp_(q_min, q_max).reshape(x.shape).to(torch.int8)
 
 
 def dequantize(
@@ -110,13 +126,13 @@ def dequantize(
     args: QuantizationArgs,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    values = q.to(torch.float32)
-    view, scale = broadcast_qparam(values, scale.to(torch.float32), args)
-    if zero_point is not None and not args.is_float:
-        view = view - broadcast_qparam(values, zero_point.to(torch.float32), args)[1]
-    else:
-        view = view.clone() if values is q else view
-    return view.mul_(scale).view(q.shape).to(dtype)
+    """``(q - zero_point) * scale`` in ``dtype``, worked in one float32 copy of ``q``."""
+    zero_point = None if args.is_float or zero_point is None else zero_point.to(torch.float32)
+    values = float_copy(q)
+    view, scale, zero_point = grouped(values, scale.to(torch.float32), zero_point, args)
+    if zero_point is not None:
+        view.sub_(zero_point)
+    return view.mul_(scale).reshape(q.shape).to(dtype)
 
 
 def fake_quantize(
