@@ -101,6 +101,31 @@ def test_modifier_quantizes_every_layer_sharing_hessians(tmp_path):
         assert not torch.allclose(model(ids).logits, reference(ids).logits)
 
 
+def test_each_module_of_a_stacked_solve_gets_its_own_loss():
+    """Modules sharing a Hessian are solved as one matrix; each still gets the loss of its own
+    rows, the same as solving it alone (rows are independent in GPTQ), not an even share."""
+    w, _, h = correlated_problem()
+    a, b = w[:40], 3 * w[40:]
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=64)
+    both = gptq_quantize([a, b], h, args)
+    alone = [gptq_quantize(part, h, args).loss for part in (a, b)]
+    assert float(both.row_loss[:40].sum()) == pytest.approx(alone[0], rel=1e-3)
+    assert float(both.row_loss[40:].sum()) == pytest.approx(alone[1], rel=1e-3)
+    assert both.loss == pytest.approx(sum(alone), rel=1e-3) and alone[1] > 2 * alone[0]
+
+
+def test_each_layer_reports_the_loss_of_each_module(caplog):
+    model = make_tiny_llama()
+    with caplog.at_level("INFO", logger="llmpress.modifiers.gptq.modifier"):
+        llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"]), token_batches(8, 32),
+                         calibration=CalibrationOptions(num_samples=8, seq_len=32, batch_size=4))
+    notes = [r.getMessage() for r in caplog.records if "layer 0:" in r.getMessage()]
+    assert len(notes) == 1
+    losses = dict(zip(*[iter(notes[0].split("GPTQ loss ")[1].split())] * 2))
+    assert set(losses) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert len({losses["q"], losses["k"], losses["v"]}) == 3  # one shared solve, three losses
+
+
 def test_gptq_beats_rtn_on_the_model_output():
     data = token_batches(16, 64, seed=1)
     held_out = torch.tensor(token_batches(4, 64, seed=2))

@@ -303,6 +303,10 @@ class Session:
     def calibration_end(self) -> None:
         self.event("calibration_end")
 
+    def step_notes(self) -> str:
+        """The modifiers' notes on their last step, for a progress bar."""
+        return "; ".join(note for m in self.modifiers if (note := m.step_note()))
+
     @property
     def needs_calibration_forward(self) -> bool:
         """Whether any modifier needs calibration batches to flow through the model."""

@@ -179,6 +179,11 @@ class Modifier:
     def on_window_end(self, state: State) -> None:
         """The first optimizer step that leaves the window (not called when ``end`` is open)."""
 
+    def step_note(self) -> str:
+        """A short note on the modifier's last step (a layer's GPTQ losses, say), shown next to
+        the pipeline's progress bar; empty when there is nothing to say."""
+        return ""
+
     def finalize(self, state: State) -> None:
         self.on_finalize(state)
         self.finalized = True

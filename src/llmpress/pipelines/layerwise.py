@@ -131,6 +131,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         for index, layer in enumerate(bar):
             _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
             session.layer_calibrated(index, layer)  # ... and compress the layer
+            bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
             if index + 1 < len(layers):  # the compressed layer's outputs feed the next one
                 _run_layer(layer, inputs)
             held.hold(layer)

@@ -30,6 +30,7 @@ class GPTQResult:
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     loss: float  # sum over entries of (w - q)^2 / d^2: GPTQ's own error measure
+    row_loss: torch.Tensor  # the same sum per output row [rows]: a module's share of a stacked solve
     dampening: float  # the dampening fraction that made the Hessian invertible
 
 
@@ -135,7 +136,7 @@ def gptq_quantize(
     group = args.group_size if args.strategy == QuantizationStrategy.GROUP else None
     group_scales, group_zps = [], []
     channel = _channel_args(args)
-    loss = 0.0
+    row_loss = torch.zeros(rows, dtype=torch.float64, device=WT.device)
     scale = zp = None
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
@@ -164,7 +165,7 @@ def gptq_quantize(
             a, b = inner_start - start, inner_end - start
             if inner_end < end:
                 WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)
-        loss += float(Err1.square().sum())
+        row_loss += Err1.square().sum(dim=0)
         if end < cols:
             WT[end:].addmm_(Hinv[start:end, end:].t(), Err1, alpha=-1)
 
@@ -176,4 +177,4 @@ def gptq_quantize(
     else:
         scale = torch.cat(group_scales, dim=1)
         zero_point = None if group_zps[0] is None else torch.cat(group_zps, dim=1)
-    return GPTQResult(W, scale, zero_point, loss, used_damp)
+    return GPTQResult(W, scale, zero_point, float(row_loss.sum()), row_loss, used_damp)

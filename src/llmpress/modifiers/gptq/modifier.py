@@ -52,6 +52,12 @@ def _with_gptq_defaults(scheme: QuantizationScheme) -> QuantizationScheme:
     return scheme.model_copy(update={"weights": weights})
 
 
+def _short(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` -> ``q``: enough to tell a layer's modules apart."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.removesuffix("_proj") or leaf
+
+
 @MODIFIERS.register("GPTQModifier")
 class GPTQModifier(Modifier):
     Config = GPTQModifierConfig
@@ -77,7 +83,15 @@ class GPTQModifier(Modifier):
         self.inputs.observe(self.pending)
 
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
-        self.quantize(names_inside(layer, self.pending), f"layer {index}")
+        names = names_inside(layer, self.pending)
+        self.quantize(names, f"layer {index}")
+        done = [n for n in names if n in self.losses]
+        self._note = "GPTQ loss " + " ".join(f"{_short(n)} {self.losses[n]:.3g}" for n in done) if done else ""
+        if done:
+            logger.info("%s layer %d: %s", type(self).__name__, index, self._note)
+
+    def step_note(self) -> str:
+        return getattr(self, "_note", "")
 
     def on_calibration_end(self, state: State) -> None:
         reached = [n for n in self.pending if n in self.hessians.of_module]
@@ -159,8 +173,10 @@ class GPTQModifier(Modifier):
                 scale = result.scale if result.scale.numel() == 1 else result.scale[offset : offset + rows]
                 set_weight_qparams(module, result.weight[offset : offset + rows], scale, zp)
                 offset += rows
-            share = result.loss / len(batch)
+            offset = 0
             for module in batch:
-                self.losses[names[modules.index(module)]] = share
+                rows = module.weight.shape[0]
+                self.losses[names[modules.index(module)]] = float(result.row_loss[offset : offset + rows].sum())
+                offset += rows
             del result
         self.seconds += time.perf_counter() - start
