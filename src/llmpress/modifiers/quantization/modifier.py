@@ -38,7 +38,7 @@ from llmpress.quant.attach import (
 )
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
-from llmpress.targets import assign_by_targets
+from llmpress.targets import assign_by_targets, matches
 
 __all__ = ["QuantizationModifier", "assign_schemes", "names_inside"]
 
@@ -69,10 +69,36 @@ def assign_schemes(
             expected=f"targets that match Linear modules, such as {examples}",
             fix="use targets: [Linear] or module-name patterns like 're:.*proj$'",
         )
+    if any("Linear" in s.targets for s in schemes):
+        _warn_uncovered_weights(model, chosen, ignore, modifier)
     untie_shared_weights(model, [m for m, _ in chosen.values()])
     for module, scheme in chosen.values():
         attach_scheme(module, scheme)
     return chosen
+
+
+UNCOVERED_SHARE = 0.01  # of all parameters: below this, leftover matrices (routers, say) are not worth a word
+
+
+def _warn_uncovered_weights(model: nn.Module, chosen: dict, ignore: list[str], modifier: str) -> None:
+    """Say so when a recipe meant for every Linear leaves a real share of the model's weights in
+    full precision because they live in other modules: fused mixture-of-experts blocks (transformers
+    5 keeps Mixtral's or Qwen3-MoE's experts as 3-D parameters), GPT-2's Conv1D."""
+    total = sum(p.numel() for p in model.parameters())
+    found: dict[str, tuple[str, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) or name in chosen or matches(name, module, ignore):
+            continue
+        size = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
+        if size:
+            found[name] = (type(module).__name__, size)
+    share = sum(size for _, size in found.values()) / max(total, 1)
+    if share >= UNCOVERED_SHARE:
+        examples = ", ".join(f"{n} ({kind})" for n, (kind, _) in list(found.items())[:4])
+        logger.warning(
+            "%s: %.0f%% of the model's weights are in modules that are not nn.Linear and stay in full precision: %s%s",
+            modifier, 100 * share, examples, " ..." if len(found) > 4 else "",
+        )
 
 
 def names_inside(layer: nn.Module, modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> list[str]:
