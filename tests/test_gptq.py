@@ -154,6 +154,42 @@ def test_layerwise_and_whole_model_pipelines_agree():
     assert float((results[0] - results[1]).abs().mean()) < 0.2 * float(results[1].abs().mean())
 
 
+def _tiny(arch: str) -> torch.nn.Module:
+    import transformers as T
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    torch.manual_seed(0)
+    return {
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(**{**common, "ffn_dim": 128, "word_embed_proj_dim": 64})),
+        "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common)),
+        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=1)),
+        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**common, num_key_value_heads=2, num_experts=4,
+                                                                    num_experts_per_tok=2, moe_intermediate_size=64)),
+        "bert": lambda: T.BertForMaskedLM(T.BertConfig(**common)),  # an encoder: bidirectional mask, token types
+    }[arch]().eval()
+
+
+@pytest.mark.parametrize("arch", ["opt", "gpt_neox", "phi3", "qwen3_moe", "bert"])
+def test_layerwise_calibration_feeds_each_architecture_its_own_inputs(arch):
+    """The first block sees the same inputs in both pipelines (nothing before it is compressed),
+    so its GPTQ result must be the same: the captured masks, positions and rotary tables reach
+    the block as the model itself would pass them."""
+    from llmpress.pipelines.layerwise import find_layers
+
+    first = []
+    for pipeline in ("layerwise", "basic"):
+        model = _tiny(arch)
+        llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head", "re:cls.*"]), token_batches(4, 32),
+                         calibration=CalibrationOptions(num_samples=4, seq_len=32, batch_size=2, pipeline=pipeline))
+        block = find_layers(model)[0]
+        linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "weight_scale")}
+        assert linears, f"{arch}: nothing in the first block was quantized"
+        first.append({n: m.weight.detach().clone() for n, m in linears.items()})
+    assert first[0].keys() == first[1].keys()
+    for name in first[0]:
+        torch.testing.assert_close(first[0][name], first[1][name], rtol=0, atol=1e-6, msg=f"{arch}: {name}")
+
+
 def test_find_layers_picks_the_decoder_blocks():
     model = make_tiny_llama()
     assert find_layers(model) is model.model.layers
