@@ -6,8 +6,10 @@ modifiers' hooks collect what they need (Hessians, activation ranges); ``layer_c
 them compress the block; a second forward with the compressed weights gives the next block's
 inputs. Only one block's activations are in flight; blocks not reached yet stay where they were
 loaded (memory-mapped by ``llmpress.load``), and finished blocks wait as integers
-(``quant/compact.py``) until calibration ends. Models without such a list fall back to
-whole-model calibration, with a warning.
+(``quant/compact.py``) until calibration ends. When a modifier watches a module after the
+blocks (an lm_head the recipe quantizes, an encoder's head), the model's tail then runs on the
+last block's outputs, with stand-ins in the blocks' places. Models without such a list fall back
+to whole-model calibration, with a warning.
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ def find_layers(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
-def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[torch.Tensor]) -> list[tuple[tuple, dict]]:
+def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[torch.Tensor],
+                                reached: set[int]) -> list[tuple[tuple, dict]]:
+    """Each batch's inputs to the first block; ``reached`` gets the ids of the modules run on
+    the way there."""
     captured: list[tuple[tuple, dict]] = []
 
     def capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
         captured.append((args, kwargs))
         raise _ReachedFirstLayer
 
-    handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    handles = [m.register_forward_pre_hook(lambda m, _: reached.add(id(m))) for m in model.modules()]
+    handles.append(layer.register_forward_pre_hook(capture, with_kwargs=True))
     device = next(model.parameters()).device
     try:
         for batch in batches:
@@ -64,7 +70,8 @@ def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: lis
             except _ReachedFirstLayer:
                 pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     return captured
 
 
@@ -72,12 +79,53 @@ def _hidden_states(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> None:
+def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> tuple | None:
     """Replace each batch's input by the layer's output, one batch at a time (so only one
-    batch of the two lists is ever alive twice)."""
+    batch of the two lists is ever alive twice). Returns what the layer returns besides the
+    hidden states (None when it returns them alone), for ``_run_tail``."""
+    rest = None
     for index, (args, kwargs) in enumerate(inputs):
-        hidden = _hidden_states(layer(*args, **kwargs))
-        inputs[index] = ((hidden, *args[1:]), kwargs)
+        output = layer(*args, **kwargs)
+        rest = tuple(output[1:]) if isinstance(output, (tuple, list)) else None
+        inputs[index] = ((_hidden_states(output), *args[1:]), kwargs)
+    return rest
+
+
+class _StandIn(nn.Module):
+    """Takes a block's place while the model's tail runs: computes nothing."""
+
+    def __init__(self, give) -> None:
+        super().__init__()
+        self.give = give
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.give(args[0] if args else kwargs.get("hidden_states"))
+
+
+def _watched_tail(model: nn.Module, layers: nn.ModuleList, reached: set[int]) -> list[nn.Module]:
+    """Modules after the blocks (a head, a final projection) that a modifier watches with a
+    hook and that the run up to the first block did not reach."""
+    inside = {id(m) for m in layers.modules()}
+    return [m for m in model.modules() if id(m) not in inside and id(m) not in reached and m._forward_pre_hooks]
+
+
+def _run_tail(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor], inputs: list, rest: tuple | None) -> None:
+    """Run the model again with every block swapped for a stand-in: the last one hands over
+    the stored output of the real last block, so what follows (final norm, head) sees exactly
+    the inputs it would, and its watchers collect their statistics, at the cost of the tail."""
+    outputs = iter(args[0] for args, _ in inputs)
+    wrap = (lambda hidden: hidden) if rest is None else (lambda hidden: (hidden, *rest))
+    originals = list(layers)
+    device = next(model.parameters()).device
+    try:
+        for index in range(len(layers)):
+            last = index == len(layers) - 1
+            layers[index] = _StandIn((lambda _: wrap(next(outputs))) if last else wrap)
+        for batch in batches:
+            model(input_ids=batch.to(device), use_cache=False)
+    finally:
+        for index, layer in enumerate(originals):
+            layers[index] = layer
 
 
 class _ObservedEnough(Exception):
@@ -124,7 +172,9 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         run_basic_calibration(model, session, batches)
         return
     session.calibration_start()
-    inputs = _capture_first_layer_inputs(model, layers[0], batches)
+    reached: set[int] = set()
+    inputs = _capture_first_layer_inputs(model, layers[0], batches, reached)
+    tail = _watched_tail(model, layers, reached)  # e.g. an lm_head the recipe quantizes
     held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
@@ -132,10 +182,16 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
             _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
             session.layer_calibrated(index, layer)  # ... and compress the layer
             bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
-            if index + 1 < len(layers):  # the compressed layer's outputs feed the next one
-                _run_layer(layer, inputs)
+            if index + 1 < len(layers) or tail:  # the compressed layer's outputs feed what follows
+                rest = _run_layer(layer, inputs)
             held.hold(layer)
             release_free_memory()  # the layer's solver temporaries and float weights go back
+        if tail:
+            try:
+                _run_tail(model, layers, batches, inputs, rest)
+            except Exception as exc:  # a model whose code cannot run around stand-ins: what follows the blocks
+                logger.warning("could not run %s after its blocks (%s: %s); modules there calibrate on what they saw",
+                               type(model).__name__, type(exc).__name__, exc)
         inputs.clear()
         release_free_memory()  # the activations go back before the float weights return
     finally:
