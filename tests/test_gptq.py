@@ -217,18 +217,40 @@ def test_a_quantized_head_calibrates_on_the_compressed_blocks_outputs(caplog):
 
 
 def test_a_tail_that_cannot_run_around_stand_ins_falls_back_with_a_warning(monkeypatch, caplog):
-    from llmpress.pipelines import layerwise
+    from llmpress.pipelines import tail
 
-    def refuse(*args, **kwargs):
+    def refuse(self, *args, **kwargs):
         raise TypeError("this model wants its real blocks")
 
-    monkeypatch.setattr(layerwise, "_run_tail", refuse)
+    monkeypatch.setattr(tail._StandIn, "forward", refuse)
     model = make_tiny_llama()
+    blocks = list(model.model.layers)
     with caplog.at_level("WARNING"):
         llmpress.oneshot(model, GPTQModifier(scheme="W4A16"), token_batches(4, 32),
                          calibration=CalibrationOptions(num_samples=4, seq_len=32))
     assert "could not run" in caplog.text and "saw no calibration input" in caplog.text and "lm_head" in caplog.text
+    assert list(model.model.layers) == blocks  # the real blocks are back
     assert hasattr(model.lm_head, "weight_scale")  # rounded to nearest instead
+
+
+def test_no_tail_pass_when_nothing_after_the_blocks_is_watched(monkeypatch):
+    from llmpress.pipelines import layerwise
+
+    calls = []
+    monkeypatch.setattr(layerwise, "run_tail", lambda *args, **kwargs: calls.append(args))
+    llmpress.oneshot(make_tiny_llama(), GPTQModifier(scheme="W4A16", ignore=["lm_head"]), token_batches(4, 32),
+                     calibration=CalibrationOptions(num_samples=4, seq_len=32))
+    assert not calls
+
+
+@pytest.mark.parametrize("arch", ["opt", "bert"])
+def test_heads_after_the_blocks_are_calibrated(arch, caplog):
+    model = _tiny(arch)
+    with caplog.at_level("WARNING"):
+        llmpress.oneshot(model, GPTQModifier(scheme="W4A16"), token_batches(4, 32),
+                         calibration=CalibrationOptions(num_samples=4, seq_len=32, batch_size=2))
+    assert "saw no calibration input" not in caplog.text and "could not run" not in caplog.text
+    assert all(hasattr(m, "weight_scale") for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_find_layers_picks_the_decoder_blocks():

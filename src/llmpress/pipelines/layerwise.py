@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from llmpress.memory import release_free_memory
 from llmpress.pipelines.basic import run_basic_calibration
+from llmpress.pipelines.tail import TailError, hook_keys, run_tail, watched_tail
 from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session
 
@@ -82,50 +83,13 @@ def _hidden_states(output: Any) -> torch.Tensor:
 def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> tuple | None:
     """Replace each batch's input by the layer's output, one batch at a time (so only one
     batch of the two lists is ever alive twice). Returns what the layer returns besides the
-    hidden states (None when it returns them alone), for ``_run_tail``."""
+    hidden states (None when it returns them alone), for ``run_tail``."""
     rest = None
     for index, (args, kwargs) in enumerate(inputs):
         output = layer(*args, **kwargs)
         rest = tuple(output[1:]) if isinstance(output, (tuple, list)) else None
         inputs[index] = ((_hidden_states(output), *args[1:]), kwargs)
     return rest
-
-
-class _StandIn(nn.Module):
-    """Takes a block's place while the model's tail runs: computes nothing."""
-
-    def __init__(self, give) -> None:
-        super().__init__()
-        self.give = give
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.give(args[0] if args else kwargs.get("hidden_states"))
-
-
-def _watched_tail(model: nn.Module, layers: nn.ModuleList, reached: set[int]) -> list[nn.Module]:
-    """Modules after the blocks (a head, a final projection) that a modifier watches with a
-    hook and that the run up to the first block did not reach."""
-    inside = {id(m) for m in layers.modules()}
-    return [m for m in model.modules() if id(m) not in inside and id(m) not in reached and m._forward_pre_hooks]
-
-
-def _run_tail(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor], inputs: list, rest: tuple | None) -> None:
-    """Run the model again with every block swapped for a stand-in: the last one hands over
-    the stored output of the real last block, so what follows (final norm, head) sees exactly
-    the inputs it would, and its watchers collect their statistics, at the cost of the tail."""
-    outputs = iter(args[0] for args, _ in inputs)
-    wrap = (lambda hidden: hidden) if rest is None else (lambda hidden: (hidden, *rest))
-    originals = list(layers)
-    device = next(model.parameters()).device
-    try:
-        for index in range(len(layers)):
-            last = index == len(layers) - 1
-            layers[index] = _StandIn((lambda _: wrap(next(outputs))) if last else wrap)
-        for batch in batches:
-            model(input_ids=batch.to(device), use_cache=False)
-    finally:
-        for index, layer in enumerate(originals):
-            layers[index] = layer
 
 
 class _ObservedEnough(Exception):
@@ -171,10 +135,13 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         logger.warning("no repeated blocks found in %s: calibrating the whole model at once", type(model).__name__)
         run_basic_calibration(model, session, batches)
         return
+    before = hook_keys(model)
     session.calibration_start()
+    device = next(model.parameters()).device
     reached: set[int] = set()
     inputs = _capture_first_layer_inputs(model, layers[0], batches, reached)
-    tail = _watched_tail(model, layers, reached)  # e.g. an lm_head the recipe quantizes
+    tail = watched_tail(model, layers, reached, before)  # e.g. an lm_head the recipe quantizes
+    rest = None
     held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
@@ -188,10 +155,10 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
             release_free_memory()  # the layer's solver temporaries and float weights go back
         if tail:
             try:
-                _run_tail(model, layers, batches, inputs, rest)
-            except Exception as exc:  # a model whose code cannot run around stand-ins: what follows the blocks
-                logger.warning("could not run %s after its blocks (%s: %s); modules there calibrate on what they saw",
-                               type(model).__name__, type(exc).__name__, exc)
+                run_tail(model, layers, batches, [args[0] for args, _ in inputs], rest, tail, device)
+            except TailError as exc:
+                logger.warning("could not run %s's modules after its blocks on their outputs (%s): "
+                               "they get no calibration data", type(model).__name__, exc)
         inputs.clear()
         release_free_memory()  # the activations go back before the float weights return
     finally:

@@ -22,7 +22,9 @@ Modules calibration never reached are rounded to nearest at ``calibration_end`` 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import Counter
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -52,10 +54,15 @@ def _with_gptq_defaults(scheme: QuantizationScheme) -> QuantizationScheme:
     return scheme.model_copy(update={"weights": weights})
 
 
-def _short(name: str) -> str:
-    """``model.layers.3.self_attn.q_proj`` -> ``q``: enough to tell a layer's modules apart."""
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf.removesuffix("_proj") or leaf
+def _labels(names: list[str]) -> dict[str, str]:
+    """Short labels for a layer's modules: ``model.layers.3.self_attn.q_proj`` -> ``q``; where
+    short names collide (BERT's ``dense``, per-expert Linears) the path inside the layer."""
+    parts = [n.split(".") for n in names]
+    shared = len(os.path.commonprefix(parts)) if len(parts) > 1 else len(parts[0]) - 1
+    inner = [".".join(p[min(shared, len(p) - 1):]) for p in parts]
+    short = [p[-1].removesuffix("_proj") or p[-1] for p in parts]
+    counts = Counter(short)
+    return {n: s if counts[s] == 1 else i for n, s, i in zip(names, short, inner)}
 
 
 @MODIFIERS.register("GPTQModifier")
@@ -74,6 +81,7 @@ class GPTQModifier(Modifier):
         self.hessians = HessianCollector(offload=self.config.offload_hessians)
         self.inputs = InputRangeObserver(type(self).__name__)
         self.losses: dict[str, float] = {}
+        self._note = ""  # the last layer's losses, for the progress bar
         self.seconds = 0.0
 
     def on_calibration_start(self, state: State) -> None:
@@ -86,12 +94,13 @@ class GPTQModifier(Modifier):
         names = names_inside(layer, self.pending)
         self.quantize(names, f"layer {index}")
         done = [n for n in names if n in self.losses]
-        self._note = "GPTQ loss " + " ".join(f"{_short(n)} {self.losses[n]:.3g}" for n in done) if done else ""
+        labels = _labels(done) if done else {}
+        self._note = "GPTQ loss " + " ".join(f"{labels[n]} {self.losses[n]:.3g}" for n in done) if done else ""
         if done:
             logger.info("%s layer %d: %s", type(self).__name__, index, self._note)
 
     def step_note(self) -> str:
-        return getattr(self, "_note", "")
+        return self._note
 
     def on_calibration_end(self, state: State) -> None:
         reached = [n for n in self.pending if n in self.hessians.of_module]
@@ -167,16 +176,12 @@ class GPTQModifier(Modifier):
             )
             del weight
             offset = 0
-            for module in batch:
-                rows = module.weight.shape[0]
-                zp = None if result.zero_point is None else result.zero_point[offset : offset + rows]
-                scale = result.scale if result.scale.numel() == 1 else result.scale[offset : offset + rows]
-                set_weight_qparams(module, result.weight[offset : offset + rows], scale, zp)
-                offset += rows
-            offset = 0
-            for module in batch:
-                rows = module.weight.shape[0]
-                self.losses[names[modules.index(module)]] = float(result.row_loss[offset : offset + rows].sum())
-                offset += rows
+            for module in batch:  # each module's rows of the stacked result
+                part = slice(offset, offset + module.weight.shape[0])
+                zp = None if result.zero_point is None else result.zero_point[part]
+                scale = result.scale if result.scale.numel() == 1 else result.scale[part]
+                set_weight_qparams(module, result.weight[part], scale, zp)
+                self.losses[names[modules.index(module)]] = float(result.row_loss[part].sum())
+                offset = part.stop
             del result
         self.seconds += time.perf_counter() - start
