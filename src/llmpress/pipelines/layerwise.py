@@ -52,7 +52,7 @@ def find_layers(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[torch.Tensor],
-                                reached: set[int]) -> list[tuple[tuple, dict]]:
+                                device: torch.device, reached: set[int]) -> list[tuple[tuple, dict]]:
     """Each batch's inputs to the first block; ``reached`` gets the ids of the modules run on
     the way there."""
     captured: list[tuple[tuple, dict]] = []
@@ -63,7 +63,6 @@ def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: lis
 
     handles = [m.register_forward_pre_hook(lambda m, _: reached.add(id(m))) for m in model.modules()]
     handles.append(layer.register_forward_pre_hook(capture, with_kwargs=True))
-    device = next(model.parameters()).device
     try:
         for batch in batches:
             try:
@@ -139,7 +138,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     session.calibration_start()
     device = next(model.parameters()).device
     reached: set[int] = set()
-    inputs = _capture_first_layer_inputs(model, layers[0], batches, reached)
+    inputs = _capture_first_layer_inputs(model, layers[0], batches, device, reached)
     tail = watched_tail(model, layers, reached, before)  # e.g. an lm_head the recipe quantizes
     rest = None
     held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time

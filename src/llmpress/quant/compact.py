@@ -18,16 +18,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from llmpress.memory import release_free_memory
-from llmpress.quant.qdq import float_copy, grouped
+from llmpress.quant.qdq import dequantize, float_copy, grouped
 
 __all__ = ["CompactWeights"]
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``k * scale`` in ``dtype``: the on-grid weight, built in one float32 buffer."""
-    scale = module.weight_scale.to(torch.float32)
-    view, scale, _ = grouped(float_copy(k), scale, None, module.quantization_scheme.weights)
-    return view.mul_(scale).reshape(k.shape).to(dtype)
+    """``k * scale`` in ``dtype``: the on-grid weight."""
+    return dequantize(k, module.weight_scale, None, module.quantization_scheme.weights, dtype)
 
 
 def _grid_values(module: nn.Module) -> torch.Tensor | None:

@@ -94,9 +94,10 @@ class GPTQModifier(Modifier):
         names = names_inside(layer, self.pending)
         self.quantize(names, f"layer {index}")
         done = [n for n in names if n in self.losses]
-        labels = _labels(done) if done else {}
-        self._note = "GPTQ loss " + " ".join(f"{labels[n]} {self.losses[n]:.3g}" for n in done) if done else ""
+        self._note = ""
         if done:
+            labels = _labels(done)
+            self._note = "GPTQ loss " + " ".join(f"{labels[n]} {self.losses[n]:.3g}" for n in done)
             logger.info("%s layer %d: %s", type(self).__name__, index, self._note)
 
     def step_note(self) -> str:
