@@ -126,7 +126,11 @@ def test_each_layer_reports_the_loss_of_each_module(caplog):
     assert len({losses["q"], losses["k"], losses["v"]}) == 3  # one shared solve, three losses
 
 
-def test_gptq_beats_rtn_on_the_model_output():
+@pytest.mark.parametrize("true_sequential", [True, False])
+def test_gptq_beats_rtn_on_the_model_output(true_sequential):
+    """On this random model and 1024 random tokens the logits' squared error is 0.80x RTN's
+    module by module and 0.74x in two passes (on the trained model at 3 bits, module by module
+    is the better one: perplexity 63.85 against 63.94, RTN 65.08)."""
     data = token_batches(16, 64, seed=1)
     held_out = torch.tensor(token_batches(4, 64, seed=2))
     reference = make_tiny_llama()
@@ -135,10 +139,11 @@ def test_gptq_beats_rtn_on_the_model_output():
     errors = {}
     for name, modifier in {"rtn": QuantizationModifier(config_groups={"g": {"weights": {"num_bits": 3, "group_size": 64}}}),
                            "gptq": GPTQModifier(config_groups={"g": {"weights": {"num_bits": 3, "group_size": 64, "observer": "minmax"}}})}.items():
-        model = llmpress.oneshot(make_tiny_llama(), modifier, data, calibration=CalibrationOptions(num_samples=16, seq_len=64))
+        options = CalibrationOptions(num_samples=16, seq_len=64, true_sequential=true_sequential)
+        model = llmpress.oneshot(make_tiny_llama(), modifier, data, calibration=options)
         with torch.no_grad():
             errors[name] = float((model(held_out).logits - target).pow(2).mean())
-    assert errors["gptq"] < 0.8 * errors["rtn"]
+    assert errors["gptq"] < 0.85 * errors["rtn"]
 
 
 def test_layerwise_and_whole_model_pipelines_agree():
@@ -173,14 +178,17 @@ def _tiny(arch: str) -> torch.nn.Module:
 def test_layerwise_calibration_feeds_each_architecture_its_own_inputs(arch):
     """The first block sees the same inputs in both pipelines (nothing before it is compressed),
     so its GPTQ result must be the same: the captured masks, positions and rotary tables reach
-    the block as the model itself would pass them."""
+    the block as the model itself would pass them. (Two passes per block: module by module,
+    later modules of the block see the compressed earlier ones, which the whole-model pass
+    does not; ``test_sequential.py`` checks that route.)"""
     from llmpress.pipelines.layerwise import find_layers
 
     first = []
     for pipeline in ("layerwise", "basic"):
         model = _tiny(arch)
         llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head", "re:cls.*"]), token_batches(4, 32),
-                         calibration=CalibrationOptions(num_samples=4, seq_len=32, batch_size=2, pipeline=pipeline))
+                         calibration=CalibrationOptions(num_samples=4, seq_len=32, batch_size=2, pipeline=pipeline,
+                                                        true_sequential=False))
         block = find_layers(model)[0]
         linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "weight_scale")}
         assert linears, f"{arch}: nothing in the first block was quantized"

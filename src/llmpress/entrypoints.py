@@ -113,8 +113,10 @@ def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor
     session = Session(Recipe([stage]))
     with session:
         session.initialize(model=model, calibration_data=batches, processor=processor)
-        run = run_layerwise_calibration if options.pipeline == "layerwise" else run_basic_calibration
-        run(model, session, batches or [])
+        if options.pipeline == "layerwise":
+            run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential)
+        else:
+            run_basic_calibration(model, session, batches or [])
         session.finalize()
 
 

@@ -4,7 +4,8 @@
 2. ``update_state(model=..., optimizer=..., ...)`` any number of times: it only records.
 3. ``initialize(**overrides)`` once: every modifier checks what it needs and sets up.
 4. Events: training (``batch_start``, ``loss_calculated``, ``optim_pre_step``, ``optim_post_step``,
-   ``batch_end``) and one-shot (``calibration_start``, ``layer_calibrated``, ``calibration_end``).
+   ``batch_end``) and one-shot (``calibration_start``, ``modules_calibrated`` (a group of a block's
+   modules, when the pipeline goes module by module), ``layer_calibrated``, ``calibration_end``).
    ``optim_post_step`` counts optimizer steps; with ``steps_per_epoch`` they give the epoch, and
    a modifier with ``start`` / ``end`` (epochs) gets training events only inside that window.
 5. ``finalize()`` makes the result permanent and ends the session.
@@ -31,7 +32,7 @@ __all__ = ["EVENTS", "Session", "active_session"]
 logger = logging.getLogger(__name__)
 
 TRAINING_EVENTS = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
-ONESHOT_EVENTS = ("calibration_start", "layer_calibrated", "calibration_end")
+ONESHOT_EVENTS = ("calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end")
 EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
 
 # which events may come next, by where the session is in a batch or a calibration
@@ -40,7 +41,7 @@ _NEXT: dict[str, tuple[str, ...]] = {
     "batch": ("loss_calculated", "optim_pre_step", "batch_end"),
     "optimizer": ("optim_post_step",),
     "stepped": ("loss_calculated", "batch_end"),
-    "calibration": ("layer_calibrated", "calibration_end"),
+    "calibration": ("modules_calibrated", "layer_calibrated", "calibration_end"),
 }
 _AFTER: dict[str, str] = {
     "batch_start": "batch",
@@ -297,6 +298,11 @@ class Session:
     def calibration_start(self) -> None:
         self.event("calibration_start")
 
+    def modules_calibrated(self, index: int, layer: Any, modules: list[Any]) -> None:
+        """``modules`` of block ``index`` have seen all their calibration inputs: the modifiers
+        compress them now, before later modules of the block are calibrated on their outputs."""
+        self.event("modules_calibrated", index=index, layer=layer, modules=modules)
+
     def layer_calibrated(self, index: int, layer: Any) -> None:
         self.event("layer_calibrated", index=index, layer=layer)
 
@@ -311,6 +317,13 @@ class Session:
     def needs_calibration_forward(self) -> bool:
         """Whether any modifier needs calibration batches to flow through the model."""
         return any(getattr(m, "needs_calibration_forward", False) for m in self.modifiers)
+
+    @property
+    def calibrates_by_module(self) -> bool:
+        """Whether every modifier that watches the calibration forward can compress a block's
+        modules group by group (``modules_calibrated``), as module-by-module calibration needs."""
+        watching = [m for m in self.modifiers if getattr(m, "needs_calibration_forward", False)]
+        return bool(watching) and all("modules_calibrated" in m.events for m in watching)
 
     # -- checks ------------------------------------------------------------------------------
     def _require(self, wanted: Status, call: str) -> None:

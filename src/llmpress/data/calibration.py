@@ -36,6 +36,12 @@ class CalibrationOptions:
     batch_size: int = 2
     #: "layerwise" (one block at a time, bounded memory) or "basic" (the whole model per batch)
     pipeline: str = "layerwise"
+    #: layerwise: inside each block, calibrate modules in the order the block calls them, each
+    #: group on the outputs of the compressed ones before it (GPTQ's "true sequential"; every
+    #: Linear multiplies once). It keeps, per calibration token, the attention output and the
+    #: MLP's inner activation of the block in flight besides its input; False: two forwards
+    #: per block, keeping only the block's input
+    true_sequential: bool = True
 
     def __post_init__(self) -> None:
         if self.pipeline not in ("layerwise", "basic"):

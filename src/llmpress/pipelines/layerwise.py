@@ -1,10 +1,12 @@
 """Layer-by-layer calibration: bounded memory, no graph tracing.
 
 The calibration batches run to the first of the model's repeated blocks (``model.model.layers``
-and its equivalents) and stop there. Then, for each block: its calibration forward lets the
-modifiers' hooks collect what they need (Hessians, activation ranges); ``layer_calibrated`` lets
-them compress the block; a second forward with the compressed weights gives the next block's
-inputs. Only one block's activations are in flight; blocks not reached yet stay where they were
+and its equivalents) and stop there. Then, for each block, module by module where the modifiers
+and the block allow (``sequential.py``: each group of modules collects its statistics on the
+outputs of the compressed modules before it, is compressed, and every Linear multiplies once);
+otherwise in two passes: a calibration forward lets the modifiers' hooks collect what they need
+(Hessians, activation ranges), ``layer_calibrated`` lets them compress the block, and a second
+forward with the compressed weights gives the next block's inputs. Only one block's activations are in flight; blocks not reached yet stay where they were
 loaded (memory-mapped by ``llmpress.load``), and finished blocks wait as integers
 (``quant/compact.py``) until calibration ends. When a modifier watches a module after the
 blocks (an lm_head the recipe quantizes, an encoder's head), the model's tail then runs on the
@@ -23,6 +25,7 @@ from tqdm.auto import tqdm
 
 from llmpress.memory import release_free_memory
 from llmpress.pipelines.basic import run_basic_calibration
+from llmpress.pipelines.sequential import NotSequential, calibrate_block, plan_block
 from llmpress.pipelines.tail import TailError, hook_keys, run_tail, watched_tail
 from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session
@@ -123,8 +126,20 @@ def _stop_forward(module: nn.Module, inputs: tuple) -> None:
     raise _ObservedEnough
 
 
+def _calibrate_two_pass(layer: nn.Module, index: int, inputs: list[tuple[tuple, dict]], session: Session,
+                        outputs_needed: bool) -> tuple | None:
+    _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
+    session.layer_calibrated(index, layer)  # ... and compress the layer
+    return _run_layer(layer, inputs) if outputs_needed else None  # the compressed layer's outputs
+
+
 @torch.no_grad()
-def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor]) -> None:
+def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor],
+                              true_sequential: bool = True) -> None:
+    """``true_sequential``: calibrate each block's modules group by group in the order its
+    forward calls them, each on the outputs of the compressed ones before it, one forward per
+    module (``pipelines/sequential.py``), where the modifiers and the block allow; otherwise
+    (and for blocks that do not allow it) two forwards per block."""
     if not session.needs_calibration_forward:
         session.calibration_start()
         session.calibration_end()
@@ -144,12 +159,23 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
+        sequential = true_sequential and session.calibrates_by_module
         for index, layer in enumerate(bar):
-            _observe_layer(layer, inputs)  # the modifiers' hooks collect statistics
-            session.layer_calibrated(index, layer)  # ... and compress the layer
+            outputs_needed = index + 1 < len(layers) or bool(tail)  # they feed what follows
+            plan = None
+            if sequential:
+                try:
+                    plan = plan_block(layer, inputs[0])
+                except NotSequential as exc:
+                    logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
+                release_free_memory()  # the probe's activations
+            if plan is None:
+                rest = _calibrate_two_pass(layer, index, inputs, session, outputs_needed)
+            else:
+                compress = lambda modules, index=index, layer=layer: session.modules_calibrated(index, layer, modules)  # noqa: E731
+                rest = calibrate_block(layer, inputs, plan, compress, outputs_needed)
+                session.layer_calibrated(index, layer)
             bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
-            if index + 1 < len(layers) or tail:  # the compressed layer's outputs feed what follows
-                rest = _run_layer(layer, inputs)
             held.hold(layer)
             release_free_memory()  # the layer's solver temporaries and float weights go back
         if tail:

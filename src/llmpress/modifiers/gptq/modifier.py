@@ -68,7 +68,7 @@ def _labels(names: list[str]) -> dict[str, str]:
 @MODIFIERS.register("GPTQModifier")
 class GPTQModifier(Modifier):
     Config = GPTQModifierConfig
-    events = frozenset({"calibration_start", "layer_calibrated", "calibration_end"})
+    events = frozenset({"calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end"})
     needs_calibration_forward = True
 
     def required_state(self) -> tuple[str, ...]:
@@ -90,10 +90,13 @@ class GPTQModifier(Modifier):
                 self.hessians.watch(name, module)
         self.inputs.observe(self.pending)
 
+    def on_modules_calibrated(self, state: State, index: int, layer: nn.Module, modules: list[nn.Module]) -> None:
+        ids = {id(m) for m in modules}
+        self.quantize([n for n, (m, _) in self.pending.items() if id(m) in ids], f"layer {index}")
+
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
-        names = names_inside(layer, self.pending)
-        self.quantize(names, f"layer {index}")
-        done = [n for n in names if n in self.losses]
+        self.quantize(names_inside(layer, self.pending), f"layer {index}")
+        done = [n for n in names_inside(layer, self.modules) if n in self.losses]
         self._note = ""
         if done:
             labels = _labels(done)

@@ -126,7 +126,7 @@ def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
 @MODIFIERS.register("QuantizationModifier")
 class QuantizationModifier(Modifier):
     Config = QuantizationModifierConfig
-    events = frozenset({"calibration_start", "layer_calibrated", "calibration_end"})
+    events = frozenset({"calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end"})
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data") if self.config.needs_calibration else ("model",)
@@ -177,6 +177,10 @@ class QuantizationModifier(Modifier):
 
     def on_calibration_start(self, state: State) -> None:
         self.inputs.observe(self.pending)
+
+    def on_modules_calibrated(self, state: State, index: int, layer: nn.Module, modules: list[nn.Module]) -> None:
+        ids = {id(m) for m in modules}
+        self.quantize_pending([n for n, (m, _) in self.pending.items() if id(m) in ids])
 
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
         """Quantize this layer's modules now, so later layers calibrate on quantized outputs."""
