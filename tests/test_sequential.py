@@ -188,3 +188,31 @@ def test_blocks_that_cannot_go_module_by_module_take_two_passes(monkeypatch, cap
         results.append(model.model.layers[1].mlp.down_proj.weight.detach().clone())
     assert "two passes, not module by module: a reason" in caplog.text
     assert torch.equal(*results)
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 2)
+        self.expert = nn.Linear(8, 8)
+
+    def forward(self, x):
+        chosen = self.router(x).argmax(-1) == 0
+        out = x.clone()
+        out[chosen] = self.expert(x[chosen])
+        return out
+
+
+def test_blocks_whose_linears_see_routed_tokens_are_refused():
+    """Routed experts may get no token in a later batch: such blocks take two passes."""
+    torch.manual_seed(0)
+    with pytest.raises(NotSequential, match="subset of the batch's tokens"):
+        plan_block(_Routed(), ((torch.randn(2, 16, 8),), {}))
+
+
+def test_automatic_choice_takes_two_passes_when_the_kept_activations_dwarf_the_block(monkeypatch, caplog):
+    monkeypatch.setattr(layerwise, "KEPT_PER_BLOCK_WEIGHTS", 0)
+    with caplog.at_level(logging.INFO, logger="llmpress.pipelines.layerwise"):
+        llmpress.oneshot(make_tiny_llama(), GPTQModifier(scheme="W4A16"), token_batches(4, 32),
+                         calibration=CalibrationOptions(num_samples=4, seq_len=32))
+    assert "would keep" in caplog.text and "two passes" in caplog.text

@@ -40,8 +40,9 @@ class CalibrationOptions:
     #: group on the outputs of the compressed ones before it (GPTQ's "true sequential"; every
     #: Linear multiplies once). It keeps, per calibration token, the attention output and the
     #: MLP's inner activation of the block in flight besides its input; False: two forwards
-    #: per block, keeping only the block's input
-    true_sequential: bool = True
+    #: per block, keeping only the block's input; None: module by module while that stays
+    #: within 8x the block's weights (a small model on many tokens takes two passes)
+    true_sequential: bool | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline not in ("layerwise", "basic"):

@@ -25,7 +25,12 @@ from tqdm.auto import tqdm
 
 from llmpress.memory import release_free_memory
 from llmpress.pipelines.basic import run_basic_calibration
-from llmpress.pipelines.sequential import NotSequential, calibrate_block, plan_block
+from llmpress.pipelines.sequential import (
+    NotSequential,
+    calibrate_block,
+    kept_bytes,
+    plan_block,
+)
 from llmpress.pipelines.tail import TailError, hook_keys, run_tail, watched_tail
 from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session
@@ -133,13 +138,24 @@ def _calibrate_two_pass(layer: nn.Module, index: int, inputs: list[tuple[tuple, 
     return _run_layer(layer, inputs) if outputs_needed else None  # the compressed layer's outputs
 
 
+#: automatic ``true_sequential``: module by module while what a block's stages keep is at most
+#: this many times the block's own weights (a 1024-hidden Llama on 64 x 256 tokens: 5x; the
+#: 5M-parameter test model: 21x, where the kept activations would be a fifth of its peak memory)
+KEPT_PER_BLOCK_WEIGHTS = 8
+
+
+def _block_bytes(layer: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
 @torch.no_grad()
 def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor],
-                              true_sequential: bool = True) -> None:
+                              true_sequential: bool | None = None) -> None:
     """``true_sequential``: calibrate each block's modules group by group in the order its
     forward calls them, each on the outputs of the compressed ones before it, one forward per
-    module (``pipelines/sequential.py``), where the modifiers and the block allow; otherwise
-    (and for blocks that do not allow it) two forwards per block."""
+    module (``pipelines/sequential.py``), where the modifiers and the block allow; False: two
+    forwards per block; None: module by module while the activations it keeps stay within
+    ``KEPT_PER_BLOCK_WEIGHTS`` times the block's weights."""
     if not session.needs_calibration_forward:
         session.calibration_start()
         session.calibration_end()
@@ -159,14 +175,19 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
-        sequential = true_sequential and session.calibrates_by_module
+        sequential = true_sequential is not False and session.calibrates_by_module
         for index, layer in enumerate(bar):
             outputs_needed = index + 1 < len(layers) or bool(tail)  # they feed what follows
             plan = None
             if sequential:
                 try:
                     plan = plan_block(layer, inputs[0])
+                    budget = KEPT_PER_BLOCK_WEIGHTS * _block_bytes(layer)
+                    if true_sequential is None and kept_bytes(plan, inputs) > budget:
+                        raise NotSequential(f"it would keep {kept_bytes(plan, inputs) / 2**20:.0f} MB of activations, "
+                                            f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
                 except NotSequential as exc:
+                    plan = None
                     logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
                 release_free_memory()  # the probe's activations
             if plan is None:

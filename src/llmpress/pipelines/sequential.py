@@ -36,7 +36,7 @@ from torch import nn
 from llmpress.errors import UnsupportedModelError
 from llmpress.memory import release_free_memory
 
-__all__ = ["NotSequential", "calibrate_block", "plan_block"]
+__all__ = ["NotSequential", "calibrate_block", "kept_bytes", "plan_block"]
 
 Inputs = list[tuple[tuple, dict]]
 
@@ -45,8 +45,9 @@ class NotSequential(Exception):
     """This block cannot be calibrated module by module (the message says why)."""
 
 
-class _Stop(Exception):
-    """The stage's group has seen this batch's input."""
+class _Stop(BaseException):
+    """The stage's group has seen this batch's input (a BaseException: model code that catches
+    Exception must not swallow it)."""
 
 
 @dataclass
@@ -57,6 +58,7 @@ class BlockPlan:
     linears: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> ids of Linear modules in it
     answers: dict[int, tuple[nn.Module, int | None]] = field(default_factory=dict)  # id(parent) -> (its last
     # Linear, length of the tuple it returns with that Linear's output first and None after; None: the output itself)
+    parked_bytes: int = 0  # the parked inputs of the first batch
 
 
 @contextmanager
@@ -88,6 +90,9 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict]) -> BlockPlan:
     watched = [n for n, m in block.named_modules() if m._forward_pre_hooks and not isinstance(m, nn.Linear)]
     if watched:
         raise NotSequential(f"a module other than a Linear is watched ({watched[0]})")
+    watched = [n for n, m in block.named_modules() if m._forward_hooks]
+    if watched:
+        raise NotSequential(f"a module's outputs are watched ({watched[0]})")
     inner = [m for m in block.modules() if m is not block]
     calls: Counter[int] = Counter()
     order: list[nn.Module] = []
@@ -98,7 +103,8 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict]) -> BlockPlan:
         calls[id(module)] += 1
         order.append(module)
         if isinstance(module, nn.Linear):
-            linear_inputs.append((module, args[0] if args else None))
+            x = args[0] if args else None
+            linear_inputs.append((module, x, x._version if isinstance(x, torch.Tensor) else None))
 
     def after(module: nn.Module, args: tuple, output: Any) -> None:
         outputs[id(module)] = output
@@ -116,14 +122,18 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict]) -> BlockPlan:
     counts = sorted({calls[id(m)] for m in linears})
     if counts != [1]:
         raise NotSequential(f"its Linear modules are called {'/'.join(map(str, counts))} times in a forward, not once each")
+    tokens = _rows([first])[0]
+    routed = [m for m, x, _ in linear_inputs if not isinstance(x, torch.Tensor) or x.shape[:-1].numel() != tokens]
+    if routed:
+        raise NotSequential(f"a Linear sees a subset of the batch's tokens ({type(routed[0]).__name__}: routed experts?)")
     groups: list[list[nn.Module]] = []
     previous = None
-    for module, x in linear_inputs:
-        if groups and x is not None and x is previous:
+    for module, x, version in linear_inputs:
+        if groups and x is previous[0] and version == previous[1]:  # the same input, unchanged in between
             groups[-1].append(module)
         else:
             groups.append([module])
-        previous = x
+        previous = (x, version)
 
     parents: dict[int, nn.Module] = {}
     for parent in [block, *inner]:
@@ -155,7 +165,14 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict]) -> BlockPlan:
                 break
             plan.answers = {k: v for k, v in plan.answers.items() if v[0] is not last}
             plan.answers[id(parent)] = (last, shape)
+    plan.parked_bytes = sum(tokens * last.in_features * last.weight.element_size() for last, _ in plan.answers.values())
     return plan
+
+
+def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:
+    """About what the stages keep besides the block's inputs: the parked inputs (and, once
+    answered, the outputs) of the Linears that answer for their parents, for every batch."""
+    return plan.parked_bytes * sum(r for r in _rows(inputs) if r > 0) // max(_rows(inputs[:1])[0], 1)
 
 
 def _complete(plan: BlockPlan, done: set[int]) -> list[nn.Module]:
@@ -304,6 +321,14 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
         finally:
             for handle in handles:
                 handle.remove()
+        skipped = [key for key in batch.answered if batch.answered[key] != len(inputs)]
+        if skipped:
+            raise UnsupportedModelError(
+                f"{type(by_id[skipped[0]]).__name__} was not called in every forward of its block, as planned",
+                got="a control flow that differs between batches",
+                expected="each planned submodule of a block called once per forward",
+                fix="calibrate this model with CalibrationOptions(true_sequential=False)",
+            )
         kept = {k: v for k, v in kept.items() if k in keep}
         parked = {owner: parked_now} if owner is not None else {}
         if group is not None:
