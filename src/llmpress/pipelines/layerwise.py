@@ -17,7 +17,6 @@ to whole-model calibration, with a warning.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,8 +25,10 @@ from tqdm.auto import tqdm
 from llmpress.memory import release_free_memory
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.sequential import (
+    BlockPlan,
     NotSequential,
     calibrate_block,
+    hand_on,
     kept_bytes,
     plan_block,
 )
@@ -83,19 +84,13 @@ def _capture_first_layer_inputs(model: nn.Module, layer: nn.Module, batches: lis
     return captured
 
 
-def _hidden_states(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 def _run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> tuple | None:
     """Replace each batch's input by the layer's output, one batch at a time (so only one
     batch of the two lists is ever alive twice). Returns what the layer returns besides the
     hidden states (None when it returns them alone), for ``run_tail``."""
     rest = None
     for index, (args, kwargs) in enumerate(inputs):
-        output = layer(*args, **kwargs)
-        rest = tuple(output[1:]) if isinstance(output, (tuple, list)) else None
-        inputs[index] = ((_hidden_states(output), *args[1:]), kwargs)
+        rest = hand_on(inputs, index, layer(*args, **kwargs))
     return rest
 
 
@@ -144,8 +139,21 @@ def _calibrate_two_pass(layer: nn.Module, index: int, inputs: list[tuple[tuple, 
 KEPT_PER_BLOCK_WEIGHTS = 8
 
 
-def _block_bytes(layer: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in layer.parameters())
+def _sequential_plan(layer: nn.Module, index: int, inputs: list[tuple[tuple, dict]], automatic: bool) -> BlockPlan | None:
+    """The block's module-by-module plan, or None (logged) where it takes two passes."""
+    try:
+        plan = plan_block(layer, inputs[0])
+        kept = kept_bytes(plan, inputs)
+        budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in layer.parameters())
+        if automatic and kept > budget:
+            raise NotSequential(f"it would keep {kept / 2**20:.0f} MB of activations, "
+                                f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
+        return plan
+    except NotSequential as exc:
+        logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
+        return None
+    finally:
+        release_free_memory()  # the probe's activations
 
 
 @torch.no_grad()
@@ -178,18 +186,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         sequential = true_sequential is not False and session.calibrates_by_module
         for index, layer in enumerate(bar):
             outputs_needed = index + 1 < len(layers) or bool(tail)  # they feed what follows
-            plan = None
-            if sequential:
-                try:
-                    plan = plan_block(layer, inputs[0])
-                    budget = KEPT_PER_BLOCK_WEIGHTS * _block_bytes(layer)
-                    if true_sequential is None and kept_bytes(plan, inputs) > budget:
-                        raise NotSequential(f"it would keep {kept_bytes(plan, inputs) / 2**20:.0f} MB of activations, "
-                                            f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
-                except NotSequential as exc:
-                    plan = None
-                    logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
-                release_free_memory()  # the probe's activations
+            plan = _sequential_plan(layer, index, inputs, automatic=true_sequential is None) if sequential else None
             if plan is None:
                 rest = _calibrate_two_pass(layer, index, inputs, session, outputs_needed)
             else:

@@ -36,7 +36,7 @@ from torch import nn
 from llmpress.errors import UnsupportedModelError
 from llmpress.memory import release_free_memory
 
-__all__ = ["NotSequential", "calibrate_block", "kept_bytes", "plan_block"]
+__all__ = ["NotSequential", "calibrate_block", "hand_on", "kept_bytes", "plan_block"]
 
 Inputs = list[tuple[tuple, dict]]
 
@@ -58,7 +58,7 @@ class BlockPlan:
     linears: dict[int, set[int]] = field(default_factory=dict)  # id(module) -> ids of Linear modules in it
     answers: dict[int, tuple[nn.Module, int | None]] = field(default_factory=dict)  # id(parent) -> (its last
     # Linear, length of the tuple it returns with that Linear's output first and None after; None: the output itself)
-    parked_bytes: int = 0  # the parked inputs of the first batch
+    parked_bytes_per_token: int = 0  # the inputs parked for the Linears that answer for their parents
 
 
 @contextmanager
@@ -96,7 +96,7 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict]) -> BlockPlan:
     inner = [m for m in block.modules() if m is not block]
     calls: Counter[int] = Counter()
     order: list[nn.Module] = []
-    linear_inputs: list[tuple[nn.Module, Any]] = []
+    linear_inputs: list[tuple[nn.Module, Any, int | None]] = []  # (Linear, its input, the input's version)
     outputs: dict[int, Any] = {}
 
     def before(module: nn.Module, args: tuple) -> None:
@@ -165,14 +165,33 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict]) -> BlockPlan:
                 break
             plan.answers = {k: v for k, v in plan.answers.items() if v[0] is not last}
             plan.answers[id(parent)] = (last, shape)
-    plan.parked_bytes = sum(tokens * last.in_features * last.weight.element_size() for last, _ in plan.answers.values())
+    plan.parked_bytes_per_token = sum(last.in_features * last.weight.element_size() for last, _ in plan.answers.values())
     return plan
 
 
 def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:
     """About what the stages keep besides the block's inputs: the parked inputs (and, once
     answered, the outputs) of the Linears that answer for their parents, for every batch."""
-    return plan.parked_bytes * sum(r for r in _rows(inputs) if r > 0) // max(_rows(inputs[:1])[0], 1)
+    return plan.parked_bytes_per_token * sum(r for r in _rows(inputs) if r > 0)
+
+
+def hand_on(inputs: Inputs, index: int, output: Any) -> tuple | None:
+    """Batch ``index``'s input becomes the block's ``output`` (its hidden states, the other
+    arguments as they were), for the next block. Returns what the block returned besides the
+    hidden states (None when it returned them alone), for the tail pass."""
+    args, kwargs = inputs[index]
+    several = isinstance(output, (tuple, list))
+    inputs[index] = ((output[0] if several else output, *args[1:]), kwargs)
+    return tuple(output[1:]) if several else None
+
+
+def _control_flow_changed(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        what,
+        got="a control flow that differs between batches",
+        expected="the same submodules called once in every forward of a block",
+        fix="calibrate this model with CalibrationOptions(true_sequential=False)",
+    )
 
 
 def _complete(plan: BlockPlan, done: set[int]) -> list[nn.Module]:
@@ -207,12 +226,7 @@ class _Batch:
     def answer(self, module: nn.Module) -> int:
         self.answered[id(module)] += 1
         if self.answered[id(module)] != self.index + 1:
-            raise UnsupportedModelError(
-                f"{type(module).__name__} was not called once in a forward of its block, as planned",
-                got="a control flow that differs between batches",
-                expected="each planned submodule of a block called once per forward",
-                fix="calibrate this model with CalibrationOptions(true_sequential=False)",
-            )
+            raise _control_flow_changed(f"{type(module).__name__} was not called once in a forward of its block, as planned")
         return self.index
 
 
@@ -309,26 +323,15 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
                     except _Stop:
                         continue
                     if group is not None:
-                        raise UnsupportedModelError(
-                            f"{type(block).__name__}'s forward did not reach {type(group[-1]).__name__} in batch {index}",
-                            got="a control flow that differs between batches",
-                            expected="the same modules called in every forward of a block",
-                            fix="calibrate this model with CalibrationOptions(true_sequential=False)",
-                        )
-                    rest = tuple(output[1:]) if isinstance(output, (tuple, list)) else None
-                    hidden = output[0] if isinstance(output, (tuple, list)) else output
-                    inputs[index] = ((hidden, *args[1:]), kwargs)
+                        raise _control_flow_changed(
+                            f"{type(block).__name__}'s forward did not reach {type(group[-1]).__name__} in batch {index}")
+                    rest = hand_on(inputs, index, output)
         finally:
             for handle in handles:
                 handle.remove()
         skipped = [key for key in batch.answered if batch.answered[key] != len(inputs)]
         if skipped:
-            raise UnsupportedModelError(
-                f"{type(by_id[skipped[0]]).__name__} was not called in every forward of its block, as planned",
-                got="a control flow that differs between batches",
-                expected="each planned submodule of a block called once per forward",
-                fix="calibrate this model with CalibrationOptions(true_sequential=False)",
-            )
+            raise _control_flow_changed(f"{type(by_id[skipped[0]]).__name__} was not called in every forward of its block, as planned")
         kept = {k: v for k, v in kept.items() if k in keep}
         parked = {owner: parked_now} if owner is not None else {}
         if group is not None:
