@@ -1,12 +1,16 @@
-"""GPTQ benchmark: llmpress vs llm-compressor 0.14, same models, same calibration tokens, one run.
+"""GPTQ benchmark: llmpress vs llm-compressor 0.14, same models, same recipe, same calibration tokens, one run.
 
-    python bench/gptq.py [--models tiny random-1024] [--bits 4 3] [--repeat 3] [--repeat-large 1] [--work DIR]
+    python bench/gptq.py [--models tiny random-1024] [--bits 4 3] [--repeat 3] [--repeat-large 1] [--work DIR] [--api]
 
 Each compression runs in its own process (peak RSS from the OS, wall time of the whole process
-including imports and model loading). llm-compressor runs from its own virtual environment,
-``.venv-peers`` (created with ``torch==2.13.0 llmcompressor==0.14.0`` when missing). The small
-trained model is also evaluated: perplexity on the evaluation text of both tools' checkpoints,
-read back through transformers + compressed-tensors, and llmpress's RTN at the same scheme.
+including imports and model loading), each tool as its users run it: llmpress as the
+``llmpress oneshot`` command (``--api``: ``llmpress.oneshot`` from a Python script instead),
+llm-compressor's ``oneshot`` from a Python script, both reading one recipe file in
+llm-compressor's YAML format and one JSON-lines file of token ids. llm-compressor runs from its
+own virtual environment, ``.venv-peers`` (created with ``torch==2.13.0 llmcompressor==0.14.0``
+when missing). The small trained model is also evaluated: perplexity on the evaluation text of
+both tools' checkpoints, read back through transformers + compressed-tensors, and llmpress's
+RTN at the same scheme.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import torch
 from common import PEER_PYTHON, PEER_VENV, REPO, fixture, median_run, save_random_llama
 
 
-
 def ensure_peer_venv() -> None:
     if PEER_PYTHON.exists():
         return
@@ -40,20 +43,35 @@ def make_random_llama(folder: Path, tokenizer_dir: Path) -> Path:
 
 
 def calibration_tokens(path: Path, tokenizer_dir: Path, samples: int = 64, seq_len: int = 256) -> Path:
+    """The first ``samples * seq_len`` tokens of the shared calibration text, one sample a JSON line."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     ids = tokenizer(fixture("text", "calibration.txt").read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    torch.save(torch.tensor(ids[: samples * seq_len]).reshape(samples, seq_len), path)
+    path.write_text("".join(json.dumps({"input_ids": ids[i * seq_len : (i + 1) * seq_len]}) + "\n" for i in range(samples)))
     return path
 
 
-def run_worker(python: Path, tool: str, model: Path, tokens: Path, bits: int, output: Path) -> dict:
+def gptq_recipe(path: Path, bits: int) -> Path:
+    """llm-compressor's GPTQ recipe: int weights in groups of 128, lm_head left alone."""
+    path.write_text(f"""quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {{num_bits: {bits}, type: int, symmetric: true, strategy: group, group_size: 128}}
+""")
+    return path
+
+
+def run_worker(python: Path, tool: str, recipe: Path, model: Path, tokens: Path, output: Path) -> dict:
     """One compression in a child process: wall time (imports and loading included), the time
-    from model load to saved checkpoint, and the process's peak RSS in MB."""
+    from the tool's first import to saved checkpoint, and the process's peak RSS in MB."""
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src") if tool == "llmpress" else "", "TQDM_DISABLE": "1"}
-    result = subprocess.run([str(python), str(REPO / "bench" / "gptq_worker.py"), tool, str(model), str(tokens), str(bits), str(output)],
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") if tool.startswith("llmpress") else "", "TQDM_DISABLE": "1"}
+    result = subprocess.run([str(python), str(REPO / "bench" / "gptq_worker.py"), tool, str(recipe), str(model), str(tokens), str(output)],
                             capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if result.returncode != 0:
@@ -88,6 +106,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per tool on the tiny model (the median is shown)")
     parser.add_argument("--repeat-large", type=int, default=1, help="runs per tool on the 1024-hidden model (the median is shown)")
+    parser.add_argument("--api", action="store_true", help="run llmpress from Python (llmpress.oneshot), not as its command")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO / "src"))
@@ -103,7 +122,8 @@ def main() -> None:
     models = {"tiny": tiny}
     if "random-1024" in args.models:
         models["random-1024"] = make_random_llama(work / "random-1024", tiny)
-    tokens = calibration_tokens(work / "tokens.pt", tiny)
+    tokens = calibration_tokens(work / "tokens.jsonl", tiny)
+    ours_tool = "llmpress-api" if args.api else "llmpress"
     tokenizer = AutoTokenizer.from_pretrained(str(tiny))
     windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"), tokenizer, 256, 200)
     fp32 = transformers_perplexity(tiny, windows)
@@ -112,10 +132,11 @@ def main() -> None:
     for name in args.models:
         for bits in args.bits if name == "tiny" else args.bits[:1]:  # the large model: first width only
             runs = args.repeat if name == "tiny" else args.repeat_large  # alternating runs, medians
+            recipe = gptq_recipe(work / f"gptq-w{bits}.yaml", bits)
             ours_runs, peer_runs = [], []
             for _ in range(runs):
-                ours_runs.append(run_worker(Path(sys.executable), "llmpress", models[name], tokens, bits, work / f"{name}-w{bits}-llmpress"))
-                peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", models[name], tokens, bits, work / f"{name}-w{bits}-llmcompressor"))
+                ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, models[name], tokens, work / f"{name}-w{bits}-llmpress"))
+                peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, models[name], tokens, work / f"{name}-w{bits}-llmcompressor"))
             ours, peer = median_run(ours_runs), median_run(peer_runs)
             row = {"model": name, "bits": bits, "ours": ours, "peer": peer}
             if name == "tiny":
@@ -139,9 +160,11 @@ def main() -> None:
             rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"
         print(line)
-    print(f"\nwall: whole process (imports, load, calibration, save, exit), median of {args.repeat} runs on tiny,"
-          f" {args.repeat_large} on random-1024; in-process: the tool's own call (its lazy imports, load,"
-          "\ncalibration, save), without interpreter start, the harness's torch import and teardown;"
+    how = "llmpress.oneshot from Python" if args.api else "the llmpress oneshot command"
+    print(f"\nllmpress ran as {how}, llm-compressor as its oneshot from Python, both on the same recipe file and tokens."
+          f"\nwall: whole process (imports, load, calibration, save, exit), median of {args.repeat} runs on tiny,"
+          f" {args.repeat_large} on random-1024; in-process: from the tool's first import to the saved checkpoint"
+          "\n(without interpreter start-up and teardown);"
           "\nratios are llmpress / llm-compressor;"
           "\nrise ratio: (ppl llmpress - fp32) / (ppl llm-compressor - fp32); perplexities read back through transformers.")
 

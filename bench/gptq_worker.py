@@ -1,56 +1,76 @@
 """One GPTQ run in its own process, for bench/gptq.py: llmpress or llm-compressor.
 
-    python bench/gptq_worker.py TOOL MODEL_DIR TOKENS_PT BITS OUTPUT_DIR
+    python bench/gptq_worker.py TOOL RECIPE_YAML MODEL_DIR TOKENS_JSONL OUTPUT_DIR
 
-Prints one JSON line: {"seconds": time from model load to saved checkpoint, "peak_rss_mb": the
-process's peak resident memory, imports included}.
+TOOL is ``llmpress`` (the ``llmpress oneshot`` command, as a user runs it: this process runs the
+console script's own function), ``llmpress-api`` (``llmpress.oneshot`` from Python) or
+``llmcompressor`` (its ``oneshot`` from Python: it has no command for this). Both tools read the
+same recipe file, llm-compressor's YAML format, and the same token ids (one JSON line a sample).
+
+Prints one JSON line: {"seconds": from the tool's first import to the saved checkpoint,
+"peak_rss_mb": the process's peak resident memory}.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import time
 
-import torch
 from common import peak_rss_mb
 
-
-def scheme(bits: int) -> dict:
-    return {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}
+START = time.perf_counter()
 
 
-def run_llmpress(model_dir: str, tokens: torch.Tensor, bits: int, output: str) -> None:
+def report() -> None:
+    print(json.dumps({"seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb()}), flush=True)
+
+
+def read_tokens(path: str) -> list[list[int]]:
+    with open(path, encoding="utf-8") as lines:
+        return [json.loads(line)["input_ids"] for line in lines if line.strip()]
+
+
+def run_llmpress_command(recipe: str, model_dir: str, tokens: str, output: str) -> None:
+    samples = read_tokens(tokens)
+    sys.argv = ["llmpress", "oneshot", "--model", model_dir, "--recipe", recipe, "--dataset", tokens,
+                "--num-samples", str(len(samples)), "--seq-len", str(len(samples[0])), "--output", output]
+    from llmpress.cli import run
+
+    atexit.register(report)  # run() ends the process, as the command does
+    run()
+
+
+def run_llmpress_api(recipe: str, model_dir: str, tokens: str, output: str) -> None:
     import llmpress
     from llmpress.data import CalibrationOptions
-    from llmpress.modifiers import GPTQModifier
 
-    recipe = GPTQModifier(ignore=["lm_head"], config_groups=scheme(bits))
-    options = CalibrationOptions(num_samples=tokens.shape[0], seq_len=tokens.shape[1], shuffle=False)
-    llmpress.oneshot(model_dir, recipe, [row.tolist() for row in tokens], output_dir=output, calibration=options)
+    samples = read_tokens(tokens)
+    options = CalibrationOptions(num_samples=len(samples), seq_len=len(samples[0]), shuffle=False)
+    llmpress.oneshot(model_dir, recipe, samples, output_dir=output, calibration=options)
+    report()
 
 
-def run_llmcompressor(model_dir: str, tokens: torch.Tensor, bits: int, output: str) -> None:
+def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> None:
+    import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    samples = read_tokens(tokens)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
-    recipe = GPTQModifier(ignore=["lm_head"], config_groups=scheme(bits))
-    oneshot(model=model, processor=tokenizer, dataset=dataset, recipe=recipe, num_calibration_samples=tokens.shape[0],
-            max_seq_length=tokens.shape[1], output_dir=output)
+    dataset = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+    oneshot(model=model, processor=tokenizer, dataset=dataset, recipe=recipe, num_calibration_samples=len(samples),
+            max_seq_length=len(samples[0]), output_dir=output)
+    report()
 
 
 def main() -> None:
-    tool, model_dir, tokens_path, bits, output = sys.argv[1:6]
-    tokens = torch.load(tokens_path)
-    start = time.perf_counter()
-    {"llmpress": run_llmpress, "llmcompressor": run_llmcompressor}[tool](model_dir, tokens, int(bits), output)
-    seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_rss_mb()}))
+    tool, recipe, model_dir, tokens, output = sys.argv[1:6]
+    runs = {"llmpress": run_llmpress_command, "llmpress-api": run_llmpress_api, "llmcompressor": run_llmcompressor}
+    runs[tool](recipe, model_dir, tokens, output)
 
 
 if __name__ == "__main__":

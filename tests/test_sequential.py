@@ -216,3 +216,23 @@ def test_automatic_choice_takes_two_passes_when_the_kept_activations_dwarf_the_b
         llmpress.oneshot(make_tiny_llama(), GPTQModifier(scheme="W4A16"), token_batches(4, 32),
                          calibration=CalibrationOptions(num_samples=4, seq_len=32))
     assert "would keep" in caplog.text and "two passes" in caplog.text
+
+
+def test_keyword_inputs_equal_across_batches_are_kept_once():
+    """Rotary tables are the same for every batch of one length: after the capture every batch
+    holds the first batch's tensors; the hidden states stay each batch's own."""
+    model = make_tiny_llama()
+    _, inputs = _block_and_inputs(model)
+    before = [copy.deepcopy(kwargs["position_embeddings"]) for _, kwargs in inputs]
+    layerwise._share_repeated(inputs)
+    cos, sin = inputs[0][1]["position_embeddings"]
+    for (args, kwargs), original in zip(inputs, before):
+        assert kwargs["position_embeddings"][0] is cos and kwargs["position_embeddings"][1] is sin
+        assert all(torch.equal(a, b) for a, b in zip(kwargs["position_embeddings"], original))
+    assert len({id(args[0]) for args, _ in inputs}) == len(inputs)
+    # a batch whose table differs (another length, say) keeps its own
+    other = [(args, {**kwargs, "position_embeddings": tuple(t + 1 for t in kwargs["position_embeddings"])})
+             for args, kwargs in inputs[:1]]
+    mixed = inputs[:1] + other
+    layerwise._share_repeated(mixed)
+    assert mixed[1][1]["position_embeddings"][0] is not mixed[0][1]["position_embeddings"][0]

@@ -3,11 +3,20 @@
 Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
 ``CalibrationOptions``, ``load``, ``LlmpressConfig``, ``load_checkpoint``; modifiers in ``llmpress.modifiers``; errors in
 ``llmpress.errors``.
+
+Importing the package is cheap: each name (and each subpackage, ``llmpress.quant`` say) is
+imported on first use, with torch and transformers behind it, under ``gc_paused`` (see
+``llmpress/gc_pause.py``). The command line relies on this to decide how the collector treats
+those imports before any of them happens.
 """
 
-from llmpress.gc_pause import gc_paused as _gc_paused
+from __future__ import annotations
 
-with _gc_paused():  # torch and transformers come in here: see llmpress/gc_pause.py
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
     from llmpress import errors, modifiers
     from llmpress.checkpoint import save_checkpoint
     from llmpress.data import CalibrationOptions
@@ -26,6 +35,24 @@ with _gc_paused():  # torch and transformers come in here: see llmpress/gc_pause
     from llmpress.session import Session, active_session
 
 __version__ = "0.1.0"
+
+_HOMES = {
+    "CalibrationOptions": "llmpress.data",
+    "CompressedTensorsConfig": "llmpress.loading",
+    "LlmpressConfig": "llmpress.loading",
+    "LlmpressError": "llmpress.errors",
+    "QuantizationMethod": "llmpress.loading",
+    "Quantizer": "llmpress.loading",
+    "Recipe": "llmpress.recipe",
+    "Session": "llmpress.session",
+    "TrainingOptions": "llmpress.pipelines.training",
+    "active_session": "llmpress.session",
+    "load": "llmpress.loading",
+    "load_checkpoint": "llmpress.loading",
+    "oneshot": "llmpress.entrypoints",
+    "save_checkpoint": "llmpress.checkpoint",
+    "train": "llmpress.entrypoints",
+}
 
 __all__ = [
     "CalibrationOptions",
@@ -46,3 +73,20 @@ __all__ = [
     "save_checkpoint",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name or a subpackage, imported on first use and then kept as an attribute."""
+    from llmpress.gc_pause import gc_paused
+
+    home = _HOMES.get(name)
+    if home is None and (name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with gc_paused():  # torch and transformers come in here
+        value = getattr(importlib.import_module(home), name) if home else importlib.import_module(f"{__name__}.{name}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

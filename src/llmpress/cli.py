@@ -7,6 +7,7 @@ no traceback unless ``LLMPRESS_DEBUG=1``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import sys
 import time
 
 from llmpress.errors import LlmpressError
-from llmpress.gc_pause import freeze_before_exit
+from llmpress.gc_pause import freeze_before_exit, gc_paused, own_process
 
 __all__ = ["main", "run"]
 
@@ -199,9 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_library(command: str) -> None:
+    """Torch, transformers' common parts and the library modules the command runs, under
+    ``gc_paused``: most of a command's start-up (see gc_pause.py)."""
+    modules = ["llmpress.checkpoint.inspect"] if command == "inspect" else ["llmpress.entrypoints", "llmpress.loading", "llmpress.evaluation"]
+    with gc_paused():
+        for module in modules:
+            importlib.import_module(module)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _import_library(args.command)
     try:
         return args.run(args)
     except LlmpressError as exc:
@@ -216,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The ``llmpress`` command: ``main`` in a process of its own, which it then ends."""
+    own_process()  # before the heavy imports: what they make is frozen, never walked (gc_pause.py)
     code = main()
     freeze_before_exit()  # everything is written: the interpreter's last collection can skip the heap
     sys.exit(code)

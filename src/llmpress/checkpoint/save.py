@@ -8,7 +8,7 @@ import logging
 import shutil
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -21,7 +21,9 @@ from llmpress.checkpoint.compressed_state import (
 )
 from llmpress.checkpoint.sparsity import sparsity_config_for
 from llmpress.errors import CheckpointError
-from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+
+if TYPE_CHECKING:
+    from llmpress.recipe import Recipe
 
 __all__ = ["parse_size", "route_save_pretrained", "save_checkpoint"]
 
@@ -62,6 +64,9 @@ def save_checkpoint(
         _write_config(tmp, model, _compression_config(model, save_compressed))
         if processor is not None:
             processor.save_pretrained(str(tmp))
+        # imported here: recipes import the modifiers, some of which import this package
+        from llmpress.recipe import APPLIED_RECIPE_ATTR
+
         recorded = recipe if recipe is not None else getattr(model, APPLIED_RECIPE_ATTR, None)
         if recorded is not None and recorded.stages:
             (tmp / RECIPE_NAME).write_text(recorded.to_yaml(), encoding="utf-8")

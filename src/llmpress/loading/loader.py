@@ -143,7 +143,8 @@ def _read_config(folder: Path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder))
+        with gc_paused():  # the config class imports much of transformers' core
+            return AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError) as exc:
         raise UnsupportedModelError(
             "transformers cannot read this model's config",

@@ -26,7 +26,7 @@ def weight_qparams(
     return _mse_qparams(weight, min_vals, max_vals, args)
 
 
-_CANDIDATE_ELEMENTS = 1 << 21  # bound on the temporary [candidates, rows, cols] tensor
+_CANDIDATE_ELEMENTS = 1 << 19  # bound on the temporary [candidates, rows, cols] tensor
 
 
 def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
