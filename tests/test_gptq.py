@@ -330,10 +330,25 @@ def test_inverse_hessian_factor_in_place_matches_the_textbook_one(n):
     torch.testing.assert_close(given_up, factor)
 
 
-def test_a_retried_factor_is_the_factor_of_the_more_dampened_hessian():
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
-    hessian = x.t() @ x - 0.05 * torch.eye(64)  # indefinite: the first attempts fail
-    factor, used = inverse_hessian_factor(hessian.clone(), 0.0)
+@pytest.mark.parametrize("n", [64, 600])
+def test_a_retried_factor_is_the_factor_of_the_more_dampened_hessian(n):
+    """The factorization runs in the Hessian's memory; when it fails, the Hessian comes back
+    whole for the retry. At 600 inputs the failure comes in the last block column, after the
+    others were overwritten (the factorization runs on the order-reversed matrix, so the
+    indefinite corner goes first here)."""
+    generator = torch.Generator().manual_seed(1)
+    wide = torch.randn(4 * n, n, generator=generator)
+    hessian = wide.t() @ wide / n
+    x = torch.randn(16, 64, generator=generator)
+    hessian[:64, :64] = x.t() @ x - 0.05 * torch.eye(64)  # indefinite: the first attempts fail
+    hessian[:64, 64:] = 0
+    hessian[64:, :64] = 0
+    factor, used = inverse_hessian_factor(hessian.clone(), 0.0, overwrite=True)
     assert used > 0
-    damped = hessian + used * float(hessian.diagonal().mean()) * torch.eye(64)
-    torch.testing.assert_close(factor.t() @ factor, torch.linalg.inv(damped), atol=1e-3, rtol=1e-3)
+    damped = hessian.clone()
+    damped.diagonal().add_(used * float(hessian.diagonal().mean()))
+    direct, direct_used = inverse_hessian_factor(damped, 0.0)  # positive definite: no retry
+    assert direct_used == 0.0
+    torch.testing.assert_close(factor, direct, atol=1e-5, rtol=1e-4)
+    if n == 64:
+        torch.testing.assert_close(factor.t() @ factor, torch.linalg.inv(damped), atol=1e-3, rtol=1e-3)
