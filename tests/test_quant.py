@@ -172,11 +172,25 @@ def test_finished_layers_wait_as_integers_and_come_back_bit_for_bit(preset):
     held = CompactWeights()
     freed = held.hold(layer)
     assert freed == weight.numel() * 4 and held.held_bytes < freed
+    if preset == "W4A16":  # symmetric 4-bit integers wait two to a byte
+        assert held.held_bytes == weight.numel() // 2
     assert layer[0].weight.is_meta and layer[1].weight is plain
     with pytest.raises(RuntimeError, match="held as integers"):
         layer(torch.randn(2, 256))  # a held layer cannot be run by mistake
     held.restore()
     assert layer[0].weight is param and torch.equal(param, weight) and held.held_bytes == 0
+
+
+@pytest.mark.parametrize("numel", [1, 7, 64])
+def test_nibble_packing_round_trips_every_4_bit_integer(numel):
+    from llmpress.quant.compact import _packed, _unpacked
+
+    k = torch.arange(numel, dtype=torch.int8).remainder(16).sub(8).reshape(-1, 1)  # -8..7, odd lengths too
+    packed = _packed(k)
+    assert packed.dtype == torch.uint8 and packed.numel() == (numel + 1) // 2
+    assert torch.equal(_unpacked(packed, k.shape), k)
+    wide = torch.tensor([[-9, 7]], dtype=torch.int8)  # out of 4-bit range: kept as it is
+    assert _packed(wide) is wide
 
 
 def test_a_weight_off_its_grid_is_not_held():

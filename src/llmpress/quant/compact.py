@@ -3,10 +3,11 @@
 Once a layer is compressed and has produced the next layer's inputs, its weights are not read
 again until calibration ends. A weight on its quantization grid is ``k * scale`` with small
 integers ``k``, so it can wait as ``k`` (int8: a quarter of fp32) and be rebuilt bit for bit at
-the end: ``k * scale`` is the same float product that put it on the grid. The full-precision
+the end: ``k * scale`` is the same float product that put it on the grid; ``k`` of 4 bits or
+fewer waits two to a byte (an eighth of fp32). The full-precision
 weights of a whole model then never sit in memory together with the calibration state
 (activations, Hessians, solver temporaries): the peak is one layer in float plus the rest in
-int8. Each weight is rebuilt and compared before its float copy is dropped; a weight that does
+integers. Each weight is rebuilt and compared before its float copy is dropped; a weight that does
 not come back with equal values (not on its grid yet, an unusual scheme) stays as it is. (Equal
 values: a ``-0.0`` comes back as ``0.0``.)
 """
@@ -55,6 +56,24 @@ def _grid_values(module: nn.Module) -> torch.Tensor | None:
     return k if torch.equal(rebuilt, w) else None
 
 
+def _packed(k: torch.Tensor) -> torch.Tensor:
+    """Integers in [-8, 7] two to a byte (uint8: low nibble first); others as they are."""
+    if k.dtype != torch.int8 or k.numel() == 0 or int(k.min()) < -8 or int(k.max()) > 7:
+        return k
+    flat = k.reshape(-1).to(torch.uint8).add_(8)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def _unpacked(stored: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``_packed``'s inverse (int8 of ``shape``)."""
+    if stored.dtype != torch.uint8:
+        return stored
+    pairs = torch.stack([stored & 0xF, stored >> 4], dim=1).reshape(-1)[: shape.numel()]
+    return pairs.to(torch.int8).sub_(8).reshape(shape)
+
+
 def _refuse_while_held(module: nn.Module, inputs: tuple) -> None:
     raise RuntimeError(
         f"{type(module).__name__} is held as integers until layer-by-layer calibration ends; "
@@ -93,7 +112,7 @@ class CompactWeights:
             param: nn.Parameter = module.weight
             freed += param.numel() * param.element_size()
             guard = module.register_forward_pre_hook(_refuse_while_held)
-            self._held.append((module, param, k, guard))
+            self._held.append((module, param, _packed(k), guard))
             placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
             module._parameters["weight"] = nn.Parameter(placeholder, requires_grad=param.requires_grad)
             param.data = torch.empty(0, dtype=param.dtype)  # the float storage goes back now
@@ -107,7 +126,7 @@ class CompactWeights:
             entry = self._held.pop()
             module, param, k, guard = entry
             try:
-                rebuilt = _rebuild(module, k, param.dtype)  # param keeps its dtype while empty
+                rebuilt = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)  # param keeps its dtype while empty
             except (MemoryError, RuntimeError) as exc:
                 failed.append(entry)
                 error = error or exc
