@@ -50,12 +50,16 @@ def pack_to_int32(values: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Te
         shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
         words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(dim=-1)
         return _to_int32(words[:, :out_words]).contiguous()
-    # general case: expand to a bit stream and regroup it into 32-bit words
-    bit_index = torch.arange(num_bits, dtype=torch.int64)
-    bits = (unsigned.unsqueeze(-1) >> bit_index) & 1  # [rows, cols, num_bits]
-    bits = bits.reshape(rows, -1, _WORD)
-    words = (bits << torch.arange(_WORD, dtype=torch.int64)).sum(dim=-1)
-    return _to_int32(words[:, :out_words]).contiguous()
+    # other widths: every 32 values fill exactly num_bits words; value i of a period starts at
+    # bit i * num_bits and spills into the next word when it crosses a word boundary
+    period = unsigned.reshape(rows, -1, _WORD)
+    words = torch.zeros(rows, period.shape[1], num_bits, dtype=torch.int64)
+    for i in range(_WORD):
+        word, shift = divmod(i * num_bits, _WORD)
+        words[..., word] |= (period[..., i] << shift) & 0xFFFFFFFF
+        if shift + num_bits > _WORD:
+            words[..., word + 1] |= period[..., i] >> (_WORD - shift)
+    return _to_int32(words.reshape(rows, -1)[:, :out_words]).contiguous()
 
 
 def unpack_from_int32(
@@ -81,10 +85,15 @@ def unpack_from_int32(
         per_word = _WORD // num_bits
         shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
         unsigned = ((words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).reshape(rows, -1)
-    else:
-        bits = (words.unsqueeze(-1) >> torch.arange(_WORD, dtype=torch.int64)) & 1
-        bits = bits.reshape(rows, -1)
-        usable = (bits.shape[1] // num_bits) * num_bits
-        bits = bits[:, :usable].reshape(rows, -1, num_bits)
-        unsigned = (bits << torch.arange(num_bits, dtype=torch.int64)).sum(dim=-1)
+    else:  # the periods of pack_to_int32: num_bits words hold 32 values
+        periods = math.ceil(cols / _WORD)
+        words = torch.nn.functional.pad(words, (0, periods * num_bits - words.shape[1])).reshape(rows, periods, num_bits)
+        unsigned = torch.empty(rows, periods, _WORD, dtype=torch.int64)
+        for i in range(_WORD):
+            word, shift = divmod(i * num_bits, _WORD)
+            value = words[..., word] >> shift
+            if shift + num_bits > _WORD:
+                value = value | (words[..., word + 1] << (_WORD - shift))
+            unsigned[..., i] = value & ((1 << num_bits) - 1)
+        unsigned = unsigned.reshape(rows, -1)
     return (unsigned[:, :cols] - (1 << (num_bits - 1))).to(torch.int8)
