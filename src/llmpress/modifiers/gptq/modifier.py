@@ -35,7 +35,11 @@ from llmpress.modifiers.gptq.algorithm import gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver
-from llmpress.modifiers.quantization.modifier import assign_schemes, names_inside
+from llmpress.modifiers.quantization.modifier import (
+    assign_schemes,
+    names_inside,
+    names_of,
+)
 from llmpress.quant.attach import freeze_weight, set_weight_qparams
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -91,8 +95,7 @@ class GPTQModifier(Modifier):
         self.inputs.observe(self.pending)
 
     def on_modules_calibrated(self, state: State, index: int, layer: nn.Module, modules: list[nn.Module]) -> None:
-        ids = {id(m) for m in modules}
-        self.quantize([n for n, (m, _) in self.pending.items() if id(m) in ids], f"layer {index}")
+        self.quantize(names_of(modules, self.pending), f"layer {index}")
 
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
         self.quantize(names_inside(layer, self.pending), f"layer {index}")

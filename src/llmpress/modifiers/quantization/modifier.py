@@ -21,6 +21,7 @@ frozen onto the grid at ``end`` or ``finalize`` (see ``llmpress.quant.qat``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -101,10 +102,15 @@ def _warn_uncovered_weights(model: nn.Module, chosen: dict, ignore: list[str], m
         )
 
 
+def names_of(members: Iterable[nn.Module], modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> list[str]:
+    """The names of ``modules`` that are among ``members``."""
+    wanted = {id(m) for m in members}
+    return [name for name, (module, _) in modules.items() if id(module) in wanted]
+
+
 def names_inside(layer: nn.Module, modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> list[str]:
     """The names of ``modules`` that live inside ``layer``."""
-    inside = {id(m) for m in layer.modules()}
-    return [name for name, (module, _) in modules.items() if id(module) in inside]
+    return names_of(layer.modules(), modules)
 
 
 def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
@@ -179,8 +185,7 @@ class QuantizationModifier(Modifier):
         self.inputs.observe(self.pending)
 
     def on_modules_calibrated(self, state: State, index: int, layer: nn.Module, modules: list[nn.Module]) -> None:
-        ids = {id(m) for m in modules}
-        self.quantize_pending([n for n, (m, _) in self.pending.items() if id(m) in ids])
+        self.quantize_pending(names_of(modules, self.pending))
 
     def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
         """Quantize this layer's modules now, so later layers calibrate on quantized outputs."""
