@@ -181,16 +181,18 @@ def test_finished_layers_wait_as_integers_and_come_back_bit_for_bit(preset):
     assert layer[0].weight is param and torch.equal(param, weight) and held.held_bytes == 0
 
 
-@pytest.mark.parametrize("numel", [1, 7, 64])
-def test_nibble_packing_round_trips_every_4_bit_integer(numel):
+@pytest.mark.parametrize("shape", [(1, 8), (7, 24), (3, 64)])
+def test_nibble_packing_round_trips_every_4_bit_integer(shape):
     from llmpress.quant.compact import _packed, _unpacked
 
-    k = torch.arange(numel, dtype=torch.int8).remainder(16).sub(8).reshape(-1, 1)  # -8..7, odd lengths too
+    k = torch.arange(shape[0] * shape[1], dtype=torch.int8).remainder(16).sub(8).reshape(shape)  # -8..7
     packed = _packed(k)
-    assert packed.dtype == torch.uint8 and packed.numel() == (numel + 1) // 2
+    assert packed.numel() * packed.element_size() == k.numel() // 2  # two to a byte
     assert torch.equal(_unpacked(packed, k.shape), k)
-    wide = torch.tensor([[-9, 7]], dtype=torch.int8)  # out of 4-bit range: kept as it is
+    wide = torch.tensor([[-9, 7] * 4], dtype=torch.int8)  # out of 4-bit range: kept as it is
     assert _packed(wide) is wide
+    ragged = k.reshape(-1, 1)[:7]  # rows that do not fill whole words: kept as they are
+    assert _packed(ragged) is ragged
 
 
 def test_a_weight_off_its_grid_is_not_held():

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from llmpress.memory import release_free_memory
+from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, float_copy, grouped
 
 __all__ = ["CompactWeights"]
@@ -57,21 +58,18 @@ def _grid_values(module: nn.Module) -> torch.Tensor | None:
 
 
 def _packed(k: torch.Tensor) -> torch.Tensor:
-    """Integers in [-8, 7] two to a byte (uint8: low nibble first); others as they are."""
-    if k.dtype != torch.int8 or k.numel() == 0 or int(k.min()) < -8 or int(k.max()) > 7:
+    """Integers in [-8, 7] two to a byte (the checkpoint's own int4 packing, int32 words) where
+    rows fill whole words; others as they are."""
+    if k.dtype != torch.int8 or k.dim() != 2 or k.numel() == 0 or not bytewise(4, k.shape[1]):
         return k
-    flat = k.reshape(-1).to(torch.uint8).add_(8)
-    if flat.numel() % 2:
-        flat = torch.cat([flat, flat.new_zeros(1)])
-    return flat[0::2] | (flat[1::2] << 4)
+    if int(k.min()) < -8 or int(k.max()) > 7:
+        return k
+    return pack_to_int32(k, 4)
 
 
 def _unpacked(stored: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``_packed``'s inverse (int8 of ``shape``)."""
-    if stored.dtype != torch.uint8:
-        return stored
-    pairs = torch.stack([stored & 0xF, stored >> 4], dim=1).reshape(-1)[: shape.numel()]
-    return pairs.to(torch.int8).sub_(8).reshape(shape)
+    return unpack_from_int32(stored, 4, shape) if stored.dtype == torch.int32 else stored
 
 
 def _refuse_while_held(module: nn.Module, inputs: tuple) -> None:
