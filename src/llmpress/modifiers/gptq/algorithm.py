@@ -66,15 +66,21 @@ def _per_column(scale, zero_point, weight: torch.Tensor, args: QuantizationArgs,
     return scale.contiguous(), None if zero_point is None else zero_point.float().contiguous()
 
 
-def _round_rows(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs) -> torch.Tensor:
-    """``w`` rounded onto its grid (a new tensor): one column of the weight, stored as a row."""
-    q_min, q_max = args.q_range
-    if args.is_float:
-        return torch.div(w, scale).clamp_(q_min, q_max).to(torch.float8_e4m3fn).float().mul_(scale)
-    q = torch.div(w, scale).round_()
-    if zero_point is None:
-        return q.clamp_(q_min, q_max).mul_(scale)
-    return q.add_(zero_point).clamp_(q_min, q_max).sub_(zero_point).mul_(scale)
+class _Rounding:
+    """``w`` rounded onto its grid (a new tensor): one column of the weight, stored as a row.
+    The grid's bounds are read from ``args`` once, not once per column."""
+
+    def __init__(self, args: QuantizationArgs) -> None:
+        self.q_min, self.q_max = args.q_range
+        self.is_float = args.is_float
+
+    def __call__(self, w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+        if self.is_float:
+            return torch.div(w, scale).clamp_(self.q_min, self.q_max).to(torch.float8_e4m3fn).float().mul_(scale)
+        q = torch.div(w, scale).round_()
+        if zero_point is None:
+            return q.clamp_(self.q_min, self.q_max).mul_(scale)
+        return q.add_(zero_point).clamp_(self.q_min, self.q_max).sub_(zero_point).mul_(scale)
 
 
 INNER_BLOCK = 32
@@ -138,16 +144,24 @@ def gptq_quantize(
     channel = _channel_args(args)
     row_loss = torch.zeros(rows, dtype=torch.float64, device=WT.device)
     scale = zp = None
+    rounding = _Rounding(args)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
         Hinv1 = Hinv[start:end, start:end]
         inv_diag = (1.0 / torch.diagonal(Hinv1)).tolist()
+        # views made once per block: per column only the arithmetic goes through torch
+        w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
         for inner_start, inner_end in _inner_blocks(start, end, group):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
             # matrix product per inner block: the same arithmetic, far less memory traffic
-            for col in range(inner_start, inner_end):
-                i = col - start
+            a, b = inner_start - start, inner_end - start
+            inner = WT[inner_start:inner_end]
+            # row i of the factor with zeros on and left of the diagonal: a column's update
+            # reaches the inner block's later columns and adds exactly zero to the ones done
+            upper = Hinv1[a:b, a:b].triu(1).unbind(0)
+            for i in range(a, b):
+                col = start + i
                 if scale_rows is not None:
                     scale, zp = scale_rows[col], None if zp_rows is None else zp_rows[col]
                 elif col % group == 0:  # a new group: qparams from its (already updated) columns
@@ -156,13 +170,12 @@ def gptq_quantize(
                     group_zps.append(g_zp)
                     scale = g_scale[:, 0]
                     zp = None if g_zp is None else g_zp[:, 0].float()
-                w = WT[col]
-                q = _round_rows(w, scale, zp, args)
-                err = torch.sub(w, q, out=Err1[i]).mul_(inv_diag[i])
+                w, err = w_rows[i], err_rows[i]
+                q = rounding(w, scale, zp)
+                torch.sub(w, q, out=err).mul_(inv_diag[i])
                 w.copy_(q)
-                if col + 1 < inner_end:
-                    WT[col + 1 : inner_end].addr_(Hinv1[i, i + 1 : inner_end - start], err, alpha=-1)
-            a, b = inner_start - start, inner_end - start
+                if i + 1 < b:
+                    inner.addr_(upper[i - a], err, alpha=-1)
             if inner_end < end:
                 WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)
         row_loss += Err1.square().sum(dim=0)
