@@ -161,21 +161,39 @@ def _calibrate_two_pass(layer: nn.Module, index: int, inputs: list[tuple[tuple, 
 KEPT_PER_BLOCK_WEIGHTS = 8
 
 
-def _sequential_plan(layer: nn.Module, index: int, inputs: list[tuple[tuple, dict]], automatic: bool) -> BlockPlan | None:
-    """The block's module-by-module plan, or None (logged) where it takes two passes."""
-    try:
-        plan = plan_block(layer, inputs[0])
-        kept = kept_bytes(plan, inputs)
-        budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in layer.parameters())
-        if automatic and kept > budget:
-            raise NotSequential(f"it would keep {kept / 2**20:.0f} MB of activations, "
-                                f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
-        return plan
-    except NotSequential as exc:
-        logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
-        return None
-    finally:
-        release_free_memory()  # the probe's activations
+def _signature(layer: nn.Module) -> tuple:
+    """Blocks with equal signatures (class, parameter names, shapes and dtypes) plan alike."""
+    return (type(layer), tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()))
+
+
+class _SequentialPlanner:
+    """Each block's module-by-module plan, or None (logged) where it takes two passes. A block
+    refused for the memory its stages would keep is not probed again for each block like it
+    (the probe is a forward of one batch; the answer would be the same)."""
+
+    def __init__(self, automatic: bool) -> None:
+        self.automatic = automatic
+        self.over_budget: dict[tuple, str] = {}
+
+    def plan(self, layer: nn.Module, index: int, inputs: list[tuple[tuple, dict]]) -> BlockPlan | None:
+        signature = _signature(layer) if self.automatic else None
+        try:
+            if signature in self.over_budget:
+                raise NotSequential(self.over_budget[signature])
+            plan = plan_block(layer, inputs[0])
+            kept = kept_bytes(plan, inputs)
+            budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in layer.parameters())
+            if self.automatic and kept > budget:
+                reason = (f"it would keep {kept / 2**20:.0f} MB of activations, "
+                          f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
+                self.over_budget[signature] = reason
+                raise NotSequential(reason)
+            return plan
+        except NotSequential as exc:
+            logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
+            return None
+        finally:
+            release_free_memory()  # the probe's activations
 
 
 @torch.no_grad()
@@ -206,10 +224,11 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     held = CompactWeights(model)  # finished layers wait as integers: one layer in float at a time
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
+        planner = _SequentialPlanner(automatic=true_sequential is None)
         sequential = true_sequential is not False and session.calibrates_by_module
         for index, layer in enumerate(bar):
             outputs_needed = index + 1 < len(layers) or bool(tail)  # they feed what follows
-            plan = _sequential_plan(layer, index, inputs, automatic=true_sequential is None) if sequential else None
+            plan = planner.plan(layer, index, inputs) if sequential else None
             if plan is None:
                 rest = _calibrate_two_pass(layer, index, inputs, session, outputs_needed)
             else:
