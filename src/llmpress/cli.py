@@ -15,7 +15,7 @@ import sys
 import time
 
 from llmpress.errors import LlmpressError
-from llmpress.gc_pause import freeze_before_exit, gc_paused, own_process
+from llmpress.gc_pause import end_process, gc_paused, own_process
 
 __all__ = ["main", "run"]
 
@@ -228,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """The ``llmpress`` command: ``main`` in a process of its own, which it then ends."""
     own_process()  # before the heavy imports: what they make is frozen, never walked (gc_pause.py)
-    code = main()
-    freeze_before_exit()  # everything is written: the interpreter's last collection can skip the heap
-    sys.exit(code)
+    end_process(main())  # everything is written and closed: no interpreter teardown
 
 
 if __name__ == "__main__":
