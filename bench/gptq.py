@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,7 +150,10 @@ def main() -> None:
                 ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, models[name], tokens, work / f"{name}-w{bits}-llmpress"))
                 peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, models[name], tokens, work / f"{name}-w{bits}-llmcompressor"))
             ours, peer = median_run(ours_runs), median_run(peer_runs)
-            row = {"model": name, "bits": bits, "ours": ours, "peer": peer}
+            # each pair ran back to back: its ratio sees the machine in one state
+            ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours}
+            row = {"model": name, "bits": bits, "ours": ours, "peer": peer, "ratios": ratios,
+                   "runs": {"ours": ours_runs, "peer": peer_runs}}
             if name == "tiny":
                 row["ppl_ours"] = transformers_perplexity(work / f"{name}-w{bits}-llmpress", windows)
                 row["ppl_peer"] = transformers_perplexity(work / f"{name}-w{bits}-llmcompressor", windows)
@@ -163,10 +167,10 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        o, p = r["ours"], r["peer"]
-        line = (f"{r['model']:<12} {r['bits']:>4} {o['wall_s']:>6.1f}/{p['wall_s']:<6.1f} {o['wall_s'] / p['wall_s']:>6.2f}"
-                f" {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {o['compress_s'] / p['compress_s']:>6.2f}"
-                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {o['rss_mb'] / p['rss_mb']:>6.2f}")
+        o, p, q = r["ours"], r["peer"], r["ratios"]
+        line = (f"{r['model']:<12} {r['bits']:>4} {o['wall_s']:>6.1f}/{p['wall_s']:<6.1f} {q['wall_s']:>6.2f}"
+                f" {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
+                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}")
         if "ppl_ours" in r:
             rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"
@@ -176,7 +180,7 @@ def main() -> None:
           f"\nwall: whole process (imports, load, calibration, save, exit), median of {args.repeat} runs on tiny,"
           f" {args.repeat_large} on random-1024; in-process: from the tool's first import to the saved checkpoint"
           "\n(without interpreter start-up and teardown);"
-          "\nratios are llmpress / llm-compressor;"
+          "\nratios: llmpress / llm-compressor, the median over the alternating pairs of runs (a pair runs back to back);"
           "\nrise ratio: (ppl llmpress - fp32) / (ppl llm-compressor - fp32); perplexities read back through transformers.")
 
 
