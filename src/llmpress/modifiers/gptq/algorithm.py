@@ -149,8 +149,9 @@ def gptq_quantize(
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
         Hinv1 = Hinv[start:end, start:end]
-        inv_diag = (1.0 / torch.diagonal(Hinv1)).tolist()
-        # views made once per block: per column only the arithmetic goes through torch
+        # views made once per block: per column only the arithmetic goes through torch (and a
+        # 0-dim tensor, not a Python float, scales the error: no scalar wrapped and cast each time)
+        inv_diag = (1.0 / torch.diagonal(Hinv1)).unbind(0)
         w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
         for inner_start, inner_end in _inner_blocks(start, end, group):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
