@@ -72,6 +72,8 @@ def end_process(code: int) -> NoReturn:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # no console (pythonw)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: as the interpreter does, exit with 120
