@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import text_path, trained_model_dir
 
 from llmpress.cli import main
-
-from conftest import text_path, trained_model_dir
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
+from conftest import text_path, trained_model_dir
 from transformers import AutoTokenizer
 
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError
-
-from conftest import text_path, trained_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,12 @@ import logging
 import pytest
 import torch
 import yaml
+from conftest import make_tiny_llama, token_batches
 
 import llmpress
 from llmpress import Recipe, Session
 from llmpress.errors import MissingStateError, RecipeError, SchemeError, SessionError
 from llmpress.modifiers import QuantizationModifier
-
-from conftest import make_tiny_llama, token_batches
 
 
 def logits(model, ids):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import make_tiny_llama, token_batches
 
 import llmpress
 from llmpress import Recipe
@@ -16,8 +17,6 @@ from llmpress.modifiers import GPTQModifier, QuantizationModifier
 from llmpress.modifiers.gptq.algorithm import gptq_quantize, inverse_hessian_factor
 from llmpress.pipelines.layerwise import find_layers
 from llmpress.quant import QuantizationArgs, fake_quantize, weight_qparams
-
-from conftest import make_tiny_llama, token_batches
 
 LLM_COMPRESSOR_GPTQ = """
 quant_stage:

@@ -6,13 +6,12 @@ import contextvars
 
 import pytest
 import torch
+from conftest import make_tiny_llama
 
 import llmpress
 from llmpress import Session, active_session
 from llmpress.errors import LlmpressError, MissingStateError, SessionError
 from llmpress.modifiers import QuantizationModifier
-
-from conftest import make_tiny_llama
 
 
 def ready_session(recipe="W4A16") -> Session:
