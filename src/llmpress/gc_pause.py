@@ -16,8 +16,8 @@ ends with ``gc.freeze()``, so they are never walked, not even by the interpreter
 collection at exit (``end_process`` skips finalization altogether). The price is that cyclic
 garbage already made when a pause ends (about 11,000 objects, some 8 MB, of the imports) is never
 freed, and ``__del__`` of objects caught in reference cycles does not run at exit: right for a
-process that ends when its one command is done, wrong for a library inside someone else's process, which is why the library alone never
-freezes.
+process that ends when its one command is done, wrong for a library inside someone else's
+process, which is why the library alone never freezes.
 """
 
 from __future__ import annotations
