@@ -177,23 +177,23 @@ class _SequentialPlanner:
 
     def plan(self, layer: nn.Module, index: int, inputs: list[tuple[tuple, dict]]) -> BlockPlan | None:
         signature = _signature(layer) if self.automatic else None
-        try:
-            if signature in self.over_budget:
-                raise NotSequential(self.over_budget[signature])
-            plan = plan_block(layer, inputs[0])
-            kept = kept_bytes(plan, inputs)
-            budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in layer.parameters())
-            if self.automatic and kept > budget:
+        reason = self.over_budget.get(signature)
+        if reason is None:
+            try:
+                plan = plan_block(layer, inputs[0])
+                kept = kept_bytes(plan, inputs)
+                budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in layer.parameters())
+                if not (self.automatic and kept > budget):
+                    return plan
                 reason = (f"it would keep {kept / 2**20:.0f} MB of activations, "
                           f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
                 self.over_budget[signature] = reason
-                raise NotSequential(reason)
-            return plan
-        except NotSequential as exc:
-            logger.info("block %d is calibrated in two passes, not module by module: %s", index, exc)
-            return None
-        finally:
-            release_free_memory()  # the probe's activations
+            except NotSequential as exc:
+                reason = str(exc)
+            finally:
+                release_free_memory()  # the probe's activations
+        logger.info("block %d is calibrated in two passes, not module by module: %s", index, reason)
+        return None
 
 
 @torch.no_grad()
