@@ -62,7 +62,8 @@ def _packed(k: torch.Tensor) -> torch.Tensor:
     rows fill whole words; others as they are."""
     if k.dtype != torch.int8 or k.dim() != 2 or k.numel() == 0 or not bytewise(4, k.shape[1]):
         return k
-    if int(k.min()) < -8 or int(k.max()) > 7:
+    low, high = torch.aminmax(k)  # one pass over the integers, not two
+    if int(low) < -8 or int(high) > 7:
         return k
     return pack_to_int32(k, 4)
 
