@@ -20,6 +20,7 @@ from llmpress.modifiers import GPTQModifier
 from llmpress.pipelines import layerwise
 from llmpress.pipelines.layerwise import _capture_first_layer_inputs, find_layers
 from llmpress.pipelines.sequential import NotSequential, calibrate_block, plan_block
+from llmpress.pipelines.slots import BufferPool
 
 
 def _squash(module: nn.Linear) -> None:
@@ -154,6 +155,60 @@ def test_a_block_that_changes_a_kept_output_in_place_is_stopped():
     plan = plan_block(block, inputs[0])
     with pytest.raises(UnsupportedModelError, match="in place"):
         calibrate_block(block, inputs, plan, lambda group: None, outputs_needed=True)
+
+
+def test_a_pooled_buffer_still_checks_for_in_place_changes():
+    """A buffer from the pool has been written before (its version counter is not 0): the check
+    counts from where it starts, so it neither fires for nothing nor misses a change."""
+    block = _ChangesOutputsInPlace()
+    inputs = [((torch.randn(2, 8),), {}) for _ in range(2)]
+    plan = plan_block(block, inputs[0])
+    pool = BufferPool()
+    used = torch.empty(4, 8)
+    used.fill_(1.0)
+    pool.give([used], survivors=[])
+    with pytest.raises(UnsupportedModelError, match="in place"):
+        calibrate_block(block, inputs, plan, lambda group: None, outputs_needed=True, pool=pool)
+
+
+def test_the_next_block_reuses_what_the_last_one_kept_with_the_same_results(monkeypatch):
+    """Alike blocks keep alike activations: the second block takes the first one's buffers from
+    the pool (no fresh pages) and computes exactly what it computes with buffers of its own."""
+    model = make_tiny_llama()
+    layers = find_layers(model)
+    batches = [torch.tensor(token_batches(2, 16, seed=s)) for s in range(3)]
+    with torch.no_grad():
+        inputs = _capture_first_layer_inputs(model, layers[0], batches, torch.device("cpu"), set())
+    takes = []
+    real_take = BufferPool.take
+    monkeypatch.setattr(BufferPool, "take", lambda self, shape, like: (takes.append(len(self)), real_take(self, shape, like))[1])
+
+    def run(pool):
+        blocks, state = copy.deepcopy(layers), copy.deepcopy(inputs)
+        for block in blocks:
+            calibrate_block(block, state, plan_block(block, state[0]), lambda g: [_squash(m) for m in g], True, pool)
+        return [args[0] for args, _ in state], blocks
+
+    plain, plain_blocks = run(None)
+    assert not takes
+    pooled, pooled_blocks = run(BufferPool())
+    first_block_takes = len(takes) // len(layers)
+    assert takes[:first_block_takes] == [0] * first_block_takes  # the first block finds the pool empty
+    assert any(takes[first_block_takes:]), "the second block took nothing from the pool"
+    for a, b in zip(plain, pooled):
+        assert torch.equal(a, b)
+    for a, b in zip(plain_blocks.parameters(), pooled_blocks.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_pool_keeps_no_buffer_the_block_outputs_still_use():
+    pool = BufferPool()
+    in_use, free = torch.zeros(6, 4), torch.zeros(6, 4)
+    outputs = [((in_use[2:4], None), {"mask": None})]  # a view of the buffer survives the block
+    pool.give([in_use, free], survivors=outputs)
+    assert len(pool) == 1
+    assert pool.take((6, 4), torch.empty(0)) is free
+    assert len(pool) == 0 and pool.take((6, 4), torch.empty(0)) is not free
 
 
 def test_gptq_true_sequential_and_two_pass_share_the_first_group(caplog):

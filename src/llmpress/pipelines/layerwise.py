@@ -32,6 +32,7 @@ from llmpress.pipelines.sequential import (
     kept_bytes,
     plan_block,
 )
+from llmpress.pipelines.slots import BufferPool
 from llmpress.pipelines.tail import TailError, hook_keys, run_tail, watched_tail
 from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session
@@ -225,19 +226,22 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     try:
         bar = tqdm(layers, desc="Calibrating layers", unit="layer")
         planner = _SequentialPlanner(automatic=true_sequential is None)
+        pool = BufferPool()  # a module-by-module block's kept activations, reused by the next
         sequential = true_sequential is not False and session.calibrates_by_module
         for index, layer in enumerate(bar):
             outputs_needed = index + 1 < len(layers) or bool(tail)  # they feed what follows
             plan = planner.plan(layer, index, inputs) if sequential else None
             if plan is None:
+                pool.clear()  # nothing to reuse them for here
                 rest = _calibrate_two_pass(layer, index, inputs, session, outputs_needed)
             else:
                 compress = lambda modules, index=index, layer=layer: session.modules_calibrated(index, layer, modules)  # noqa: E731
-                rest = calibrate_block(layer, inputs, plan, compress, outputs_needed)
+                rest = calibrate_block(layer, inputs, plan, compress, outputs_needed, pool)
                 session.layer_calibrated(index, layer)
             bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
             held.hold(layer)
             release_free_memory()  # the layer's solver temporaries and float weights go back
+        pool.clear()
         if tail:
             try:
                 run_tail(model, layers, batches, [args[0] for args, _ in inputs], rest, tail, device)

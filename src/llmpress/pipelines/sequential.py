@@ -35,6 +35,7 @@ from torch import nn
 
 from llmpress.errors import UnsupportedModelError
 from llmpress.memory import release_free_memory
+from llmpress.pipelines.slots import BufferPool, Slots
 
 __all__ = ["NotSequential", "calibrate_block", "hand_on", "kept_bytes", "plan_block"]
 
@@ -230,47 +231,6 @@ class _Batch:
         return self.index
 
 
-class _Slots:
-    """A value per batch. Tensors whose rows match the batch's tokens (and tuples of one such
-    tensor and Nones) are packed into one buffer: a single allocation goes back to the system
-    whole, where a few dozen batch-sized ones would leave glibc's heap fragmented (on a
-    1024-hidden Llama, ~250 MB more resident memory)."""
-
-    def __init__(self, rows: list[int]) -> None:
-        self.rows = rows
-        self.starts = [sum(rows[:i]) for i in range(len(rows))]
-        self.buffer: torch.Tensor | None = None
-        self.items: list[Any] = [None] * len(rows)
-        self.writes = 0  # the buffer's version counter must match: nothing else wrote into it
-
-    def put(self, index: int, value: Any) -> None:
-        tensor = value[0] if isinstance(value, tuple) and value and all(v is None for v in value[1:]) else value
-        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape[:-1].numel() == self.rows[index]:
-            if self.buffer is None:
-                self.buffer = tensor.new_empty(sum(self.rows), tensor.shape[-1])
-            if (self.buffer.dtype, self.buffer.device, self.buffer.shape[-1]) == (tensor.dtype, tensor.device, tensor.shape[-1]):
-                start = self.starts[index]
-                packed = self.buffer[start:start + self.rows[index]].view(tensor.shape).copy_(tensor)
-                self.writes += 1
-                value = packed if tensor is value else (packed, *value[1:])
-        self.items[index] = value
-
-    def __getitem__(self, index: int) -> Any:
-        if self.buffer is not None and self.buffer._version != self.writes:
-            raise UnsupportedModelError(
-                "the block's forward changed a kept module output in place",
-                got="an in-place operation on a submodule's output",
-                expected="module outputs the block only reads",
-                fix="calibrate this model with CalibrationOptions(true_sequential=False)",
-            )
-        return self.items[index]
-
-    def take(self, index: int) -> Any:
-        value = self[index]
-        self.items[index] = None
-        return value
-
-
 def _rows(inputs: Inputs) -> list[int]:
     """Tokens in each batch: the leading dimensions of the block's hidden states."""
     rows = []
@@ -282,12 +242,14 @@ def _rows(inputs: Inputs) -> list[int]:
 
 @torch.no_grad()
 def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
-                    compress: Callable[[list[nn.Module]], None], outputs_needed: bool) -> tuple | None:
+                    compress: Callable[[list[nn.Module]], None], outputs_needed: bool,
+                    pool: BufferPool | None = None) -> tuple | None:
     """Run the stages: for each group, collect its inputs and ``compress`` it; then (when
     ``outputs_needed``) replace each batch's input in ``inputs`` by the block's output, as the
-    two-pass route does. Returns the block's extra tuple outputs, for the tail pass."""
-    kept: dict[int, _Slots] = {}  # id(module) -> its output for each batch
-    parked: dict[int, _Slots] = {}  # id(parent) -> its last Linear's input for each batch
+    two-pass route does. Returns the block's extra tuple outputs, for the tail pass. The
+    activations kept to the end go back to ``pool`` for the next block."""
+    kept: dict[int, Slots] = {}  # id(module) -> its output for each batch
+    parked: dict[int, Slots] = {}  # id(parent) -> its last Linear's input for each batch
     rows = _rows(inputs)
     done: set[int] = set()
     rest = None
@@ -296,6 +258,8 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
     for stage in range(stages):
         group = plan.groups[stage] if stage < len(plan.groups) else None
         has_next = stage + 1 < stages
+        if pool is not None and not has_next:
+            pool.clear()  # what the last block left and this one did not take, it will not
         # a parent that returns this group's (single) Linear's output answers next stage from its input
         owner = None
         if group is not None and has_next and len(group) == 1:
@@ -305,13 +269,13 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
         batch = _Batch(rows)
         replacements: dict[nn.Module, Callable[..., Any]] = {}
         for key in {*kept, *parked, *keep}:
-            replacements[by_id[key]] = _stand_in(by_id[key], plan, kept, parked, batch, key in keep)
+            replacements[by_id[key]] = _stand_in(by_id[key], plan, kept, parked, batch, key in keep, pool)
         handles = []
         if group is not None:
             for module in group[:-1]:  # the group's input is what counts here, not their products
                 replacements[module] = _zeros_like_output(module)
             if owner is not None:
-                parked_now = _Slots(rows)
+                parked_now = Slots(rows, pool)
                 handles.append(group[-1].register_forward_pre_hook(_parker(parked_now, batch), prepend=True))
             handles.append(group[-1].register_forward_pre_hook(_stop))  # after the modifiers' hooks
         try:
@@ -332,8 +296,12 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
         skipped = [key for key in batch.answered if batch.answered[key] != len(inputs)]
         if skipped:
             raise _control_flow_changed(f"{type(by_id[skipped[0]]).__name__} was not called in every forward of its block, as planned")
+        dropped = [v for k, v in kept.items() if k not in keep] + list(parked.values())
         kept = {k: v for k, v in kept.items() if k in keep}
         parked = {owner: parked_now} if owner is not None else {}
+        if pool is not None and not has_next:  # what the block kept to its end serves the next one
+            pool.give([b for b in (slots.release() for slots in dropped) if b is not None], survivors=(inputs, rest))
+        del dropped
         if group is not None:
             release_free_memory()  # this stage's batch temporaries, before the solver's
             compress(group)
@@ -342,15 +310,15 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
     return rest
 
 
-def _stand_in(module: nn.Module, plan: BlockPlan, kept: dict[int, _Slots], parked: dict[int, _Slots],
-              batch: _Batch, keep: bool) -> Callable[..., Any]:
+def _stand_in(module: nn.Module, plan: BlockPlan, kept: dict[int, Slots], parked: dict[int, Slots],
+              batch: _Batch, keep: bool, pool: BufferPool | None) -> Callable[..., Any]:
     """``module``'s forward for this stage: its kept output, its answer from the parked input of
     its last Linear, or its own forward with the output kept (``keep``) for the next stage."""
     key = id(module)
     if key in kept:
         outputs = kept[key]
         return lambda *args, **kwargs: outputs[batch.answer(module)]
-    store = kept.setdefault(key, _Slots(batch.rows)) if keep else None
+    store = kept.setdefault(key, Slots(batch.rows, pool)) if keep else None
     if key in parked:
         inputs, (last, shape) = parked[key], plan.answers[key]
 
@@ -378,10 +346,20 @@ def _stand_in(module: nn.Module, plan: BlockPlan, kept: dict[int, _Slots], parke
 
 
 def _zeros_like_output(module: nn.Linear) -> Callable[..., Any]:
-    return lambda x, *args, **kwargs: x.new_zeros(*x.shape[:-1], module.out_features)
+    """A stand-in product for a group member: the stage stops at the group's last member, so
+    its values are never used. One zero tensor per shape serves every batch of the stage."""
+    made: dict[tuple, torch.Tensor] = {}
+
+    def zeros(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        key = (x.shape[:-1], x.dtype, x.device)
+        if key not in made:
+            made[key] = x.new_zeros(*x.shape[:-1], module.out_features)
+        return made[key]
+
+    return zeros
 
 
-def _parker(store: _Slots, batch: _Batch) -> Callable[..., None]:
+def _parker(store: Slots, batch: _Batch) -> Callable[..., None]:
     def park(module: nn.Module, args: tuple) -> None:
         store.put(batch.index, args[0])
 
