@@ -301,7 +301,7 @@ def calibrate_block(block: nn.Module, inputs: Inputs, plan: BlockPlan,
         parked = {owner: parked_now} if owner is not None else {}
         if pool is not None and not has_next:  # what the block kept to its end serves the next one
             pool.give([b for b in (slots.release() for slots in dropped) if b is not None], survivors=(inputs, rest))
-        del dropped
+        del dropped  # the buffers not pooled go back now, before the solver's temporaries arrive
         if group is not None:
             release_free_memory()  # this stage's batch temporaries, before the solver's
             compress(group)
