@@ -15,7 +15,8 @@ import sys
 import time
 
 from llmpress.errors import LlmpressError
-from llmpress.gc_pause import end_process, gc_paused, own_process
+from llmpress.gc_pause import end_process, gc_paused, own_process, owns_process
+from llmpress.integrations.transformers_startup import share_model_folder_scan
 
 __all__ = ["main", "run"]
 
@@ -202,9 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _import_library(command: str) -> None:
     """Torch, transformers' common parts and the library modules the command runs, under
-    ``gc_paused``: most of a command's start-up (see gc_pause.py)."""
+    ``gc_paused``: most of a command's start-up (see gc_pause.py). In the command's own process
+    transformers is imported first, its model-folder scan shared (integrations/transformers_startup.py)."""
     modules = ["llmpress.checkpoint.inspect"] if command == "inspect" else ["llmpress.entrypoints", "llmpress.loading", "llmpress.evaluation"]
     with gc_paused():
+        if command != "inspect" and owns_process():  # transformers scans its model folder once, not twice
+            share_model_folder_scan()
         for module in modules:
             importlib.import_module(module)
 

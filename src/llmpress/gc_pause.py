@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterator
 from typing import NoReturn
 
-__all__ = ["end_process", "gc_paused", "own_process"]
+__all__ = ["end_process", "gc_paused", "own_process", "owns_process"]
 
 _owned = False  # set by own_process(): the process ends when llmpress is done
 
@@ -42,6 +42,11 @@ def own_process() -> None:
     global _owned
     _owned = True
     gc.freeze()
+
+
+def owns_process() -> bool:
+    """Whether ``own_process`` was called: the process is llmpress's own."""
+    return _owned
 
 
 @contextlib.contextmanager

@@ -1,1 +1,1 @@
-"""The only code that touches other frameworks' internals (transformers' quantizer registry)."""
+"""The only code that touches other frameworks' internals (transformers' quantizer registry, its start-up scan)."""
