@@ -67,8 +67,9 @@ def _per_column(scale, zero_point, weight: torch.Tensor, args: QuantizationArgs,
 
 
 class _Rounding:
-    """``w`` rounded onto its grid (a new tensor): one column of the weight, stored as a row.
-    The grid's bounds are read from ``args`` once, not once per column."""
+    """``w`` rounded onto its grid (a new tensor): one column of the weight, stored as a row,
+    or a block of such rows with their scales. The grid's bounds are read from ``args`` once,
+    not once per column."""
 
     def __init__(self, args: QuantizationArgs) -> None:
         self.q_min, self.q_max = args.q_range
@@ -149,18 +150,18 @@ def gptq_quantize(
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
         Hinv1 = Hinv[start:end, start:end]
-        # views made once per block: per column only the arithmetic goes through torch (and a
-        # 0-dim tensor, not a Python float, scales the error: no scalar wrapped and cast each time)
-        inv_diag = (1.0 / torch.diagonal(Hinv1)).unbind(0)
+        inv_diag = 1.0 / torch.diagonal(Hinv1)
+        # rows made once per block: per column only the arithmetic goes through torch
         w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
         for inner_start, inner_end in _inner_blocks(start, end, group):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
             # matrix product per inner block: the same arithmetic, far less memory traffic
             a, b = inner_start - start, inner_end - start
             inner = WT[inner_start:inner_end]
-            # row i of the factor with zeros on and left of the diagonal: a column's update
-            # reaches the inner block's later columns and adds exactly zero to the ones done
-            upper = Hinv1[a:b, a:b].triu(1).unbind(0)
+            # row i of the factor right of its diagonal, over the diagonal entry: times column
+            # i's rounding error w - q it is GPTQ's update of the inner block's later columns
+            # (zeros on and left of the diagonal add exactly zero to the columns done)
+            upper = (Hinv1[a:b, a:b].triu(1) * inv_diag[a:b, None]).unbind(0)
             for i in range(a, b):
                 col = start + i
                 if scale_rows is not None:
@@ -172,11 +173,16 @@ def gptq_quantize(
                     scale = g_scale[:, 0]
                     zp = None if g_zp is None else g_zp[:, 0].float()
                 w, err = w_rows[i], err_rows[i]
-                q = rounding(w, scale, zp)
-                torch.sub(w, q, out=err).mul_(inv_diag[i])
-                w.copy_(q)
+                torch.sub(w, rounding(w, scale, zp), out=err)
                 if i + 1 < b:
                     inner.addr_(upper[i - a], err, alpha=-1)
+            # a column is not changed after its turn, so the inner block goes onto the grid at
+            # once: the same rounding, elementwise, of the same values as in each column's turn
+            if scale_rows is not None:
+                scale = scale_rows[inner_start:inner_end]
+                zp = None if zp_rows is None else zp_rows[inner_start:inner_end]
+            inner.copy_(rounding(inner, scale, zp))
+            Err1[a:b].mul_(inv_diag[a:b, None])  # GPTQ's error: (w - q) / d
             if inner_end < end:
                 WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)
         row_loss += Err1.square().sum(dim=0)
