@@ -51,14 +51,17 @@ def pack_to_int32(values: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Te
         words = (unsigned.reshape(rows, -1, per_word) << shifts).sum(dim=-1)
         return _to_int32(words[:, :out_words]).contiguous()
     # other widths: every 32 values fill exactly num_bits words; value i of a period starts at
-    # bit i * num_bits and spills into the next word when it crosses a word boundary
+    # bit i * num_bits of it and spills into the next word when it crosses a word boundary. The
+    # bit fields do not overlap, so each word is the sum of its parts: two index_adds, not a
+    # loop over the 32 positions
     period = unsigned.reshape(rows, -1, _WORD)
+    starts = torch.arange(_WORD, dtype=torch.int64) * num_bits
+    word, shift = starts // _WORD, starts % _WORD
     words = torch.zeros(rows, period.shape[1], num_bits, dtype=torch.int64)
-    for i in range(_WORD):
-        word, shift = divmod(i * num_bits, _WORD)
-        words[..., word] |= (period[..., i] << shift) & 0xFFFFFFFF
-        if shift + num_bits > _WORD:
-            words[..., word + 1] |= period[..., i] >> (_WORD - shift)
+    words.index_add_(2, word, (period << shift) & 0xFFFFFFFF)
+    spill = (shift + num_bits > _WORD).nonzero()[:, 0]
+    if len(spill):
+        words.index_add_(2, word[spill] + 1, period[..., spill] >> (_WORD - shift[spill]))
     return _to_int32(words.reshape(rows, -1)[:, :out_words]).contiguous()
 
 
