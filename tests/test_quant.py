@@ -139,6 +139,68 @@ def test_mse_observer_never_worse_than_minmax():
     assert errors["mse"] < errors["minmax"]
 
 
+def _sequential_mse_search(weight, args, grid=100.0, maxshrink=0.2, patience=5, norm=2.4):
+    """llm-compressor's MSE search as it runs: one shrink factor at a time, each unit keeping a
+    factor only when it lowers its error, stopping after ``patience`` factors in a row that
+    improve no unit."""
+    from llmpress.quant.observers import _candidate_errors
+    from llmpress.quant.qdq import compute_qparams, reduce_min_max
+
+    min_vals, max_vals = reduce_min_max(weight, args)
+    best = best_scale = best_zp = None
+    idle = 0
+    for step in range(int(maxshrink * grid)):
+        scale, zp = compute_qparams(min_vals * (1 - step / grid), max_vals * (1 - step / grid), args)
+        error = _candidate_errors(weight, scale.unsqueeze(0), None if zp is None else zp.unsqueeze(0), args, norm)[0]
+        error = error.reshape(scale.shape)
+        improved = torch.ones_like(error, dtype=torch.bool) if best is None else error < best
+        if best is None or improved.any():
+            best = error if best is None else torch.where(improved, error, best)
+            best_scale = scale if best_scale is None else torch.where(improved, scale, best_scale)
+            if zp is not None:
+                best_zp = zp if best_zp is None else torch.where(improved, zp, best_zp)
+            idle = 0
+        else:
+            idle += 1
+            if idle >= patience:
+                break
+    return best_scale, best_zp
+
+
+def _mse_case(seed: int, strategy: str, patience: int) -> tuple[torch.Tensor, QuantizationArgs]:
+    generator = torch.Generator().manual_seed(seed)
+    if seed == 0:  # many units, outliers: clipping them pays off for some units, not others
+        weight = torch.randn(48, 256, generator=generator) * torch.rand(48, 1, generator=generator)
+        weight[::7, ::13] *= 6
+    else:  # few values: an error curve with bumps, where the patience stop matters
+        weight = torch.randn(2, 64, generator=generator)
+    args = QuantizationArgs(num_bits=3, strategy=strategy, group_size=32 if strategy == "group" else None,
+                            symmetric=strategy != "channel", observer="mse", observer_kwargs={"patience": patience})
+    return weight, args
+
+
+@pytest.mark.parametrize(("seed", "strategy"), [(0, "group"), (0, "channel"), (0, "tensor"), (3, "tensor"), (16, "group")])
+@pytest.mark.parametrize("patience", [0, 1, 5])
+@pytest.mark.parametrize("chunk_elements", [1, 1 << 19])  # one factor at a time; many at once
+def test_mse_observer_searches_as_llm_compressor(seed, strategy, patience, chunk_elements, monkeypatch):
+    import llmpress.quant.observers as observers
+
+    monkeypatch.setattr(observers, "_CANDIDATE_ELEMENTS", chunk_elements)
+    weight, args = _mse_case(seed, strategy, patience)
+    scale, zero_point = weight_qparams(weight, args)
+    expected_scale, expected_zp = _sequential_mse_search(weight, args, patience=patience)
+    assert torch.equal(scale, expected_scale)
+    assert (zero_point is None) == (expected_zp is None)
+    if zero_point is not None:
+        assert torch.equal(zero_point, expected_zp)
+
+
+def test_mse_patience_can_stop_before_the_best_factor():
+    weight, args = _mse_case(3, "tensor", patience=5)
+    patient = args.model_copy(update={"observer_kwargs": {"patience": 1000}})
+    assert not torch.equal(weight_qparams(weight, args)[0], weight_qparams(weight, patient)[0])
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("shape", [(5, 37), (3, 128), (7, 1)])
 @pytest.mark.parametrize("dim", [0, 1])
