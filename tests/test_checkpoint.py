@@ -82,6 +82,7 @@ def test_bias_tied_embeddings_and_bf16(tmp_path):
     assert "lm_head.weight" not in tensors  # tied: stored once
     assert tensors["model.layers.0.self_attn.q_proj.weight_scale"].dtype == torch.bfloat16
     reloaded = llmpress.load_checkpoint(tmp_path / "out", dtype=torch.bfloat16)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # tied again once read
     ids = torch.tensor(token_batches(1, 16))
     torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), rtol=2e-2, atol=2e-2)
 

@@ -8,6 +8,7 @@ to ``create_quantized_param``, any other is copied into place. It never looks at
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -191,12 +192,14 @@ def _checkpoint_dtype(config) -> torch.dtype:
 
 
 def _skeleton(config, dtype: torch.dtype) -> nn.Module:
-    """The model with every parameter on ``meta`` (buffers such as rotary tables are real)."""
+    """The model with every parameter on ``meta`` (buffers such as rotary tables are real).
+    Its weights are not initialised (every one is read from the checkpoint, as in transformers'
+    own ``from_pretrained``); ``load`` ties the tied ones once they are read."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     try:
-        with gc_paused(), init_empty_weights(include_buffers=False):  # imports the model's classes
+        with gc_paused(), init_empty_weights(include_buffers=False), _no_weight_init():  # imports the model's classes
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:
         raise UnsupportedModelError(
@@ -204,6 +207,15 @@ def _skeleton(config, dtype: torch.dtype) -> nn.Module:
             got=f"{getattr(config, 'model_type', '?')}: {str(exc).splitlines()[0]}",
             expected="a decoder model type (llama, qwen2, mistral, ...)",
         ) from None
+
+
+def _no_weight_init():
+    """transformers' switch for skipping weight initialisation, where this version has it."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def _placement(model: nn.Module, device_map, max_memory):
