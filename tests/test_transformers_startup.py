@@ -42,3 +42,26 @@ def test_shared_scan_builds_the_same_model_table_from_one_scan():
     for key in ("classes", "modules", "missing"):
         assert shared[key] == plain[key], key
     assert not shared["again"]  # the table is built: nothing more to share, nothing installed twice
+
+
+_COMMAND_START = """
+import sys
+from llmpress import gc_pause
+if sys.argv[1] == "own":
+    gc_pause.own_process()
+from llmpress.cli import _import_library
+_import_library(sys.argv[2])
+from transformers.utils import import_utils
+print(bool(getattr(import_utils.create_import_structure_from_path, "_llmpress_by_folder", False)),
+      "transformers.models" in sys.modules)
+"""
+
+
+def test_only_the_command_in_its_own_process_shares_the_scan():
+    def start(owner: str, command: str) -> str:
+        done = subprocess.run([sys.executable, "-c", _COMMAND_START, owner, command], capture_output=True, text=True, check=True)
+        return done.stdout.split()[-2]
+
+    assert start("own", "oneshot") == "True"
+    assert start("library", "oneshot") == "False"  # llmpress.cli.main inside someone else's process
+    assert start("own", "inspect") == "False"  # a command that loads no model imports no transformers for it
