@@ -81,7 +81,7 @@ def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs):
         error = _candidate_errors(weight, scale, zero_point, args, norm)
         # each factor against the best before it (earlier chunks, then earlier factors here)
         before = error.cummin(dim=0).values.roll(1, dims=0)
-        before[0] = float("inf") if best_error is None else best_error
+        before[0] = float("inf")
         if best_error is not None:
             before = torch.minimum(before, best_error)
         improved = (error < before).flatten(1).any(dim=1).tolist()
