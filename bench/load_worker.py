@@ -67,6 +67,7 @@ def main() -> None:
 
     if args.tool.startswith("llmpress"):
         import accelerate  # noqa: F401
+
         import llmpress  # noqa: F401
     elif args.tool == "transformers":
         import compressed_tensors  # noqa: F401

@@ -140,7 +140,7 @@ def test_scheme_map_takes_a_single_target_string():
 def test_recipe_strings_that_are_not_paths():
     long_json = json.dumps({"QuantizationModifier": {"scheme": "W4A16", "ignore": ["lm_head"] + [f"layer_{i}" for i in range(40)]}})
     assert len(long_json) > 300
-    assert Recipe.from_any(long_json).modifiers[0].scheme == "W4A16"
+    assert Recipe.from_any(long_json).modifiers[0].config.scheme == "W4A16"
     with pytest.raises(RecipeError, match="must map a modifier name"):
         Recipe.from_any({"quant_stage": {"quant_modifiers": ["QuantizationModifier"]}})
 

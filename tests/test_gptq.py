@@ -15,7 +15,7 @@ from llmpress.data import CalibrationOptions
 from llmpress.errors import MissingStateError, RecipeError
 from llmpress.modifiers import GPTQModifier, QuantizationModifier
 from llmpress.modifiers.gptq.algorithm import gptq_quantize, inverse_hessian_factor
-from llmpress.pipelines.layerwise import find_layers
+from llmpress.pipelines.blocks import find_blocks
 from llmpress.quant import QuantizationArgs, fake_quantize, weight_qparams
 
 LLM_COMPRESSOR_GPTQ = """
@@ -207,7 +207,7 @@ def test_layerwise_calibration_feeds_each_architecture_its_own_inputs(arch):
     the block as the model itself would pass them. (Two passes per block: module by module,
     later modules of the block see the compressed earlier ones, which the whole-model pass
     does not; ``test_sequential.py`` checks that route.)"""
-    from llmpress.pipelines.layerwise import find_layers
+    from llmpress.pipelines.blocks import find_blocks
 
     first = []
     for pipeline in ("layerwise", "basic"):
@@ -215,7 +215,7 @@ def test_layerwise_calibration_feeds_each_architecture_its_own_inputs(arch):
         llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head", "re:cls.*"]), token_batches(4, 32),
                          calibration=CalibrationOptions(num_samples=4, seq_len=32, batch_size=2, pipeline=pipeline,
                                                         true_sequential=False))
-        block = find_layers(model)[0]
+        block = find_blocks(model)[0]
         linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "weight_scale")}
         assert linears, f"{arch}: nothing in the first block was quantized"
         first.append({n: m.weight.detach().clone() for n, m in linears.items()})
@@ -253,10 +253,10 @@ def test_a_quantized_head_calibrates_on_the_compressed_blocks_outputs(caplog):
 def test_a_tail_that_cannot_run_around_stand_ins_falls_back_with_a_warning(monkeypatch, caplog):
     from llmpress.pipelines import tail
 
-    def refuse(self, *args, **kwargs):
+    def refuse(*args, **kwargs):
         raise TypeError("this model wants its real blocks")
 
-    monkeypatch.setattr(tail._StandIn, "forward", refuse)
+    monkeypatch.setattr(tail, "with_rest", refuse)  # what the tail's stand-ins answer with
     model = make_tiny_llama()
     blocks = list(model.model.layers)
     with caplog.at_level("WARNING"):
@@ -287,10 +287,10 @@ def test_heads_after_the_blocks_are_calibrated(arch, caplog):
     assert all(hasattr(m, "weight_scale") for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_find_layers_picks_the_decoder_blocks():
+def test_find_blocks_picks_the_decoder_blocks():
     model = make_tiny_llama()
-    assert find_layers(model) is model.model.layers
-    assert find_layers(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
+    assert find_blocks(model) is model.model.layers
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
 
 
 def test_llm_compressor_recipe_runs_unchanged(tmp_path):
@@ -331,13 +331,16 @@ def test_shared_inputs_share_one_hessian():
     model = make_tiny_llama()
     collector = HessianCollector()
     attention = model.model.layers[0].self_attn
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        collector.watch(name, getattr(attention, name))
+    names = {getattr(attention, n): n for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    handles = [m.register_forward_pre_hook(lambda m, a: collector.add(names[m], a[0])) for m in names]
     with torch.no_grad():
-        model(torch.tensor(token_batches(2, 16)))
+        for batch in (token_batches(2, 16), token_batches(2, 16, seed=1)):
+            model(torch.tensor(batch))
+    for handle in handles:
+        handle.remove()
     assert collector.of_module["q_proj"] is collector.of_module["k_proj"] is collector.of_module["v_proj"]
     assert collector.of_module["o_proj"] is not collector.of_module["q_proj"]
-    collector.remove()
+    assert collector.of_module["q_proj"].samples == 2 * 2 * 16  # fed once a batch, not once per member
 
 
 @pytest.mark.parametrize("n", [64, 700])  # one leaf; several levels of the blocked inverse

@@ -38,7 +38,7 @@ def test_llm_compressor_grammar_reads_unchanged():
     assert isinstance(modifier, QuantizationModifier)
     (scheme,) = modifier.config.resolved_schemes()
     assert scheme.weights.num_bits == 4 and scheme.weights.group_size == 128
-    assert modifier.ignore == ["lm_head"]
+    assert modifier.config.ignore == ["lm_head"]
 
 
 def test_top_level_modifiers_form_a_default_stage():

@@ -144,3 +144,27 @@ def test_finalize_records_the_recipe_on_the_model():
     session = finalized_session()
     recorded = session.state.model._llmpress_applied_recipe
     assert recorded == session.recipe
+
+
+def test_a_misspelt_hook_fails_when_the_class_is_defined():
+    from llmpress.modifiers import Modifier
+
+    with pytest.raises(TypeError, match="did you mean on_calibration_start"):
+        class Typo(Modifier):
+            def on_calibraton_start(self, state): ...
+
+    class Fine(Modifier):
+        def on_layer_calibrated(self, state, block): ...
+
+        def on_window_start(self, state): ...
+
+    assert Fine.events == {"layer_calibrated"}  # lifecycle hooks are not events
+
+
+def test_a_window_in_epochs_needs_steps_per_epoch():
+    from llmpress.modifiers import LearningRateModifier
+
+    session = Session(LearningRateModifier(lr_func="constant", init_lr=0.1, start=1))
+    session.update_state(model=make_tiny_llama(), optimizer=torch.optim.SGD(make_tiny_llama().parameters(), lr=0.1))
+    with pytest.raises(MissingStateError, match="'steps_per_epoch' for its start/end window"):
+        session.initialize()

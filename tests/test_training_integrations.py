@@ -223,7 +223,7 @@ def test_trainer_resumed_from_a_checkpoint_continues_the_schedule(tmp_path):
     resumed = run(str(tmp_path / "run" / "checkpoint-4"))  # epoch 1 of 2
     assert resumed.session.step == 8 and resumed.session.modifiers[0].sparsity == 0.5
     # the schedule went on from step 4 (the window closed at step 6): finalize had nothing to force
-    assert resumed.session._window[id(resumed.session.modifiers[0])] == "closed"
+    assert resumed.session.modifiers[0].window.state == "closed"
     assert resumed.session.modifiers[0].last_update == pytest.approx(1.5)
 
 

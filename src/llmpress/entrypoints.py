@@ -19,11 +19,12 @@ from llmpress.checkpoint import route_save_pretrained, save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
 from llmpress.gc_pause import gc_paused
+from llmpress.modifiers.base import TRAINING_EVENTS
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
 from llmpress.pipelines.training import TrainingOptions, run_training, stage_epochs
 from llmpress.recipe import Recipe, RecipeStage
-from llmpress.session import TRAINING_EVENTS, Session
+from llmpress.session import Session
 
 __all__ = ["is_training_stage", "load_model_and_processor", "oneshot", "train"]
 
@@ -128,7 +129,7 @@ def is_training_stage(stage: RecipeStage) -> bool:
         if stage.run_type not in ("train", "oneshot"):
             raise RecipeError(f"stage {stage.name!r}: unknown run_type", got=stage.run_type, expected="'oneshot' or 'train'")
         return stage.run_type == "train"
-    return any(set(m.events) & set(TRAINING_EVENTS) or getattr(m.config, "has_window", False) for m in stage.modifiers)
+    return any(set(m.events) & set(TRAINING_EVENTS) or m.window.is_timed for m in stage.modifiers)
 
 
 def train(

@@ -20,20 +20,22 @@ from __future__ import annotations
 import contextvars
 import logging
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmpress.checkpoint.save import route_save_pretrained
-from llmpress.errors import SessionError
-from llmpress.modifiers.base import STATE_FIELDS, Modifier, State
+from llmpress.errors import MissingStateError, SessionError
+from llmpress.modifiers.base import EVENTS, STATE_FIELDS, TRAINING_EVENTS, Modifier, State
+from llmpress.observation import Observation
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from llmpress.pipelines.blocks import CalibrationBlock
 
 __all__ = ["EVENTS", "Session", "active_session"]
 
 logger = logging.getLogger(__name__)
-
-TRAINING_EVENTS = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
-ONESHOT_EVENTS = ("calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end")
-EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
 
 # which events may come next, by where the session is in a batch or a calibration
 _NEXT: dict[str, tuple[str, ...]] = {
@@ -89,7 +91,7 @@ class Session:
         self._phase = "idle"
         self._losses_in_batch = 0
         self._trained = False
-        self._window: dict[int, str] = {}  # id(modifier) -> "open" / "closed" once it changed
+        self.observation: Observation | None = None  # between calibration_start and calibration_end
         self._tokens: list[contextvars.Token] = []
 
     # -- context ---------------------------------------------------------------------------
@@ -114,7 +116,7 @@ class Session:
         self._check_fields(overrides, "initialize")
         self.state.update({k: v for k, v in overrides.items() if v is not None})
         for modifier in self.modifiers:  # every need is checked before any modifier acts
-            modifier.check_state(self.state)
+            self._check_required_state(modifier)
         try:
             for modifier in self.modifiers:
                 modifier.initialize(self.state)
@@ -136,7 +138,7 @@ class Session:
                 fix="send the closing event first",
             )
         if self._trained:
-            unopened = [type(m).__name__ for m in self.modifiers if m.config_has_window and id(m) not in self._window]
+            unopened = [type(m).__name__ for m in self.modifiers if m.window.state == "waiting"]
             if unopened:
                 logger.warning(
                     "%s never reached the start of its window (training ended at epoch %.2f); "
@@ -171,7 +173,7 @@ class Session:
         that already closed are opened and closed once, so their results (final masks, the
         last learning rate) hold; the others open at the next ``batch_start`` as usual."""
         self._require(Status.INITIALIZED, "resume_at")
-        if self._phase != "idle" or self.state.step or self._window:
+        if self._phase != "idle" or self.state.step or any(m.window.state != "waiting" for m in self.modifiers):
             raise SessionError(
                 "resume_at() called after training events",
                 got=f"{self.state.step} step(s) already counted",
@@ -180,9 +182,8 @@ class Session:
         self.state.step = int(step)
         epoch = self.state.epoch
         for modifier in self.modifiers:
-            end = getattr(modifier.config, "end", None)
-            if end is not None and epoch >= end:
-                self._window[id(modifier)] = "closed"
+            if modifier.window.has_passed(epoch):
+                modifier.window.state = "closed"
                 modifier.on_window_start(self.state)
                 modifier.on_window_end(self.state)
         return self
@@ -220,13 +221,17 @@ class Session:
             self._losses_in_batch += 1
         elif name == "batch_end":
             self._check_loss_was_sent()
+        if name == "calibration_end":
+            self._end_observation()
         training = name in TRAINING_EVENTS
         for modifier in self.modifiers:
             if name not in modifier.events or (training and not self._reaches(modifier)):
                 continue
-            result = modifier.on_event(name, self.state, **payload)
+            result = getattr(modifier, f"on_{name}")(self.state, **payload)
             if name == "loss_calculated" and result is not None:
                 payload["loss"] = result
+        if name == "calibration_start":
+            self.observation = Observation(self.modifiers)
         self._phase = _AFTER.get(name, self._phase)
         if name == "optim_post_step":
             self.state.step += 1
@@ -245,23 +250,25 @@ class Session:
             "(session.training_step() does this), and calibration as calibration_start ... calibration_end",
         )
 
-    def _reaches(self, modifier: Modifier) -> bool:
-        window = self._window.get(id(modifier))
-        return window == "open" or (window == "closed" and modifier.acts_after_window)
+    @staticmethod
+    def _reaches(modifier: Modifier) -> bool:
+        state = modifier.window.state
+        return state == "open" or (state == "closed" and modifier.acts_after_window)
 
     def _open_windows(self) -> None:
-        epoch = self.state.epoch
         for modifier in self.modifiers:
-            if self._window.get(id(modifier)) is None and modifier.active_at(epoch):
-                self._window[id(modifier)] = "open"
+            if modifier.window.open_if_reached(self.state.epoch):
                 modifier.on_window_start(self.state)
 
     def _close_windows(self) -> None:
-        epoch = self.state.epoch
         for modifier in self.modifiers:
-            if self._window.get(id(modifier)) == "open" and not modifier.active_at(epoch):
-                self._window[id(modifier)] = "closed"
+            if modifier.window.close_if_passed(self.state.epoch):
                 modifier.on_window_end(self.state)
+
+    def _end_observation(self) -> None:
+        if self.observation is not None:
+            self.observation.remove()
+            self.observation = None
 
     def _check_loss_was_sent(self) -> None:
         if self._losses_in_batch:
@@ -269,7 +276,7 @@ class Session:
         needing = [
             type(m).__name__
             for m in self.modifiers
-            if "loss_calculated" in m.events and self._window.get(id(m)) == "open"
+            if "loss_calculated" in m.events and m.window.state == "open"
         ]
         if needing:
             raise SessionError(
@@ -298,13 +305,15 @@ class Session:
     def calibration_start(self) -> None:
         self.event("calibration_start")
 
-    def modules_calibrated(self, index: int, layer: Any, modules: list[Any]) -> None:
-        """``modules`` of block ``index`` have seen all their calibration inputs: the modifiers
+    def modules_calibrated(self, block: CalibrationBlock, modules: list[nn.Module]) -> None:
+        """``modules`` of ``block`` have seen all their calibration inputs: the modifiers
         compress them now, before later modules of the block are calibrated on their outputs."""
-        self.event("modules_calibrated", index=index, layer=layer, modules=modules)
+        self.event("modules_calibrated", block=block, modules=modules)
 
-    def layer_calibrated(self, index: int, layer: Any) -> None:
-        self.event("layer_calibrated", index=index, layer=layer)
+    def layer_calibrated(self, block: CalibrationBlock) -> None:
+        """Every module of ``block`` has seen its calibration inputs; the block's outputs are
+        computed (compressed) after this."""
+        self.event("layer_calibrated", block=block)
 
     def calibration_end(self) -> None:
         self.event("calibration_end")
@@ -315,17 +324,34 @@ class Session:
 
     @property
     def needs_calibration_forward(self) -> bool:
-        """Whether any modifier needs calibration batches to flow through the model."""
-        return any(getattr(m, "needs_calibration_forward", False) for m in self.modifiers)
+        """Whether any modifier observes calibration inputs (so batches must flow)."""
+        return any(m.calibration_targets() for m in self.modifiers)
 
     @property
     def calibrates_by_module(self) -> bool:
-        """Whether every modifier that watches the calibration forward can compress a block's
+        """Whether every modifier that observes calibration inputs can compress a block's
         modules group by group (``modules_calibrated``), as module-by-module calibration needs."""
-        watching = [m for m in self.modifiers if getattr(m, "needs_calibration_forward", False)]
+        watching = [m for m in self.modifiers if m.calibration_targets()]
         return bool(watching) and all("modules_calibrated" in m.events for m in watching)
 
     # -- checks ------------------------------------------------------------------------------
+    def _check_required_state(self, modifier: Modifier) -> None:
+        needs = list(modifier.required_state())
+        if modifier.window.is_timed and "steps_per_epoch" not in needs:
+            needs.append("steps_per_epoch")  # for its start/end window
+        for field in needs:
+            if self.state.get(field) is not None:
+                continue
+            window = field == "steps_per_epoch" and "steps_per_epoch" not in modifier.required_state()
+            raise MissingStateError(
+                f"{type(modifier).__name__} needs {field!r}"
+                + (" for its start/end window (epochs)" if window else "")
+                + f": call session.update_state({field}=...) before initialize()",
+                got=f"no {field}",
+                expected=STATE_FIELDS.get(field, field),
+                fix="one-shot runs have no epochs: remove start/end from the recipe there" if window else None,
+            )
+
     def _require(self, wanted: Status, call: str) -> None:
         if self.status == wanted:
             return

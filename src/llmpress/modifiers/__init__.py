@@ -1,6 +1,6 @@
 """Modifiers: one folder per algorithm, registered by class name for recipes."""
 
-from llmpress.modifiers.base import MODIFIERS, Modifier, ModifierConfig
+from llmpress.modifiers.base import MODIFIERS, Modifier, ModifierConfig, OneShotFields, Window, WindowFields
 from llmpress.modifiers.distillation import OutputDistillationModifier
 from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
@@ -15,6 +15,9 @@ __all__ = [
     "MagnitudePruningModifier",
     "Modifier",
     "ModifierConfig",
+    "OneShotFields",
     "OutputDistillationModifier",
     "QuantizationModifier",
+    "Window",
+    "WindowFields",
 ]

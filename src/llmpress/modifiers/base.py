@@ -1,30 +1,62 @@
-"""The modifier contract: a pydantic config (what users write) apart from a plain behaviour class.
+"""The modifier contract: what the session and the calibration pipeline read from a modifier.
 
-A modifier is built from keyword arguments validated by its ``Config`` (``extra="forbid"``), says
-which pieces of session state it needs (``required_state``), is initialized exactly once with the
-complete state, acts on the events it declares, and is finalized once. Adding an algorithm is one
-folder under ``modifiers/``, one ``@MODIFIERS.register`` and one test file.
+A modifier is a plain behaviour class built from keyword arguments that its pydantic ``Config``
+validates (``extra="forbid"``). Everything the session or a pipeline reads is declared here, with
+a default a subclass overrides:
+
+========================  ===================================================================
+``Config``                the fields users write (compose ``SchemeFields``, ``WindowFields``)
+``required_state()``      state fields needed at ``initialize`` (``"model"`` by default)
+``window``                a ``Window``: when the modifier acts in training (from ``start``/``end``)
+``acts_after_window``     whether training events still reach it after its window closed
+``calibration_targets()`` modules whose inputs it observes while calibrating (none by default)
+``observe(name, x)``      one such input, handed over by the session
+``step_note()``           a short note for the pipeline's progress bar
+``events``                derived: the events it has an ``on_<event>`` hook for
+========================  ===================================================================
+
+Hooks are methods named ``on_<event>`` (``on_calibration_start(state)``,
+``on_layer_calibrated(state, block)``, ...) plus the lifecycle hooks ``on_initialize``,
+``on_finalize``, ``on_window_start`` and ``on_window_end``. A method named ``on_`` + anything
+else is refused when the class is defined, so a misspelt hook fails at import instead of never
+firing. See ``docs/adding-a-modifier.md``.
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from llmpress.errors import MissingStateError, RecipeError
+from llmpress.errors import RecipeError
 from llmpress.registry import Registry
 
-__all__ = ["MODIFIERS", "STATE_FIELDS", "Modifier", "ModifierConfig", "State", "WindowConfig"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "CONFIG",
+    "EVENTS",
+    "MODIFIERS",
+    "ONESHOT_EVENTS",
+    "OneShotFields",
+    "STATE_FIELDS",
+    "TRAINING_EVENTS",
+    "Modifier",
+    "ModifierConfig",
+    "State",
+    "Window",
+    "WindowFields",
+]
 
 MODIFIERS: Registry[type[Modifier]] = Registry("modifier", error=RecipeError)
+
+TRAINING_EVENTS = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
+ONESHOT_EVENTS = ("calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end")
+EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
+LIFECYCLE_HOOKS = ("initialize", "finalize", "window_start", "window_end")
 
 # the state a session records, and what each field is
 STATE_FIELDS: dict[str, str] = {
@@ -35,6 +67,9 @@ STATE_FIELDS: dict[str, str] = {
     "calibration_data": "calibration samples (token-id tensors or a dataloader)",
     "processor": "the tokenizer or processor of the model",
 }
+
+#: every modifier config: unknown fields are errors; tensors and modules may be values
+CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
 class State(dict):
@@ -61,12 +96,17 @@ class State(dict):
 
 
 class ModifierConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    """The config of a modifier without shared fields."""
+
+    model_config = CONFIG
 
 
-class WindowConfig(ModifierConfig):
-    """When a training modifier acts, in epochs (fractions allowed): ``start <= epoch < end``.
-    ``end: null`` (or llm-compressor's ``-1``) means until the session ends."""
+class WindowFields(BaseModel):
+    """``start`` / ``end``: when a training modifier acts, in epochs (fractions allowed),
+    ``start <= epoch < end``. ``end: null`` (or llm-compressor's ``-1``) means until the session
+    ends."""
+
+    model_config = CONFIG
 
     start: float = 0.0
     end: float | None = None
@@ -77,95 +117,113 @@ class WindowConfig(ModifierConfig):
         return None if value is not None and float(value) == -1 else value
 
     @model_validator(mode="after")
-    def _check_window(self) -> WindowConfig:
+    def _check_window(self) -> WindowFields:
         if self.start < 0 or (self.end is not None and self.end <= self.start):
             raise ValueError(f"needs 0 <= start < end, got start={self.start}, end={self.end}")
         return self
 
+
+class OneShotFields(BaseModel):
+    """``start`` / ``end`` as llm-compressor's recipes may give them to a one-shot modifier
+    (every llm-compressor modifier has both fields): accepted when they mean "no training
+    window" (unset, ``start`` 0 or -1, ``end`` -1), refused with an explanation otherwise."""
+
+    model_config = CONFIG
+
+    start: float | None = None
+    end: float | None = None
+
+    @model_validator(mode="after")
+    def _one_shot_only(self) -> OneShotFields:
+        if self.start not in (None, 0, -1) or self.end not in (None, -1):
+            raise RecipeError(
+                f"{type(self).__name__.removesuffix('Config')} runs one-shot: start / end (training epochs) do not apply to it",
+                got=f"start={self.start}, end={self.end}",
+                fix="remove start and end; to train after it, add a QuantizationModifier (QAT) in a training stage",
+            )
+        return self
+
+
+class Window:
+    """When a modifier acts in training, and where it stands: ``waiting`` until training reaches
+    ``start``, ``open`` until an optimizer step passes ``end``, then ``closed``. The session
+    moves it along; the modifier reads ``progress``."""
+
+    def __init__(self, start: float = 0.0, end: float | None = None) -> None:
+        self.start = start
+        self.end = end
+        self.state: Literal["waiting", "open", "closed"] = "waiting"
+
+    @classmethod
+    def of(cls, config: BaseModel) -> Window:
+        """The window a config describes (always open when it has no ``start`` / ``end``)."""
+        return cls(config.start, config.end) if isinstance(config, WindowFields) else cls()
+
     @property
-    def has_window(self) -> bool:
-        """Whether the window depends on the epoch (so the session must know steps_per_epoch)."""
+    def is_timed(self) -> bool:
+        """Whether it depends on the epoch (so the session must know ``steps_per_epoch``)."""
         return self.start > 0 or self.end is not None
+
+    def contains(self, epoch: float) -> bool:
+        return self.start <= epoch and (self.end is None or epoch < self.end)
+
+    def has_passed(self, epoch: float) -> bool:
+        return self.end is not None and epoch >= self.end
+
+    def progress(self, epoch: float) -> float:
+        """0.0 at ``start``, 1.0 at ``end`` (an open-ended window is 1.0 once started)."""
+        if self.end is None:
+            return 0.0 if epoch < self.start else 1.0
+        return min(max((epoch - self.start) / (self.end - self.start), 0.0), 1.0)
+
+    def open_if_reached(self, epoch: float) -> bool:
+        """``waiting`` -> ``open`` when ``epoch`` is inside; True when it opened now."""
+        if self.state == "waiting" and self.contains(epoch):
+            self.state = "open"
+            return True
+        return False
+
+    def close_if_passed(self, epoch: float) -> bool:
+        """``open`` -> ``closed`` once ``epoch`` is past ``end``; True when it closed now."""
+        if self.state == "open" and not self.contains(epoch):
+            self.state = "closed"
+            return True
+        return False
 
 
 class Modifier:
-    """Base behaviour class. Subclasses set ``Config`` and override the ``on_*`` hooks."""
+    """Base behaviour class. Subclasses set ``Config`` and define ``on_*`` hooks."""
 
     Config: ClassVar[type[BaseModel]] = ModifierConfig
-    #: events this modifier acts on (see ``llmpress.session.EVENTS``)
+    #: the events this class has a hook for, derived when the class is defined
     events: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hooks = {name[3:] for name in dir(cls) if name.startswith("on_") and callable(getattr(cls, name))}
+        for hook in sorted(hooks - set(EVENTS) - set(LIFECYCLE_HOOKS)):
+            close = difflib.get_close_matches(hook, [*EVENTS, *LIFECYCLE_HOOKS], n=1)
+            raise TypeError(
+                f"{cls.__name__}.on_{hook} is not a modifier hook"
+                + (f": did you mean on_{close[0]}?" if close else "")
+                + f" (events: {', '.join(EVENTS)}; lifecycle: {', '.join(LIFECYCLE_HOOKS)})"
+            )
+        cls.events = frozenset(hooks & set(EVENTS))
 
     def __init__(self, **kwargs: Any) -> None:
         try:
             self.config = self.Config(**kwargs)
         except ValidationError as exc:
             raise _recipe_error(type(self).__name__, self.Config, exc) from None
+        self.window = Window.of(self.config)
         self.initialized = False
         self.finalized = False
 
-    def __getattr__(self, name: str) -> Any:
-        # fields read as attributes: modifier.scheme is modifier.config.scheme
-        config = self.__dict__.get("config")
-        if config is not None and name in type(config).model_fields:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
-
-    # -- what it needs -------------------------------------------------------------------
+    # -- what the session and the pipelines read ------------------------------------------------
     def required_state(self) -> tuple[str, ...]:
-        """Names of the state fields this modifier needs at ``initialize``."""
+        """State fields this modifier needs at ``initialize`` (the session adds
+        ``steps_per_epoch`` for a window in epochs)."""
         return ("model",)
-
-    def needed_state(self) -> tuple[str, ...]:
-        """``required_state`` plus ``steps_per_epoch`` when the modifier has an epoch window."""
-        needs = self.required_state()
-        if getattr(self.config, "has_window", False) and "steps_per_epoch" not in needs:
-            needs += ("steps_per_epoch",)
-        return needs
-
-    def check_state(self, state: State) -> None:
-        for field in self.needed_state():
-            if state.get(field) is None:
-                window = field == "steps_per_epoch" and "steps_per_epoch" not in self.required_state()
-                raise MissingStateError(
-                    f"{type(self).__name__} needs {field!r}"
-                    + (" for its start/end window (epochs)" if window else "")
-                    + f": call session.update_state({field}=...) before initialize()",
-                    got=f"no {field}",
-                    expected=STATE_FIELDS.get(field, field),
-                    fix="one-shot runs have no epochs: remove start/end from the recipe there" if window else None,
-                )
-
-    # -- lifecycle, called by the session ---------------------------------------------------
-    def initialize(self, state: State) -> None:
-        self.check_state(state)
-        self.on_initialize(state)
-        self.initialized = True
-
-    def on_initialize(self, state: State) -> None:
-        """Set up with the complete state (attach hooks, match modules...)."""
-
-    def on_event(self, event: str, state: State, **payload: Any) -> Any:
-        return getattr(self, f"on_{event}")(state, **payload)
-
-    # -- the training window ---------------------------------------------------------------
-    @property
-    def config_has_window(self) -> bool:
-        """Whether the modifier takes ``start`` / ``end`` (it acts in training)."""
-        return isinstance(self.config, WindowConfig)
-
-    def active_at(self, epoch: float) -> bool:
-        """Whether training events reach this modifier at ``epoch`` (always, without a window)."""
-        if not self.config_has_window:
-            return True
-        start, end = self.config.start, self.config.end
-        return start <= epoch and (end is None or epoch < end)
-
-    def progress(self, epoch: float) -> float:
-        """How far through its window the modifier is at ``epoch``: 0.0 at start, 1.0 at end."""
-        start, end = self.config.start, self.config.end
-        if end is None:
-            return 0.0 if epoch < start else 1.0
-        return min(max((epoch - start) / (end - start), 0.0), 1.0)
 
     @property
     def acts_after_window(self) -> bool:
@@ -173,16 +231,34 @@ class Modifier:
         masks that stay enforced until finalize)."""
         return False
 
-    def on_window_start(self, state: State) -> None:
-        """The first training event inside the window (QAT switches fake quantization on)."""
+    def calibration_targets(self) -> dict[str, nn.Module]:
+        """Modules whose inputs this modifier observes during calibration, by name. Read after
+        ``initialize``; the session hands each input to ``observe``. None: it needs no
+        calibration forward."""
+        return {}
 
-    def on_window_end(self, state: State) -> None:
-        """The first optimizer step that leaves the window (not called when ``end`` is open)."""
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        """The input ``x`` of target ``name`` in one calibration forward."""
+        raise NotImplementedError(f"{type(self).__name__} has calibration targets but no observe()")
 
     def step_note(self) -> str:
         """A short note on the modifier's last step (a layer's GPTQ losses, say), shown next to
         the pipeline's progress bar; empty when there is nothing to say."""
         return ""
+
+    # -- lifecycle, called by the session ---------------------------------------------------
+    def initialize(self, state: State) -> None:
+        self.on_initialize(state)
+        self.initialized = True
+
+    def on_initialize(self, state: State) -> None:
+        """Set up with the complete state (match modules, ...)."""
+
+    def on_window_start(self, state: State) -> None:
+        """The first training event inside the window (QAT switches fake quantization on)."""
+
+    def on_window_end(self, state: State) -> None:
+        """The first optimizer step that leaves the window (not called when ``end`` is open)."""
 
     def finalize(self, state: State) -> None:
         self.on_finalize(state)

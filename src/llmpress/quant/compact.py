@@ -113,7 +113,7 @@ class CompactWeights:
             guard = module.register_forward_pre_hook(_refuse_while_held)
             self._held.append((module, param, _packed(k), guard))
             placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            module._parameters["weight"] = nn.Parameter(placeholder, requires_grad=param.requires_grad)
+            module.weight = nn.Parameter(placeholder, requires_grad=param.requires_grad)
             param.data = torch.empty(0, dtype=param.dtype)  # the float storage goes back now
         return freed
 
@@ -131,7 +131,7 @@ class CompactWeights:
                 error = error or exc
                 continue
             param.data = rebuilt
-            module._parameters["weight"] = param
+            module.weight = param
             guard.remove()
             del k, entry
             release_free_memory()  # the integers go back as the floats arrive

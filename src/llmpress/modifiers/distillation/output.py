@@ -28,7 +28,7 @@ from pydantic import field_validator
 from torch import nn
 
 from llmpress.errors import SessionError, UnsupportedModelError
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
+from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.targets import matches
 
 __all__ = ["OutputDistillationModifier", "distillation_loss"]
@@ -58,7 +58,7 @@ def distillation_loss(
     return per_token.mean()
 
 
-class OutputDistillationConfig(WindowConfig):
+class OutputDistillationConfig(WindowFields):
     targets: list[str] = [LOGITS]
     comparison: Literal["kl", "mse"] = "kl"
     temperature: float = 1.0
@@ -125,7 +125,6 @@ class _Outputs:
 @MODIFIERS.register("OutputDistillationModifier")
 class OutputDistillationModifier(Modifier):
     Config = OutputDistillationConfig
-    events = frozenset({"loss_calculated", "batch_end"})
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "teacher")

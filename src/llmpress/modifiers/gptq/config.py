@@ -1,4 +1,5 @@
-"""What users write for ``GPTQModifier``: the quantization fields plus GPTQ's own."""
+"""What users write for ``GPTQModifier``: the scheme fields plus GPTQ's own; ``start`` / ``end``
+only as llm-compressor's one-shot recipes give them."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from typing import Literal
 from pydantic import model_validator
 
 from llmpress.errors import RecipeError
-from llmpress.modifiers.quantization.config import QuantizationModifierConfig
+from llmpress.modifiers.base import OneShotFields
+from llmpress.modifiers.quantization.config import SchemeFields
 from llmpress.quant.scheme import ActivationOrdering
 
 __all__ = ["GPTQModifierConfig"]
 
 
-class GPTQModifierConfig(QuantizationModifierConfig):
+class GPTQModifierConfig(SchemeFields, OneShotFields):
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: ActivationOrdering | None = None
@@ -25,12 +27,6 @@ class GPTQModifierConfig(QuantizationModifierConfig):
 
     @model_validator(mode="after")
     def _check_gptq(self) -> GPTQModifierConfig:
-        if self.has_window:
-            raise RecipeError(
-                "GPTQModifier runs one-shot: start / end (training epochs) do not apply to it",
-                got=f"start={self.start}, end={self.end}",
-                fix="remove start and end; for training after GPTQ add a QuantizationModifier (QAT) to a training stage",
-            )
         if self.block_size < 1:
             raise RecipeError("GPTQModifier: block_size must be positive", got=self.block_size, expected=">= 1 (e.g. 128)")
         if not 0 <= self.dampening_frac < 1:
@@ -49,6 +45,3 @@ class GPTQModifierConfig(QuantizationModifierConfig):
                 fix="use actorder: weight (reorders columns during GPTQ only; nothing extra is stored)",
             )
         return self
-
-    def _check_actorder(self) -> None:
-        """GPTQ uses actorder (the base config refuses it for round-to-nearest)."""

@@ -8,7 +8,6 @@ and GPTQ can then treat the group as one wide matrix.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 __all__ = ["HessianAccumulator", "HessianCollector"]
 
@@ -51,51 +50,39 @@ class HessianAccumulator:
 
 
 class HessianCollector:
-    """Forward pre-hooks that accumulate the Hessian of each watched module's input."""
+    """The Hessian of each observed module's input. Modules fed the very same input tensor in
+    the first forward (q/k/v, gate/up) share one accumulator, fed once per batch."""
 
     def __init__(self, offload: bool = False) -> None:
         self.offload = offload
         self.of_module: dict[str, HessianAccumulator] = {}
         self._leader: dict[str, bool] = {}  # True for the module that feeds its shared accumulator
         self._first_inputs: dict[int, tuple[torch.Tensor, HessianAccumulator]] = {}
-        self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
-    def watch(self, name: str, module: nn.Module) -> None:
-        self._hooks[name] = module.register_forward_pre_hook(self._hook(name))
-
-    def _hook(self, name: str):
-        def accumulate(module: nn.Module, inputs: tuple) -> None:
-            x = inputs[0]
-            if name not in self.of_module:  # first batch: find who shares this input tensor
-                shared = self._first_inputs.get(id(x))
-                if shared is not None and shared[0] is x:
-                    self.of_module[name] = shared[1]
-                    self._leader[name] = False
-                else:
-                    device = torch.device("cpu") if self.offload else x.device
-                    accumulator = HessianAccumulator(x.shape[-1], device)
-                    self._first_inputs[id(x)] = (x, accumulator)
-                    self.of_module[name] = accumulator
-                    self._leader[name] = True
-                self.of_module[name].members.append(name)
-            if self._leader[name]:
-                self.of_module[name].add(x)
-
-        return accumulate
+    def add(self, name: str, x: torch.Tensor) -> None:
+        """``x``, the input of module ``name`` in one forward."""
+        if name not in self.of_module:  # first batch: find who shares this input tensor
+            shared = self._first_inputs.get(id(x))
+            if shared is not None and shared[0] is x:
+                self.of_module[name] = shared[1]
+                self._leader[name] = False
+            else:
+                device = torch.device("cpu") if self.offload else x.device
+                accumulator = HessianAccumulator(x.shape[-1], device)
+                self._first_inputs[id(x)] = (x, accumulator)
+                self.of_module[name] = accumulator
+                self._leader[name] = True
+            self.of_module[name].members.append(name)
+        if self._leader[name]:
+            self.of_module[name].add(x)
 
     def end_of_first_pass(self) -> None:
         """Release the input tensors kept to detect sharing."""
         self._first_inputs.clear()
 
     def release(self, names: list[str]) -> None:
-        """Stop watching ``names`` and free their Hessians."""
+        """Free the Hessians of ``names``."""
         for name in names:
-            hook = self._hooks.pop(name, None)
-            if hook is not None:
-                hook.remove()
             self.of_module.pop(name, None)
             self._leader.pop(name, None)
         self._first_inputs.clear()
-
-    def remove(self) -> None:
-        self.release(list(self._hooks))

@@ -13,10 +13,11 @@ Example recipe (llm-compressor's, unchanged)::
               targets: [Linear]
               weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}
 
-Hessians of each targeted module's input accumulate during the calibration forward of its layer;
-at ``layer_calibrated`` the layer's modules are quantized (modules sharing an input and a scheme
-as one wide matrix) before the pipeline recomputes the layer's output for the next layer.
-Modules calibration never reached are rounded to nearest at ``calibration_end`` and reported.
+Hessians of each targeted module's input accumulate from the inputs the session hands to
+``observe``; at ``modules_calibrated`` (module by module) or ``layer_calibrated`` the block's
+modules are quantized (modules sharing an input and a scheme as one wide matrix) before the
+pipeline computes the block's output for the next block. Modules calibration never reached are
+rounded to nearest at ``calibration_end`` and reported.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import logging
 import os
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -34,14 +37,13 @@ from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.gptq.algorithm import gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
-from llmpress.modifiers.quantization.activations import InputRangeObserver
-from llmpress.modifiers.quantization.modifier import (
-    assign_schemes,
-    names_inside,
-    names_of,
-)
+from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
+from llmpress.modifiers.quantization.modifier import assign_schemes, names_of
 from llmpress.quant.attach import freeze_weight, set_weight_qparams
 from llmpress.quant.scheme import QuantizationScheme
+
+if TYPE_CHECKING:
+    from llmpress.pipelines.blocks import CalibrationBlock
 
 __all__ = ["GPTQModifier"]
 
@@ -72,8 +74,6 @@ def _labels(names: list[str]) -> dict[str, str]:
 @MODIFIERS.register("GPTQModifier")
 class GPTQModifier(Modifier):
     Config = GPTQModifierConfig
-    events = frozenset({"calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end"})
-    needs_calibration_forward = True
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data")
@@ -88,23 +88,29 @@ class GPTQModifier(Modifier):
         self._note = ""  # the last layer's losses, for the progress bar
         self.seconds = 0.0
 
-    def on_calibration_start(self, state: State) -> None:
-        for name, (module, scheme) in self.pending.items():
-            if scheme.weights is not None:
-                self.hessians.watch(name, module)
-        self.inputs.observe(self.pending)
+    def calibration_targets(self) -> dict[str, nn.Module]:
+        return {n: m for n, (m, s) in self.pending.items() if s.weights is not None or has_static_inputs(s)}
 
-    def on_modules_calibrated(self, state: State, index: int, layer: nn.Module, modules: list[nn.Module]) -> None:
-        self.quantize(names_of(modules, self.pending), f"layer {index}")
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        if name not in self.pending:  # quantized already: its inputs no longer matter
+            return
+        scheme = self.pending[name][1]
+        if scheme.weights is not None:
+            self.hessians.add(name, x)
+        if has_static_inputs(scheme):
+            self.inputs.record(name, x)
 
-    def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
-        self.quantize(names_inside(layer, self.pending), f"layer {index}")
-        done = [n for n in names_inside(layer, self.modules) if n in self.losses]
+    def on_modules_calibrated(self, state: State, block: CalibrationBlock, modules: list[nn.Module]) -> None:
+        self.quantize(names_of(modules, self.pending), f"layer {block.index}")
+
+    def on_layer_calibrated(self, state: State, block: CalibrationBlock) -> None:
+        self.quantize(names_of(block.module.modules(), self.pending), f"layer {block.index}")
+        done = [n for n in names_of(block.module.modules(), self.modules) if n in self.losses]
         self._note = ""
         if done:
             labels = _labels(done)
             self._note = "GPTQ loss " + " ".join(f"{labels[n]} {self.losses[n]:.3g}" for n in done)
-            logger.info("%s layer %d: %s", type(self).__name__, index, self._note)
+            logger.info("%s layer %d: %s", type(self).__name__, block.index, self._note)
 
     def step_note(self) -> str:
         return self._note
@@ -124,8 +130,6 @@ class GPTQModifier(Modifier):
                 if scheme.weights is not None:
                     freeze_weight(module)
                 self.inputs.apply_input_quantization(name, module, scheme)
-        self.hessians.remove()
-        self.inputs.remove()
         if self.losses:
             logger.info("%s: %d modules in %.1fs, total GPTQ loss %.4g", type(self).__name__, len(self.losses), self.seconds, sum(self.losses.values()))
 
@@ -135,7 +139,8 @@ class GPTQModifier(Modifier):
                 f"{type(self).__name__} cannot finalize: {len(self.pending)} module(s) were never calibrated",
                 got="finalize() without calibration_start() / calibration_end()",
                 expected="calibration events with forward passes over calibration_data",
-                fix="use llmpress.oneshot(...), or send calibration_start(), layer_calibrated() and calibration_end()",
+                fix="use llmpress.oneshot(...), or send calibration_start(), run the calibration batches "
+                "through the model, then calibration_end()",
             )
 
     # -- the work ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
+from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 
 __all__ = ["LearningRateModifier", "scheduled_lr"]
 
@@ -38,7 +38,7 @@ def scheduled_lr(func: str, progress: float, init_lr: float, final_lr: float) ->
     return init_lr * (final_lr / init_lr) ** progress  # exponential
 
 
-class LearningRateConfig(WindowConfig):
+class LearningRateConfig(WindowFields):
     lr_func: Literal["constant", "linear", "cosine", "exponential"] = "linear"
     init_lr: float
     final_lr: float | None = None
@@ -57,7 +57,6 @@ class LearningRateConfig(WindowConfig):
 @MODIFIERS.register("LearningRateModifier")
 class LearningRateModifier(Modifier):
     Config = LearningRateConfig
-    events = frozenset({"optim_pre_step"})
 
     def required_state(self) -> tuple[str, ...]:
         return ("optimizer",)
@@ -82,7 +81,7 @@ class LearningRateModifier(Modifier):
     def rate(self, epoch: float) -> float:
         c = self.config
         final = c.final_lr if c.final_lr is not None else c.init_lr
-        return scheduled_lr(c.lr_func, self.progress(epoch), c.init_lr, final)
+        return scheduled_lr(c.lr_func, self.window.progress(epoch), c.init_lr, final)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

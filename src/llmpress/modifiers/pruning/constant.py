@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.sparsity import sparsity_of, structure_of
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
+from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
 __all__ = ["ConstantPruningModifier"]
 
 
-class ConstantPruningConfig(WindowConfig):
+class ConstantPruningConfig(WindowFields):
     targets: list[str] = ["Linear"]
     ignore: list[str] = ["lm_head"]
 
@@ -28,7 +28,6 @@ class ConstantPruningConfig(WindowConfig):
 @MODIFIERS.register("ConstantPruningModifier")
 class ConstantPruningModifier(Modifier):
     Config = ConstantPruningConfig
-    events = frozenset({"optim_post_step"})
 
     def on_initialize(self, state: State) -> None:
         modules = prunable_modules(state.model, self.config.targets, self.config.ignore, type(self).__name__)

@@ -26,7 +26,7 @@ from pydantic import field_validator, model_validator
 from torch import nn
 
 from llmpress.checkpoint.sparsity import sparsity_of
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowConfig
+from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import (
     SPARSITY_ATTR,
     magnitude_mask,
@@ -43,7 +43,7 @@ def cubic_sparsity(progress: float, init: float, final: float) -> float:
     return final + (init - final) * (1.0 - progress) ** 3
 
 
-class MagnitudePruningConfig(WindowConfig):
+class MagnitudePruningConfig(WindowFields):
     targets: list[str] = ["Linear"]
     ignore: list[str] = ["lm_head"]
     init_sparsity: float = 0.0
@@ -80,7 +80,6 @@ class MagnitudePruningConfig(WindowConfig):
 @MODIFIERS.register("MagnitudePruningModifier")
 class MagnitudePruningModifier(Modifier):
     Config = MagnitudePruningConfig
-    events = frozenset({"optim_post_step"})
 
     def on_initialize(self, state: State) -> None:
         self.structure = parse_structure(self.config.mask_structure)
@@ -106,8 +105,8 @@ class MagnitudePruningModifier(Modifier):
         epoch = state.epoch_at(state.step + 1)  # the step that just finished counts
         frequency = self.config.update_frequency
         due = self.last_update is None or frequency is None or epoch - self.last_update >= frequency - 1e-9
-        target = cubic_sparsity(self.progress(epoch), self.config.init_sparsity, self.config.final_sparsity)
-        if (due or self.progress(epoch) >= 1.0) and target != self.sparsity:
+        target = cubic_sparsity(self.window.progress(epoch), self.config.init_sparsity, self.config.final_sparsity)
+        if (due or self.window.progress(epoch) >= 1.0) and target != self.sparsity:
             self.update_masks(target)
             self.last_update = epoch
         else:

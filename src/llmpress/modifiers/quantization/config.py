@@ -1,24 +1,25 @@
-"""What users write for ``QuantizationModifier`` (and GPTQ-style modifiers that share it)."""
+"""What users write for ``QuantizationModifier``, and the scheme fields every quantizing
+modifier shares (``SchemeFields``: GPTQ composes them with its own fields)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import BaseModel, field_validator, model_validator
 
 from llmpress.errors import RecipeError
-from llmpress.modifiers.base import WindowConfig
+from llmpress.modifiers.base import CONFIG, WindowFields
 from llmpress.quant.scheme import QuantizationScheme, preset_scheme
 
-__all__ = ["QuantizationModifierConfig"]
+__all__ = ["QuantizationModifierConfig", "SchemeFields"]
 
 
-class QuantizationModifierConfig(WindowConfig):
-    """Either ``scheme`` (a preset name, a preset-to-targets map, or a scheme dict) or
-    ``config_groups`` (compressed-tensors groups, each with its own ``targets``).
+class SchemeFields(BaseModel):
+    """What to quantize and how: either ``scheme`` (a preset name, a preset-to-targets map, or
+    a scheme dict) or ``config_groups`` (compressed-tensors groups, each with its own
+    ``targets``), with ``targets`` / ``ignore`` as llm-compressor reads them."""
 
-    ``start`` / ``end`` (epochs) matter only in training: quantization-aware training runs
-    from ``start``; the weights are frozen onto their grid at ``end`` or at ``finalize``."""
+    model_config = CONFIG
 
     targets: list[str] = ["Linear"]
     ignore: list[str] = []
@@ -37,7 +38,7 @@ class QuantizationModifierConfig(WindowConfig):
         return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _check(self) -> QuantizationModifierConfig:
+    def _check_scheme(self) -> SchemeFields:
         if (self.scheme is None) == (self.config_groups is None):
             raise RecipeError(
                 "QuantizationModifier needs exactly one of 'scheme' and 'config_groups'",
@@ -53,18 +54,7 @@ class QuantizationModifierConfig(WindowConfig):
                 fix="remove kv_cache_scheme from the recipe",
             )
         self.resolved_schemes()  # validate presets and scheme dicts now, not at run time
-        self._check_actorder()
         return self
-
-    def _check_actorder(self) -> None:
-        for scheme in self.resolved_schemes():
-            if scheme.weights is not None and scheme.weights.actorder is not None:
-                raise RecipeError(
-                    "actorder is a GPTQ option: round-to-nearest quantization has no column order",
-                    got=f"actorder={scheme.weights.actorder!r}",
-                    expected="actorder: null with QuantizationModifier",
-                    fix="remove actorder, or use GPTQModifier",
-                )
 
     def resolved_schemes(self) -> list[QuantizationScheme]:
         """The schemes this config asks for, each with its own targets."""
@@ -87,3 +77,21 @@ class QuantizationModifierConfig(WindowConfig):
             s.input_activations is not None and not s.input_activations.dynamic
             for s in self.resolved_schemes()
         )
+
+
+class QuantizationModifierConfig(SchemeFields, WindowFields):
+    """``QuantizationModifier``: the scheme fields, and ``start`` / ``end`` (epochs), which matter
+    only in training: quantization-aware training runs from ``start``; the weights are frozen
+    onto their grid at ``end`` or at ``finalize``."""
+
+    @model_validator(mode="after")
+    def _refuse_actorder(self) -> QuantizationModifierConfig:
+        for scheme in self.resolved_schemes():
+            if scheme.weights is not None and scheme.weights.actorder is not None:
+                raise RecipeError(
+                    "actorder is a GPTQ option: round-to-nearest quantization has no column order",
+                    got=f"actorder={scheme.weights.actorder!r}",
+                    expected="actorder: null with QuantizationModifier",
+                    fix="remove actorder, or use GPTQModifier",
+                )
+        return self

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError, UnsupportedModelError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
-from llmpress.modifiers.quantization.activations import InputRangeObserver
+from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.quant.attach import (
     attach_scheme,
@@ -41,7 +42,10 @@ from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets, matches
 
-__all__ = ["QuantizationModifier", "assign_schemes", "names_inside"]
+if TYPE_CHECKING:
+    from llmpress.pipelines.blocks import CalibrationBlock
+
+__all__ = ["QuantizationModifier", "assign_schemes", "names_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +112,6 @@ def names_of(members: Iterable[nn.Module], modules: dict[str, tuple[nn.Module, Q
     return [name for name, (module, _) in modules.items() if id(module) in wanted]
 
 
-def names_inside(layer: nn.Module, modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> list[str]:
-    """The names of ``modules`` that live inside ``layer``."""
-    return names_of(layer.modules(), modules)
-
-
 def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
     """Give each of ``modules`` a weight of its own where it shares one with another module."""
     owners: dict[int, int] = {}
@@ -132,14 +131,19 @@ def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
 @MODIFIERS.register("QuantizationModifier")
 class QuantizationModifier(Modifier):
     Config = QuantizationModifierConfig
-    events = frozenset({"calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end"})
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data") if self.config.needs_calibration else ("model",)
 
-    @property
-    def needs_calibration_forward(self) -> bool:
-        return self.config.needs_calibration
+    def calibration_targets(self) -> dict[str, nn.Module]:
+        """Modules whose static input scale still needs calibration data."""
+        if self.training:
+            return {}
+        return {n: m for n, (m, s) in self.pending.items() if has_static_inputs(s)}
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        if name in self.pending:
+            self.inputs.record(name, x)
 
     def on_initialize(self, state: State) -> None:
         earlier = {id(m): m.quantization_scheme for m in state.model.modules() if getattr(m, "quantization_scheme", None)}
@@ -181,15 +185,12 @@ class QuantizationModifier(Modifier):
     def on_window_end(self, state: State) -> None:
         self.quantize_pending(list(self.pending))
 
-    def on_calibration_start(self, state: State) -> None:
-        self.inputs.observe(self.pending)
-
-    def on_modules_calibrated(self, state: State, index: int, layer: nn.Module, modules: list[nn.Module]) -> None:
+    def on_modules_calibrated(self, state: State, block: CalibrationBlock, modules: list[nn.Module]) -> None:
         self.quantize_pending(names_of(modules, self.pending))
 
-    def on_layer_calibrated(self, state: State, index: int, layer: nn.Module) -> None:
-        """Quantize this layer's modules now, so later layers calibrate on quantized outputs."""
-        self.quantize_pending(names_inside(layer, self.pending))
+    def on_layer_calibrated(self, state: State, block: CalibrationBlock) -> None:
+        """Quantize this block's modules now, so later blocks calibrate on quantized outputs."""
+        self.quantize_pending(names_of(block.module.modules(), self.pending))
 
     def on_calibration_end(self, state: State) -> None:
         self.calibrated = True

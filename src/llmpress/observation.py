@@ -1,0 +1,86 @@
+"""Calibration inputs, handed from the model to the modifiers that asked for them.
+
+Between ``calibration_start`` and ``calibration_end`` the session keeps one ``Observation``: a
+forward pre-hook (a removable handle) on every module some modifier lists in
+``calibration_targets()``, each handing the module's input to those modifiers' ``observe``. The
+modifiers never hook the model themselves, so a pipeline can:
+
+* run a stand-in in a module's place and still have its input observed (``feed``);
+* re-run compressed modules without the modifiers seeing those inputs again (``paused``);
+* let only some modules observe in a forward (``only``: one group of a block at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from llmpress.modifiers.base import Modifier
+
+__all__ = ["Observation", "primary_input"]
+
+
+def primary_input(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """What a module is called on: its first argument, else ``hidden_states``, else the first
+    tensor among its keyword arguments (None when there is none)."""
+    if args:
+        return args[0]
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]
+    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+
+
+class Observation:
+    def __init__(self, modifiers: Iterable[Modifier]) -> None:
+        self.watchers: dict[nn.Module, list[tuple[Modifier, str]]] = {}
+        for modifier in modifiers:
+            for name, module in modifier.calibration_targets().items():
+                self.watchers.setdefault(module, []).append((modifier, name))
+        self._only: set[nn.Module] | None = None
+        self._paused = 0
+        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.watchers]
+
+    @property
+    def targets(self) -> list[nn.Module]:
+        """Every watched module."""
+        return list(self.watchers)
+
+    def _hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._paused or (self._only is not None and module not in self._only):
+            return
+        self.feed(module, primary_input(args, kwargs))
+
+    def feed(self, module: nn.Module, x: torch.Tensor) -> None:
+        """Hand ``x`` to the modifiers watching ``module`` as its input."""
+        for modifier, name in self.watchers.get(module, ()):
+            modifier.observe(name, x)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No module is observed inside."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextmanager
+    def only(self, modules: Iterable[nn.Module]) -> Iterator[None]:
+        """Only ``modules`` are observed inside (the others run unobserved). A ``set`` is read as
+        it is when each module runs, so a caller may add to it meanwhile."""
+        previous, self._only = self._only, modules if isinstance(modules, set) else set(modules)
+        try:
+            yield
+        finally:
+            self._only = previous
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.watchers.clear()

@@ -1,0 +1,209 @@
+"""How a block can be calibrated module by module, learnt from one forward of its first batch.
+
+``plan_block`` runs the block once (nothing observed) with recording hooks on its submodules and
+returns a ``BlockPlan``, or the reason the block cannot go module by module (then it takes two
+passes). The plan says:
+
+* ``groups``: the watched modules in call order, grouped by shared input (q/k/v read the same
+  normed hidden states, as do gate/up): each group is one stage;
+* which submodules are called exactly once, in order, and what encloses what;
+* ``answers``: a parent whose output is its last watched module's output (Llama's attention
+  returns o_proj's, its MLP down_proj's) can answer from that module's input alone;
+* ``zeros``: submodules whose output can be replaced by zeros where it is never used (its shape
+  follows from its input: the input's leading dimensions, a fixed number of features).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpress.observation import Observation, primary_input
+from llmpress.pipelines.blocks import Inputs
+from llmpress.pipelines.stand_ins import ZeroAnswer
+
+__all__ = ["Answer", "BlockPlan", "kept_bytes", "plan_block", "tokens_per_batch"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A parent answered from the input of its last watched module: ``last(x)``, alone
+    (``length`` None) or first in a tuple of ``length`` with Nones after."""
+
+    last: nn.Module
+    length: int | None
+
+
+@dataclass
+class BlockPlan:
+    groups: list[list[nn.Module]]
+    order: list[nn.Module]  # submodules called exactly once, in the order they were entered
+    ancestors: dict[nn.Module, list[nn.Module]]  # enclosing submodules, innermost first
+    watched_in: dict[nn.Module, set[nn.Module]] = field(default_factory=dict)  # module -> watched ones in it
+    answers: dict[nn.Module, Answer] = field(default_factory=dict)
+    zeros: dict[nn.Module, tuple[int, int | None, torch.dtype]] = field(default_factory=dict)
+    parked_bytes_per_token: int = 0  # the inputs parked for the parents' answers
+
+    def complete(self, done: set[nn.Module]) -> list[nn.Module]:
+        """The outermost submodules whose watched modules are all in ``done``."""
+        full = {m for m in self.order if self.watched_in.get(m) and self.watched_in[m] <= done}
+        return [m for m in self.order if m in full and not any(a in full for a in self.ancestors[m])]
+
+    def zeroed_after(self, module: nn.Module) -> dict[nn.Module, ZeroAnswer]:
+        """The outermost submodules entered after ``module`` whose outputs can be zeros."""
+        cut = self.order.index(module)
+        chosen: dict[nn.Module, ZeroAnswer] = {}
+        for later in self.order[cut + 1:]:
+            if later in self.zeros and not any(a in chosen for a in self.ancestors[later]):
+                chosen[later] = ZeroAnswer(*self.zeros[later])
+        return chosen
+
+
+def tokens_per_batch(inputs: Inputs) -> list[int]:
+    """Tokens in each batch: the leading dimensions of the block's hidden states (-1: none)."""
+    rows = []
+    for args, kwargs in inputs:
+        hidden = primary_input(args, kwargs)
+        rows.append(hidden.shape[:-1].numel() if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else -1)
+    return rows
+
+
+def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:
+    """About what the stages keep besides the block's inputs: the parked inputs (and, once
+    answered, the outputs) of the modules that answer for their parents, for every batch."""
+    return plan.parked_bytes_per_token * sum(r for r in tokens_per_batch(inputs) if r > 0)
+
+
+@torch.no_grad()
+def plan_block(block: nn.Module, first: tuple[tuple, dict], watched: list[nn.Module],
+               observation: Observation | None = None) -> BlockPlan | str:
+    """Probe ``block`` on one batch (``first``: its args and kwargs) and plan the stages for the
+    ``watched`` modules inside it; or say why it cannot go module by module."""
+    record = _Probe(block, set(watched))
+    args, kwargs = first
+    with record, (observation.paused() if observation is not None else nullcontext()):
+        block(*args, **kwargs)
+    if not watched:
+        return "nothing in it is watched"
+    counts = sorted({record.calls[m] for m in watched})
+    if counts != [1]:
+        return f"its watched modules are called {'/'.join(map(str, counts))} times in a forward, not once each"
+    tokens = tokens_per_batch([first])[0]
+    for module, x in record.watched_inputs:
+        if not isinstance(x, torch.Tensor) or x.shape[:-1].numel() != tokens:
+            return f"{type(module).__name__} sees a subset of the batch's tokens (routed experts?)"
+    plan = BlockPlan(groups=record.groups(), order=[m for m in record.order if record.calls[m] == 1],
+                     ancestors=_ancestors(block))
+    for module in watched:
+        for owner in [module, *plan.ancestors[module]]:
+            plan.watched_in.setdefault(owner, set()).add(module)
+    plan.zeros = {m: shape for m in plan.order if (shape := record.zero_shape(m)) is not None}
+    _plan_answers(plan, record)
+    plan.parked_bytes_per_token = sum(a.last.in_features * a.last.weight.element_size() for a in plan.answers.values())
+    return plan
+
+
+def _plan_answers(plan: BlockPlan, record: _Probe) -> None:
+    """Parents that return their last watched module's output as theirs (the outermost such)."""
+    rank = {m: i for i, group in enumerate(plan.groups) for m in group}
+    for group in plan.groups:
+        if len(group) != 1 or not isinstance(group[0], nn.Linear):
+            continue
+        last = group[0]
+        for parent in plan.ancestors[last]:  # innermost first: keep the outermost that qualifies
+            answer = _answer_from(last, record.outputs.get(last), record.outputs.get(parent))
+            if answer is None or record.calls[parent] != 1 or any(rank[m] > rank[last] for m in plan.watched_in[parent]):
+                break
+            plan.answers = {p: a for p, a in plan.answers.items() if a.last is not last}
+            plan.answers[parent] = answer
+
+
+def _answer_from(last: nn.Module, inner: Any, output: Any) -> Answer | None:
+    """How a parent's ``output`` carries its module ``last``'s output ``inner``, if it does:
+    as itself, or first in a tuple with Nones after."""
+    if output is inner:
+        return Answer(last, None)
+    if isinstance(output, tuple) and output and output[0] is inner and all(o is None for o in output[1:]):
+        return Answer(last, len(output))
+    return None
+
+
+def _ancestors(block: nn.Module) -> dict[nn.Module, list[nn.Module]]:
+    parents: dict[nn.Module, nn.Module] = {}
+    for parent in block.modules():
+        for child in parent.children():
+            parents.setdefault(child, parent)
+    chains: dict[nn.Module, list[nn.Module]] = {}
+    for module in block.modules():
+        chain, up = [], parents.get(module)
+        while up is not None and up is not block:
+            chain.append(up)
+            up = parents.get(up)
+        chains[module] = chain
+    return chains
+
+
+class _Probe:
+    """Recording hooks on every submodule of a block for one forward: calls, entry order, the
+    watched modules' inputs (to group them) and every output (to plan answers and zeros)."""
+
+    def __init__(self, block: nn.Module, watched: set[nn.Module]) -> None:
+        self.block, self.watched = block, watched
+        self.calls: Counter[nn.Module] = Counter()
+        self.order: list[nn.Module] = []
+        self.inputs: dict[nn.Module, Any] = {}
+        self.outputs: dict[nn.Module, Any] = {}
+        self.watched_inputs: list[tuple[nn.Module, Any]] = []
+        self.unchanged: list[bool] = []  # per watched call: its input equals what the previous one saw
+        self._last: tuple[Any, torch.Tensor | None] = (None, None)
+
+    def __enter__(self) -> _Probe:
+        inner = [m for m in self.block.modules() if m is not self.block]
+        self.handles = [m.register_forward_pre_hook(self._before, with_kwargs=True) for m in inner]
+        self.handles += [m.register_forward_hook(self._after) for m in inner]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls[module] += 1
+        self.order.append(module)
+        x = primary_input(args, kwargs)
+        self.inputs.setdefault(module, x)
+        if module in self.watched:
+            previous, snapshot = self._last
+            self.unchanged.append(x is previous and snapshot is not None and torch.equal(x, snapshot))
+            self.watched_inputs.append((module, x))
+            self._last = (x, x.clone() if isinstance(x, torch.Tensor) else None)
+
+    def _after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.outputs.setdefault(module, output)
+
+    def groups(self) -> list[list[nn.Module]]:
+        """Watched modules in call order; one that reads its predecessor's input, unchanged, joins its group."""
+        groups: list[list[nn.Module]] = []
+        for (module, _), same in zip(self.watched_inputs, self.unchanged):
+            if groups and same:
+                groups[-1].append(module)
+            else:
+                groups.append([module])
+        return groups
+
+    def zero_shape(self, module: nn.Module) -> tuple[int, int | None, torch.dtype] | None:
+        """``(features, tuple length or None, dtype)`` when the output can be made from the input's shape."""
+        x, output = self.inputs.get(module), self.outputs.get(module)
+        length = None
+        if isinstance(output, tuple) and output and all(o is None for o in output[1:]):
+            output, length = output[0], len(output)
+        if not (isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor)) or x.dim() == 0 or output.dim() == 0:
+            return None
+        if output.shape[:-1] != x.shape[:-1]:
+            return None
+        return output.shape[-1], length, output.dtype

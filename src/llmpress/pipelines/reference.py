@@ -1,0 +1,55 @@
+"""The reference strategy for one block: read this first.
+
+For each group of the block's watched modules (all of them at once, or one group at a time
+module by module): run every batch through the block with only that group observed, and let the
+modifiers compress the group (``modules_calibrated``). Then ``layer_calibrated``, and one more
+run, unobserved, with everything compressed, whose outputs become the next block's inputs::
+
+    for group in groups:                         # [all watched modules] for two passes
+        run the block on every batch, observing only `group`
+        session.modules_calibrated(block, group)
+    session.layer_calibrated(block)
+    run the block on every batch, unobserved: outputs -> next block's inputs
+
+Module by module, each group is calibrated on the outputs of the compressed groups before it
+(the GPTQ paper's "true sequential" order). ``sequential.py`` computes the same thing with every
+Linear multiplying once; tests hold it to this one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmpress.pipelines.blocks import CalibrationBlock, hand_on
+from llmpress.session import Session
+
+__all__ = ["calibrate_block_reference", "run_block"]
+
+
+@torch.no_grad()
+def calibrate_block_reference(block: CalibrationBlock, session: Session, groups: list[list[nn.Module]],
+                              outputs_needed: bool) -> tuple | None:
+    """Calibrate ``block`` group by group; returns what the block returns besides its hidden
+    states (for the tail pass), None when it returns them alone or ``outputs_needed`` is False."""
+    observation = session.observation
+    for group in filter(None, groups):
+        with observation.only(group):
+            for args, kwargs in block.inputs:
+                block.module(*args, **kwargs)
+        session.modules_calibrated(block, group)
+    session.layer_calibrated(block)
+    if not outputs_needed:
+        return None
+    with observation.paused():
+        return run_block(block)
+
+
+@torch.no_grad()
+def run_block(block: CalibrationBlock) -> tuple | None:
+    """Replace each batch's input by the block's output, one batch at a time (so only one batch
+    of the two is ever alive twice); returns what the block returns besides its hidden states."""
+    rest = None
+    for index, (args, kwargs) in enumerate(block.inputs):
+        rest = hand_on(block.inputs, index, block.module(*args, **kwargs))
+    return rest
