@@ -270,33 +270,3 @@ def test_trainer_resumes_qat_from_a_compressed_checkpoint(tmp_path):
     resumed = trainer(2)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.session.step == 8
-
-
-def test_a_trainer_save_on_the_main_process_does_not_wait_for_other_ranks(tmp_path, monkeypatch):
-    model = make_tiny_llama()
-    from llmpress.checkpoint.save import route_save_pretrained
-
-    route_save_pretrained(model)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
-
-    def no_barrier():
-        raise AssertionError("a barrier with only the main process here would hang")
-
-    monkeypatch.setattr(torch.distributed, "barrier", no_barrier)
-    model.save_pretrained(tmp_path / "a", is_main_process=True, state_dict=None, safe_serialization=True)
-    assert (tmp_path / "a" / "model.safetensors").exists()
-    model.save_pretrained(tmp_path / "b", is_main_process=False)
-    assert not (tmp_path / "b").exists()
-
-
-def test_a_gathered_state_dict_for_a_sharded_model_is_refused(tmp_path):
-    from llmpress.checkpoint.save import route_save_pretrained
-    from llmpress.errors import CheckpointError
-
-    model = make_tiny_llama()
-    route_save_pretrained(model)
-    whole = {k: v.clone() for k, v in model.state_dict().items()}
-    model.model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0))  # a shard, as FSDP leaves it
-    with pytest.raises(CheckpointError, match="sharded"):
-        model.save_pretrained(tmp_path / "out", state_dict=whole)

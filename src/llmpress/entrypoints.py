@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.checkpoint import route_save_pretrained, save_checkpoint
+from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
 from llmpress.gc_pause import gc_paused
@@ -96,7 +96,6 @@ def oneshot(
     batches = _calibration_batches(dataset, processor, options)
     for stage in recipe.stages:
         _oneshot_stage(model, stage, batches, processor, options)
-    route_save_pretrained(model)
     if output_dir is not None:
         save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
     return model
@@ -179,7 +178,6 @@ def train(
             _oneshot_stage(model, stage, calibration_batches, processor, calibration)
         if output_dir is not None and i < len(recipe.stages) - 1:
             save_checkpoint(Path(output_dir) / stage.name, model, processor, save_compressed=save_compressed)
-    route_save_pretrained(model)
     if output_dir is not None:
         save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
     return model

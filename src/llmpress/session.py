@@ -22,7 +22,7 @@ import logging
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from llmpress.checkpoint.save import route_save_pretrained
+from llmpress.checkpoint.save_pretrained import route_save_pretrained
 from llmpress.errors import MissingStateError, SessionError
 from llmpress.modifiers.base import EVENTS, STATE_FIELDS, TRAINING_EVENTS, Modifier, State
 from llmpress.observation import Observation

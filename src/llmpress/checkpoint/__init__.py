@@ -1,5 +1,6 @@
-"""The one save path (``save_checkpoint``) and a minimal reader of what it writes."""
+"""The one save path (``save_checkpoint``), ``save_pretrained`` routed to it, and a minimal reader of what it writes."""
 
-from llmpress.checkpoint.save import route_save_pretrained, save_checkpoint
+from llmpress.checkpoint.save import save_checkpoint
+from llmpress.checkpoint.save_pretrained import route_save_pretrained, upload_to_hub
 
-__all__ = ["save_checkpoint", "route_save_pretrained"]
+__all__ = ["route_save_pretrained", "save_checkpoint", "upload_to_hub"]

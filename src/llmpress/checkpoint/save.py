@@ -6,7 +6,6 @@ import copy
 import json
 import logging
 import shutil
-import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,7 @@ from llmpress.errors import CheckpointError
 if TYPE_CHECKING:
     from llmpress.recipe import Recipe
 
-__all__ = ["parse_size", "route_save_pretrained", "save_checkpoint"]
+__all__ = ["parse_size", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,50 +84,6 @@ def _is_checkpoint_file(name: str) -> bool:
         or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
         or name in (RECIPE_NAME, "config.json", "generation_config.json")
     )
-
-
-# save_pretrained arguments the one save path has no use for: it always writes safetensors from
-# the live model (the Trainer passes these on every checkpoint)
-_QUIETLY_IGNORED = ("safe_serialization", "state_dict")
-
-
-def _check_given_state_dict(model: nn.Module, given: dict[str, torch.Tensor] | None) -> None:
-    """llmpress saves the live modules (their schemes, masks, QAT state); a state dict handed in
-    (a Trainer gathering FSDP or ZeRO-3 shards) is only fine when the live tensors are whole."""
-    if not given:
-        return
-    live = dict(model.named_parameters())  # not state_dict(): under FSDP that is a collective
-    wrong = [k for k, v in given.items() if k in live and tuple(live[k].shape) != tuple(v.shape)]
-    sharded = [
-        n for n, p in live.items()
-        if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ in ("DTensor", "FlatParameter") or "_fsdp_wrapped_module" in n
-    ]
-    if wrong or sharded:
-        raise CheckpointError(
-            "save_pretrained got a gathered state_dict while the model's own tensors are sharded",
-            got=f"{len(wrong) + len(sharded)} sharded or reshaped tensor(s), e.g. {(wrong or sharded)[:1]}",
-            expected="a model whose modules hold whole tensors (no FSDP / DeepSpeed ZeRO-3 sharding)",
-            fix="train without parameter sharding, or gather the model and call llmpress.save_checkpoint on it",
-        )
-
-
-def route_save_pretrained(model: nn.Module) -> None:
-    """Make ``model.save_pretrained(dir)`` go through :func:`save_checkpoint`."""
-
-    def save_pretrained(self: nn.Module, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
-        options = {k: kwargs.pop(k) for k in ("save_compressed", "max_shard_size") if k in kwargs}
-        if "is_main_process" in kwargs:  # transformers' convention: only the main process calls
-            if not kwargs.pop("is_main_process"):
-                return
-            options["synchronize"] = False
-        _check_given_state_dict(self, kwargs.get("state_dict"))
-        for name in _QUIETLY_IGNORED:
-            kwargs.pop(name, None)
-        if kwargs or args:
-            logger.warning("save_pretrained through llmpress ignores %s", sorted(kwargs) + [repr(a) for a in args])
-        save_checkpoint(save_directory, self, **options)
-
-    model.save_pretrained = types.MethodType(save_pretrained, model)
 
 
 def parse_size(size: int | str) -> int:

@@ -82,10 +82,7 @@ def register() -> None:
             missing = self.inner.update_missing_keys(model, [])  # the quantized modules never filled
             if missing:
                 raise CheckpointError("the checkpoint lacks weights of quantized modules", got=missing[:4])
-            self.inner.process_model_after_weight_loading(model)
-            from llmpress.checkpoint.save import route_save_pretrained
-
-            route_save_pretrained(model)
+            self.inner.process_model_after_weight_loading(model)  # saves now go through llmpress
             return model
 
         def _dequantize(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

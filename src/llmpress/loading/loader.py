@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.checkpoint.save import route_save_pretrained
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
 from llmpress.gc_pause import gc_paused
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
@@ -111,7 +110,6 @@ def load(
     if quantizer is not None:
         quantizer.process_model_after_weight_loading(model)
         setattr(model, QUANTIZER_ATTR, quantizer)
-        route_save_pretrained(model)
     recipe_file = folder / "recipe.yaml"
     if recipe_file.is_file():
         try:  # what was applied, kept for the next save; the weights do not depend on it

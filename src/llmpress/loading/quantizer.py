@@ -80,7 +80,12 @@ class Quantizer:
         return unexpected
 
     def process_model_after_weight_loading(self, model: nn.Module) -> None:
+        """The method's last touches, then ``model.save_pretrained`` writes through llmpress's
+        save path (a compressed model saves compressed, with its recipe)."""
+        from llmpress.checkpoint.save_pretrained import route_save_pretrained
+
         self._process_model_after_weight_loading(model)
+        route_save_pretrained(model)
 
     def _process_model_after_weight_loading(self, model: nn.Module) -> None:
         return None
