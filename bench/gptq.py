@@ -162,24 +162,23 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     print(f"\nGPTQ, 64 x 256 calibration tokens, group 128; fp32 perplexity of tiny-llama {fp32:.3f}")
-    header = (f"{'model':<12} {'bits':>4} {'wall s':>13} {'ratio':>6} {'in-process s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6}"
+    header = (f"{'model':<12} {'bits':>4} {'in-process s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6} {'wall s':>13} {'ratio':>6}"
               f" {'ppl llmpress':>12} {'ppl llm-c':>9} {'ppl RTN':>8} {'rise ratio':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
         o, p, q = r["ours"], r["peer"], r["ratios"]
-        line = (f"{r['model']:<12} {r['bits']:>4} {o['wall_s']:>6.1f}/{p['wall_s']:<6.1f} {q['wall_s']:>6.2f}"
-                f" {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
-                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}")
+        line = (f"{r['model']:<12} {r['bits']:>4} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
+                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}"
+                f" {o['wall_s']:>6.1f}/{p['wall_s']:<6.1f} {q['wall_s']:>6.2f}")
         if "ppl_ours" in r:
             rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"
         print(line)
     how = "llmpress.oneshot from Python" if args.api else "the llmpress oneshot command"
     print(f"\nllmpress ran as {how}, llm-compressor as its oneshot from Python, both on the same recipe file and tokens."
-          f"\nwall: whole process (imports, load, calibration, save, exit), median of {args.repeat} runs on tiny,"
-          f" {args.repeat_large} on random-1024; in-process: from the tool's first import to the saved checkpoint"
-          "\n(without interpreter start-up and teardown);"
+          f"\nin-process (the headline): from the tool's first import to the saved checkpoint; wall: the whole process"
+          f" (interpreter start-up and exit too); medians of {args.repeat} runs on tiny, {args.repeat_large} on random-1024;"
           "\nratios: llmpress / llm-compressor, the median over the alternating pairs of runs (a pair runs back to back);"
           "\nrise ratio: (ppl llmpress - fp32) / (ppl llm-compressor - fp32); perplexities read back through transformers.")
 

@@ -38,7 +38,7 @@ def run_llmpress_command(recipe: str, model_dir: str, tokens: str, output: str) 
                 "--num-samples", str(len(samples)), "--seq-len", str(len(samples[0])), "--output", output]
     from llmpress.cli import run
 
-    atexit.register(report)  # run() ends the process, as the command does
+    atexit.register(report)  # run() exits, as the command does
     run()
 
 

@@ -103,26 +103,3 @@ def test_inspect_a_plain_checkpoint(capsys):
     assert main(["inspect", str(trained_model_dir())]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out
-
-
-@pytest.mark.parametrize("thread", [False, True])
-def test_the_command_ends_its_process_with_handlers_run_and_output_flushed(thread):
-    """``run`` skips interpreter teardown, never exit handlers, buffered output, the status, or a
-    thread still at work (then it exits the ordinary way, which waits for it)."""
-    probe = (
-        "import atexit, sys, threading, time\n"
-        "import llmpress.cli as cli\n"
-        "atexit.register(lambda: print('handler ran'))\n"
-        "command = cli.main\n"
-        "def main():\n"
-        "    code = command()\n"
-        f"    if {thread}:  # still at work when the command is done\n"
-        "        threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()\n"
-        "    return code\n"
-        "cli.main = main\n"
-        "sys.argv = ['llmpress', 'inspect', 'no/such/dir']\n"
-        "cli.run()\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "not a checkpoint folder" in result.stderr
-    assert result.stdout.split() == (["thread", "done"] if thread else []) + ["handler", "ran"]

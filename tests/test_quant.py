@@ -282,54 +282,6 @@ def test_a_shared_weight_is_not_held():
     assert CompactWeights(model).hold(model[0]) == 0 and not first.weight.is_meta
 
 
-def test_the_gc_pause_restores_the_collector_even_after_an_error():
-    import gc
-
-    from llmpress.gc_pause import gc_paused
-
-    assert gc.isenabled()
-    with pytest.raises(ImportError):
-        with gc_paused():
-            assert not gc.isenabled()
-            with gc_paused():  # nested: the inner block leaves it off for the outer one
-                pass
-            assert not gc.isenabled()
-            raise ImportError("an import failed")
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with gc_paused():
-            pass
-        assert not gc.isenabled()  # it was off before: it stays off
-    finally:
-        gc.enable()
-
-
-def test_the_library_never_freezes_the_heap_and_the_command_does(tmp_path):
-    """A library inside someone else's process must leave the collector's generations alone; the
-    ``llmpress`` command owns its process and freezes what its imports made (gc_pause.py)."""
-    import gc
-    import subprocess
-    import sys
-
-    import llmpress
-    from llmpress.gc_pause import gc_paused
-
-    assert llmpress.oneshot is not None  # a lazily imported name, under gc_paused
-    with gc_paused():
-        pass
-    assert gc.get_freeze_count() == 0
-    probe = (
-        "import gc; from llmpress.gc_pause import gc_paused, own_process\n"
-        "own_process(); gc.unfreeze()\n"
-        "with gc_paused():\n"
-        "    made = [[i] for i in range(1000)]\n"
-        "assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()\n"
-        "assert gc.isenabled()\n"
-    )
-    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
-
-
 def test_importing_the_package_is_cheap_and_names_arrive_on_use():
     import subprocess
     import sys

@@ -5,9 +5,8 @@ Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active
 ``llmpress.errors``.
 
 Importing the package is cheap: each name (and each subpackage, ``llmpress.quant`` say) is
-imported on first use, with torch and transformers behind it, under ``gc_paused`` (see
-``llmpress/gc_pause.py``). The command line relies on this to decide how the collector treats
-those imports before any of them happens.
+imported on first use, with torch and transformers behind it (``llmpress --help`` answers at
+once).
 """
 
 from __future__ import annotations
@@ -77,13 +76,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """A public name or a subpackage, imported on first use and then kept as an attribute."""
-    from llmpress.gc_pause import gc_paused
-
     home = _HOMES.get(name)
     if home is None and (name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    with gc_paused():  # torch and transformers come in here
-        value = getattr(importlib.import_module(home), name) if home else importlib.import_module(f"{__name__}.{name}")
+    value = getattr(importlib.import_module(home), name) if home else importlib.import_module(f"{__name__}.{name}")
     globals()[name] = value
     return value
 

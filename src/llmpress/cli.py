@@ -15,8 +15,6 @@ import sys
 import time
 
 from llmpress.errors import LlmpressError
-from llmpress.gc_pause import end_process, gc_paused, own_process, owns_process
-from llmpress.integrations.transformers_startup import share_model_folder_scan
 
 __all__ = ["main", "run"]
 
@@ -202,15 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _import_library(command: str) -> None:
-    """Torch, transformers' common parts and the library modules the command runs, under
-    ``gc_paused``: most of a command's start-up (see gc_pause.py). In the command's own process
-    transformers is imported first, its model-folder scan shared (integrations/transformers_startup.py)."""
+    """Torch, transformers and the library modules the command runs, before it starts."""
     modules = ["llmpress.checkpoint.inspect"] if command == "inspect" else ["llmpress.entrypoints", "llmpress.loading", "llmpress.evaluation"]
-    with gc_paused():
-        if command != "inspect" and owns_process():  # transformers scans its model folder once, not twice
-            share_model_folder_scan()
-        for module in modules:
-            importlib.import_module(module)
+    for module in modules:
+        importlib.import_module(module)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,9 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The ``llmpress`` command: ``main`` in a process of its own, which it then ends."""
-    own_process()  # before the heavy imports: what they make is frozen, never walked (gc_pause.py)
-    end_process(main())  # everything is written and closed: no interpreter teardown
+    """The ``llmpress`` command."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from torch import nn
 from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
-from llmpress.gc_pause import gc_paused
 from llmpress.modifiers.base import TRAINING_EVENTS
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
@@ -41,8 +40,7 @@ def load_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float3
     if not folder.is_dir():
         raise CheckpointError("model folder not found", got=str(folder), expected="a local model folder")
     model = load_checkpoint(folder, dtype=dtype)
-    with gc_paused():  # the tokenizer classes import much of transformers
-        processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
+    processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
     return model, processor
 
 

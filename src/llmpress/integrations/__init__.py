@@ -1,1 +1,1 @@
-"""The only code that touches other frameworks' internals (transformers' quantizer registry, its start-up scan)."""
+"""The only code that touches transformers beyond its public model API: its quantizer registry (``LlmpressConfig`` in ``from_pretrained``) and the Trainer integration."""

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
-from llmpress.gc_pause import gc_paused
 from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.shards import (
@@ -142,8 +141,7 @@ def _read_config(folder: Path):
     from transformers import AutoConfig
 
     try:
-        with gc_paused():  # the config class imports much of transformers' core
-            return AutoConfig.from_pretrained(str(folder))
+        return AutoConfig.from_pretrained(str(folder))
     except (OSError, ValueError, KeyError) as exc:
         raise UnsupportedModelError(
             "transformers cannot read this model's config",
@@ -197,7 +195,7 @@ def _skeleton(config, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        with gc_paused(), init_empty_weights(include_buffers=False), _no_weight_init():  # imports the model's classes
+        with init_empty_weights(include_buffers=False), _no_weight_init():
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:
         raise UnsupportedModelError(
