@@ -55,6 +55,23 @@ def tiny_llama():
     return make_tiny_llama()
 
 
+@pytest.fixture
+def scoped_registries():
+    """Modifiers, formats and quantization methods a test registers are forgotten after it."""
+    from llmpress.formats import FORMATS
+    from llmpress.integrations.transformers_quantizer import unregister_from_transformers
+    from llmpress.loading import METHODS
+    from llmpress.modifiers import MODIFIERS
+
+    before = {registry: set(registry.names()) for registry in (MODIFIERS, FORMATS, METHODS)}
+    yield
+    for registry, names in before.items():
+        for name in set(registry.names()) - names:
+            registry.unregister(name)
+            if registry is METHODS:
+                unregister_from_transformers(name)
+
+
 @pytest.fixture(autouse=True)
 def no_stray_files():
     """Fail a test that leaves files behind in the repository (tests write under tmp_path)."""

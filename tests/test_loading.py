@@ -12,13 +12,6 @@ from torch import nn
 
 import llmpress
 from llmpress.errors import CheckpointError, RecipeError
-from llmpress.loading import (
-    QUANTIZERS,
-    QuantizationConfig,
-    Quantizer,
-    register_quantization_config,
-    register_quantizer,
-)
 from llmpress.runtime import QuantizedLinear
 
 LLMC_FIXTURE = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
@@ -160,36 +153,6 @@ def test_plain_checkpoint_loads_like_transformers(tmp_path):
     ids = torch.tensor(token_batches(2, 16))
     torch.testing.assert_close(logits(ours, ids), logits(theirs, ids))
     assert llmpress.load(tmp_path / "plain", dtype="bfloat16").model.norm.weight.dtype == torch.bfloat16
-
-
-def test_a_third_party_method_plugs_in_with_one_config_and_one_quantizer(tmp_path):
-    """Adding a method needs no change to the loader: here, linear weights rounded to fp16."""
-
-    @register_quantization_config("test-half")
-    class HalfConfig(QuantizationConfig):
-        quant_method = "test-half"
-
-        def __init__(self, **unused):
-            pass
-
-    calls = []
-
-    @register_quantizer("test-half")
-    class HalfQuantizer(Quantizer):
-        def param_needs_quantization(self, model, param_name):
-            return param_name.endswith("proj.weight")
-
-        def create_quantized_param(self, model, param_name, tensor, device):
-            calls.append(param_name)
-            owner, _, attr = param_name.rpartition(".")
-            model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor.half().float(), requires_grad=False)
-
-    make_tiny_llama().save_pretrained(tmp_path / "fp32")
-    model = llmpress.load(tmp_path / "fp32", quantization_config=HalfConfig())
-    assert len(calls) == 14 and isinstance(model.llmpress_quantizer, HalfQuantizer)
-    w = model.model.layers[0].mlp.up_proj.weight
-    assert torch.equal(w, w.half().float())
-    assert "test-half" in QUANTIZERS
 
 
 def test_bad_inputs_get_clear_errors(tmp_path):

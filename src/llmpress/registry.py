@@ -37,6 +37,12 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (a test's own registration, say); unknown names are an error."""
+        if name not in self._items:
+            raise RegistryError(f"{self.kind} {name!r} is not registered", expected=f"one of {', '.join(self.names())}")
+        del self._items[name]
+
     def get(self, name: str) -> T:
         if name not in self._items and not self._plugins_loaded:
             self._load_plugins()

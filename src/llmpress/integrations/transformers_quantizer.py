@@ -1,11 +1,15 @@
-"""llmpress's quantize-on-load inside ``transformers.AutoModelForCausalLM.from_pretrained``.
+"""llmpress's quantization methods inside ``transformers.AutoModelForCausalLM.from_pretrained``.
 
-``from_pretrained(fp32_dir, quantization_config=LlmpressConfig(bits=4))`` goes through
-transformers' quantizer hooks, which this adapter forwards to the same ``Quantizer`` class that
-``llmpress.load`` uses. transformers routes a checkpoint tensor to a quantizer only when the model
-skeleton has a parameter of that name, so each ``QuantizedLinear`` gets a ``meta`` placeholder
-``weight`` until its real weight arrives and is quantized. Registration happens when the first
-``LlmpressConfig`` is made (needs transformers 5).
+``LlmpressHfQuantizer`` is transformers' quantizer interface forwarded to the llmpress
+``Quantizer`` registered for the config's ``quant_method`` (``llmpress.loading.methods``): one
+generic adapter for every method, registered with transformers by
+``register_quantization_method``. So ``from_pretrained(fp32_dir,
+quantization_config=LlmpressConfig(bits=4))`` quantizes while loading with the same code as
+``llmpress.load``. transformers routes a checkpoint tensor to a quantizer only when the model
+skeleton has a parameter of that name, so a parameter the quantizer's modules no longer have
+(a ``QuantizedLinear`` keeps packed integers, not ``weight``) gets a ``meta`` placeholder until
+its tensor arrives. Needs transformers 5 (its ``ConversionOps`` loading); with transformers 4,
+``llmpress.load`` still works and registration is skipped.
 """
 
 from __future__ import annotations
@@ -17,69 +21,72 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 
-__all__ = ["register"]
+__all__ = ["LlmpressHfQuantizer", "register_with_transformers", "unregister_from_transformers"]
 
-_REGISTERED = False
+try:
+    from transformers.core_model_loading import ConversionOps
+    from transformers.quantizers import HfQuantizer
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+except ImportError:  # transformers 4.x: another quantizer API
+    HfQuantizer = None
 
 
-def register() -> None:
-    """Register ``llmpress`` with transformers' quantizer and config registries (idempotent)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    try:
-        from transformers.core_model_loading import ConversionOps
-        from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
-    except ImportError:  # transformers 4.x: the quantizer API differs; llmpress.load still works
-        return
-    from llmpress.loading.config import QUANTIZERS, LlmpressConfig, QuantizationMethod
+def register_with_transformers(method: str, config: type) -> bool:
+    """Make ``from_pretrained(..., quantization_config=config(...))`` load through llmpress.
+    Returns False where transformers cannot take it (version 4, or a method it has itself)."""
+    if HfQuantizer is None or method in AUTO_QUANTIZER_MAPPING:
+        return False
+    AUTO_QUANTIZATION_CONFIG_MAPPING[method] = config
+    AUTO_QUANTIZER_MAPPING[method] = LlmpressHfQuantizer
+    return True
 
-    method = QuantizationMethod.LLMPRESS.value
 
-    class _QuantizeOnLoad(ConversionOps):
-        def __init__(self, hf_quantizer: LlmpressHfQuantizer) -> None:
-            self.hf_quantizer = hf_quantizer
+def unregister_from_transformers(method: str) -> None:
+    """Undo ``register_with_transformers`` (for a method registered by a test)."""
+    if HfQuantizer is not None and AUTO_QUANTIZER_MAPPING.get(method) is LlmpressHfQuantizer:
+        del AUTO_QUANTIZER_MAPPING[method]
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(method, None)
 
-        def convert(self, input_dict: dict[str, Any], full_layer_name: str | None = None, model: nn.Module | None = None,
-                    missing_keys: set[str] | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
-            tensor = next(iter(input_dict.values()))
-            tensor = tensor[0] if isinstance(tensor, list) else tensor
-            inner = self.hf_quantizer.inner
-            inner.create_quantized_param(model, full_layer_name, tensor, tensor.device)
-            model.get_submodule(full_layer_name.rpartition(".")[0])._parameters.pop("weight", None)
-            if missing_keys is not None:
-                missing_keys.discard(full_layer_name)
-            return {}  # the module holds its quantized weight; nothing left for transformers to set
+
+if HfQuantizer is not None:
 
     class LlmpressHfQuantizer(HfQuantizer):
+        """transformers' quantizer hooks, forwarded to ``self.inner``: the llmpress quantizer
+        of the config's method."""
+
         requires_calibration = False
 
-        def __init__(self, quantization_config: LlmpressConfig, **kwargs: Any) -> None:
+        def __init__(self, quantization_config: Any, **kwargs: Any) -> None:
+            from llmpress.loading.methods import METHODS, method_name
+
             super().__init__(quantization_config, **kwargs)
-            self.inner = QUANTIZERS.get(method)(quantization_config, pre_quantized=self.pre_quantized)
+            method = METHODS.get(method_name(quantization_config.quant_method))
+            self.inner = method.quantizer(quantization_config, pre_quantized=self.pre_quantized)
 
         def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
             self.inner.validate_environment(device_map=device_map)
 
         def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
-            return self.inner.update_dtype(dtype)
+            return self.inner.update_dtype(dtype) or dtype
 
         def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
-            self.inner.process_model_before_weight_loading(model, checkpoint_keys=set())
-            for name in self.inner.quantized_modules:
-                module = model.get_submodule(name)
-                placeholder = torch.empty(module.out_features, module.in_features, dtype=self.inner.dtype, device="meta")
-                module.register_parameter("weight", nn.Parameter(placeholder, requires_grad=False))
+            before = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+            self.inner.process_model_before_weight_loading(model, checkpoint_keys=set(before))
+            now = dict(model.named_parameters())
+            for name, (shape, dtype) in before.items():
+                if name not in now and self.inner.param_needs_quantization(model, name):
+                    owner, _, local = name.rpartition(".")
+                    placeholder = torch.empty(shape, dtype=dtype, device="meta")
+                    model.get_submodule(owner).register_parameter(local, nn.Parameter(placeholder, requires_grad=False))
 
         def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
             return self.inner.param_needs_quantization(model, param_name)
 
         def get_quantize_ops(self) -> ConversionOps:
-            return _QuantizeOnLoad(self)
+            return _QuantizeWithLlmpress(self)
 
         def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-            missing = self.inner.update_missing_keys(model, [])  # the quantized modules never filled
+            missing = self.inner.update_missing_keys(model, [])  # what the quantized modules never got
             if missing:
                 raise CheckpointError("the checkpoint lacks weights of quantized modules", got=missing[:4])
             self.inner.process_model_after_weight_loading(model)  # saves now go through llmpress
@@ -89,15 +96,35 @@ def register() -> None:
             return self.inner.dequantize(model)
 
         def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
-            return True
+            return self.inner.is_serializable
 
         @property
         def is_trainable(self) -> bool:
-            return False
+            return self.inner.is_trainable
 
-    if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        register_quantization_config(method)(LlmpressConfig)
-    if method not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(method)(LlmpressHfQuantizer)
-    _REGISTERED = True
+    class _QuantizeWithLlmpress(ConversionOps):
+        """Each claimed checkpoint tensor goes to the llmpress quantizer's
+        ``create_quantized_param``; a placeholder it did not fill is removed, a tensor it put in
+        place is marked as loaded (else transformers initialises it afterwards)."""
 
+        def __init__(self, hf_quantizer: LlmpressHfQuantizer) -> None:
+            self.hf_quantizer = hf_quantizer
+
+        def convert(self, input_dict: dict[str, Any], full_layer_name: str | None = None, model: nn.Module | None = None,
+                    missing_keys: set[str] | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+            tensor = next(iter(input_dict.values()))
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            self.hf_quantizer.inner.create_quantized_param(model, full_layer_name, tensor, tensor.device)
+            owner, _, local = full_layer_name.rpartition(".")
+            module = model.get_submodule(owner)
+            left = getattr(module, local, None)
+            if isinstance(left, nn.Parameter) and left.is_meta:
+                delattr(module, local)  # the quantizer keeps the weight in its own form
+            elif isinstance(left, torch.Tensor):
+                left._is_hf_initialized = True  # transformers' mark: loaded, not to be initialised
+            if missing_keys is not None:
+                missing_keys.discard(full_layer_name)
+            return {}  # the module holds what it needs; nothing left for transformers to set
+
+else:  # pragma: no cover - transformers 4
+    LlmpressHfQuantizer = None

@@ -1,36 +1,27 @@
-"""The loading half of llmpress: ``load`` and the quantizers that plug into it (DESIGN.md §3).
+"""The loading half of llmpress: ``load`` and the quantizers that plug into it.
 
-Adding a method: a config class (``@register_quantization_config("name")``), a ``Quantizer``
-subclass (``@register_quantizer("name")``), both in one module imported here or found through
-the ``llmpress.quantizer`` entry-point group.
+Adding a method: a config class and a ``Quantizer`` subclass registered together with
+``@register_quantization_method("name", config=NameConfig)`` (in a module imported here, or in a
+plugin named in the ``llmpress.quantization_method`` entry-point group); see
+``docs/adding-a-quantization-method.md``.
 """
 
-from llmpress.loading import compressed_tensors, on_load  # noqa: F401  (registers the built-in methods)
-from llmpress.loading.config import (
-    CONFIGS,
-    QUANTIZERS,
-    CompressedTensorsConfig,
-    LlmpressConfig,
-    QuantizationConfig,
-    QuantizationMethod,
-    config_from_dict,
-    register_quantization_config,
-    register_quantizer,
-)
+from llmpress.loading import compressed_tensors, on_load  # noqa: E402, F401  (registers the built-in methods)
+from llmpress.loading.config import CompressedTensorsConfig, LlmpressConfig, QuantizationConfig, QuantizationMethod
 from llmpress.loading.loader import load, load_checkpoint
+from llmpress.loading.methods import METHODS, Method, config_from_dict, register_quantization_method
 from llmpress.loading.quantizer import Quantizer
 
 __all__ = [
-    "CONFIGS",
-    "QUANTIZERS",
+    "METHODS",
     "CompressedTensorsConfig",
     "LlmpressConfig",
+    "Method",
     "QuantizationConfig",
     "QuantizationMethod",
     "Quantizer",
     "config_from_dict",
     "load",
     "load_checkpoint",
-    "register_quantization_config",
-    "register_quantizer",
+    "register_quantization_method",
 ]

@@ -15,12 +15,9 @@ from torch import nn
 
 from llmpress.checkpoint.sparsity import mark_sparse_modules
 from llmpress.errors import CheckpointError
-from llmpress.loading.config import (
-    CompressedTensorsConfig,
-    QuantizationMethod,
-    register_quantizer,
-)
+from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod
 from llmpress.loading.dense import dense_linear
+from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
@@ -41,7 +38,7 @@ class _Target:
         self.done = False
 
 
-@register_quantizer(QuantizationMethod.COMPRESSED_TENSORS)
+@register_quantization_method(QuantizationMethod.COMPRESSED_TENSORS, config=CompressedTensorsConfig)
 class CompressedTensorsQuantizer(Quantizer):
     requires_calibration = True
     config: CompressedTensorsConfig

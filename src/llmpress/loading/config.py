@@ -1,5 +1,5 @@
-"""Quantization methods: the enum, a config class per method, and the registries tying them to
-their quantizers.
+"""Quantization methods: the enum of the built-in ones and their config classes (each method's
+config and quantizer are registered together in ``methods.py``).
 
 A config is a transformers ``QuantizationConfigMixin`` (so the same object also works in
 ``AutoModelForCausalLM.from_pretrained(..., quantization_config=...)``), built from its
@@ -14,22 +14,11 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from llmpress.errors import CheckpointError, RecipeError
-from llmpress.registry import Registry
 
 if TYPE_CHECKING:
-    from llmpress.loading.quantizer import Quantizer
+    pass
 
-__all__ = [
-    "QuantizationMethod",
-    "QuantizationConfig",
-    "CompressedTensorsConfig",
-    "LlmpressConfig",
-    "CONFIGS",
-    "QUANTIZERS",
-    "register_quantization_config",
-    "register_quantizer",
-    "config_from_dict",
-]
+__all__ = ["CompressedTensorsConfig", "LlmpressConfig", "QuantizationConfig", "QuantizationMethod"]
 
 
 class QuantizationMethod(str, Enum):
@@ -40,22 +29,8 @@ class QuantizationMethod(str, Enum):
     LLMPRESS = "llmpress"
 
 
-CONFIGS: Registry[type[QuantizationConfig]] = Registry("quantization method", CheckpointError)
-QUANTIZERS: Registry[type[Quantizer]] = Registry("quantizer", CheckpointError)
-
-
 def _name(method: str | QuantizationMethod) -> str:
     return method.value if isinstance(method, QuantizationMethod) else str(method)
-
-
-def register_quantization_config(method: str | QuantizationMethod):
-    """Class decorator: the config class of ``method``."""
-    return CONFIGS.register(_name(method))
-
-
-def register_quantizer(method: str | QuantizationMethod):
-    """Class decorator: the ``Quantizer`` subclass that loads ``method``."""
-    return QUANTIZERS.register(_name(method))
 
 
 class QuantizationConfig(QuantizationConfigMixin):
@@ -72,21 +47,6 @@ class QuantizationConfig(QuantizationConfigMixin):
         return {"quant_method": _name(self.quant_method), **{k: v for k, v in super().to_dict().items() if not k.startswith("_")}}
 
 
-def config_from_dict(data: dict[str, Any] | QuantizationConfigMixin) -> QuantizationConfig:
-    """The registered config of a ``quantization_config`` entry (a dict from ``config.json``)."""
-    if isinstance(data, QuantizationConfig):
-        return data
-    if isinstance(data, QuantizationConfigMixin):
-        data = data.to_dict()
-    method = data.get("quant_method")
-    if method is None:
-        raise CheckpointError(
-            "the quantization_config has no quant_method", got=str(sorted(data)), expected="a 'quant_method' key"
-        )
-    return CONFIGS.get(_name(method)).from_dict(data)
-
-
-@register_quantization_config(QuantizationMethod.COMPRESSED_TENSORS)
 class CompressedTensorsConfig(QuantizationConfig):
     """A checkpoint in the compressed-tensors format (written by llmpress or llm-compressor).
 
@@ -121,7 +81,6 @@ class CompressedTensorsConfig(QuantizationConfig):
         return out
 
 
-@register_quantization_config(QuantizationMethod.LLMPRESS)
 class LlmpressConfig(QuantizationConfig):
     """Quantize a full-precision checkpoint while it loads: int4 or int8 weights, RTN.
 
@@ -155,7 +114,6 @@ class LlmpressConfig(QuantizationConfig):
         self.group_size = group_size
         self.ignore = list(["lm_head"] if ignore is None else ignore)
         self.symmetric = bool(symmetric)
-        _register_with_transformers()
 
     def scheme(self):
         from llmpress.quant.scheme import QuantizationScheme
@@ -166,9 +124,3 @@ class LlmpressConfig(QuantizationConfig):
         else:
             weights.update(strategy="group", group_size=self.group_size)
         return QuantizationScheme(targets=["Linear"], weights=weights)
-
-
-def _register_with_transformers() -> None:
-    from llmpress.integrations.transformers_quantizer import register
-
-    register()

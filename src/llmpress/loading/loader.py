@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
-from llmpress.loading.config import QUANTIZERS, QuantizationConfig, config_from_dict
+from llmpress.loading.config import QuantizationConfig
+from llmpress.loading.methods import METHODS, config_from_dict, method_name
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.shards import (
     ShardEntry,
@@ -61,9 +62,7 @@ def load(
     if qconfig is not None:
         if dequantize and hasattr(qconfig, "dequantize"):
             qconfig.dequantize = True
-        quantizer = QUANTIZERS.get(str(getattr(qconfig.quant_method, "value", qconfig.quant_method)))(
-            qconfig, pre_quantized=pre_quantized
-        )
+        quantizer = METHODS.get(method_name(qconfig.quant_method)).quantizer(qconfig, pre_quantized=pre_quantized)
         if not pre_quantized and quantizer.requires_calibration:
             raise CheckpointError(
                 f"{qconfig.quant_method} cannot quantize while loading: it needs calibration",

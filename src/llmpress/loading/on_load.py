@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from llmpress.errors import CheckpointError
-from llmpress.loading.config import LlmpressConfig, QuantizationMethod, register_quantizer
+from llmpress.loading.config import LlmpressConfig, QuantizationMethod
+from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import quantize
@@ -40,7 +41,7 @@ def quantize_weight_into(module: QuantizedLinear, weight: torch.Tensor, scale_dt
     module.load_quantized(q, scale, zero_point)
 
 
-@register_quantizer(QuantizationMethod.LLMPRESS)
+@register_quantization_method(QuantizationMethod.LLMPRESS, config=LlmpressConfig)
 class LlmpressQuantizer(Quantizer):
     config: LlmpressConfig
 

@@ -134,7 +134,7 @@ class QuantizedLinear(nn.Module):
 
     def _choose_kernel(self, fmt: str) -> str:
         args = self.quantization_scheme.weights
-        if fmt not in ("pack-quantized", "int-quantized", "dense") or args.is_float:
+        if args.is_float:  # any format's unpack() gives integer schemes their integers
             return "dequant"
         if args.num_bits == 4 and args.strategy == QuantizationStrategy.GROUP:
             if kernels.int4_supported(self.out_features, self.in_features, args.group_size):
