@@ -167,6 +167,7 @@ KILL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a process of its own, killed mid-save
 def test_a_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     out = tmp_path / "ckpt"
     model = compress("W8A8", out)

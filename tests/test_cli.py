@@ -11,9 +11,7 @@ from conftest import text_path, trained_model_dir
 
 from llmpress.cli import main
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmpress", *args], capture_output=True, text=True, timeout=600)
+pytestmark = pytest.mark.integration  # the trained model through the command
 
 
 @pytest.fixture(scope="module")
@@ -58,32 +56,39 @@ def test_inspect(w4a16_checkpoint, capsys):
         (["inspect", "no/such/dir"], "not a checkpoint folder"),
     ],
 )
-def test_bad_input_is_one_clear_line(args, words, tmp_path):
+def test_bad_input_is_one_clear_line(args, words, tmp_path, capsys):
     args = [a.replace("MODEL", str(trained_model_dir())) for a in args]
     args = [str(tmp_path / a) if a in ("x", "broken.yaml") else a for a in args]
-    result = run_cli(*args)
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.startswith("error:")]
-    assert len(lines) == 1 and words in lines[0], result.stderr[-1500:]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in err, err[-1500:]
 
 
-def test_broken_recipe_file(tmp_path):
+def test_the_command_prints_one_line_and_exits_2():
+    """The installed entry point, in a process of its own: status, one line, no traceback."""
+    result = subprocess.run([sys.executable, "-m", "llmpress", "inspect", "no/such/dir"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        line for line in result.stderr.splitlines() if line.startswith("error:") and "not a checkpoint folder" in line]
+
+
+def test_broken_recipe_file(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      scheme: W4A16\n      group: 3\n")
-    result = run_cli("oneshot", "--model", str(trained_model_dir()), "--recipe", str(recipe), "--output", str(tmp_path / "o"))
-    assert result.returncode == 2 and "unknown field 'group'" in result.stderr and "Traceback" not in result.stderr
+    assert main(["oneshot", "--model", str(trained_model_dir()), "--recipe", str(recipe), "--output", str(tmp_path / "o")]) == 2
+    assert "unknown field 'group'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
-def test_argparse_errors_exit_non_zero():
-    assert run_cli("oneshot", "--model").returncode == 2
-
-
-@pytest.mark.parametrize("flag, value", [("--seq-len", "1"), ("--batch-size", "0"), ("--max-windows", "zero")])
-def test_eval_rejects_bad_numbers(flag, value):
-    result = run_cli("eval", "--model", str(trained_model_dir()), "--dataset", str(text_path("evaluation.txt")), flag, value)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and flag in result.stderr
+@pytest.mark.parametrize("args", [["oneshot", "--model"], ["eval", "--model", "M", "--dataset", "D", "--seq-len", "1"],
+                                  ["eval", "--model", "M", "--dataset", "D", "--batch-size", "0"],
+                                  ["eval", "--model", "M", "--dataset", "D", "--max-windows", "zero"]])
+def test_argument_errors_exit_2_and_name_the_flag(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2 and args[-2] in capsys.readouterr().err
 
 
 def test_generate_from_a_compressed_checkpoint(w4a16_checkpoint, capsys):

@@ -72,10 +72,18 @@ def test_uneven_groups_are_reported_at_save(tmp_path, caplog):
 
 
 def test_finalize_quantizes_weights_without_calibration_events(tmp_path):
+    from llmpress.quant import fake_quantize
+
     model = make_tiny_llama()
+    before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
     session = Session("W4A16")
     session.initialize(model=model)
     session.finalize()
+    up = model.model.layers[0].mlp.up_proj
+    args = up.quantization_scheme.weights
+    assert not torch.equal(up.weight, before)  # rounded, and onto its own grid
+    assert torch.equal(up.weight, fake_quantize(up.weight.detach(), up.weight_scale, None, args))
+    assert up.weight_scale.shape == (up.out_features, up.in_features // args.group_size)
     model.save_pretrained(tmp_path / "out")  # routed through the one save path by finalize
     assert (tmp_path / "out" / "recipe.yaml").exists()
     torch.testing.assert_close(logits(llmpress.load_checkpoint(tmp_path / "out"), IDS), logits(model, IDS))

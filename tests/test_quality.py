@@ -13,7 +13,7 @@ from conftest import text_path, trained_model_dir
 from llmpress.cli import main
 from llmpress.evaluation import evaluation_windows, perplexity
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~70 s: compress, save and read back the trained model
 
 # perplexity bound relative to fp32 on the trained model (llm-compressor's RTN W4A16: +0.44%)
 MAX_INCREASE = {"W4A16": 0.01, "W8A8": 0.005, "FP8": 0.01}

@@ -27,8 +27,27 @@ def finalized_session() -> Session:
     return session.finalize()
 
 
-def test_errors_share_one_hierarchy():
-    assert issubclass(SessionError, LlmpressError) and issubclass(MissingStateError, LlmpressError)
+def test_every_exception_llmpress_defines_is_an_llmpress_error_that_says_what_to_do():
+    """Each error class anywhere in the package derives from LlmpressError (so callers can catch
+    one type), and an error reads as one sentence: what, got, expected, fix."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    defined = []
+    for info in pkgutil.walk_packages(llmpress.__path__, "llmpress."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        defined += [c for _, c in inspect.getmembers(module, inspect.isclass)
+                    if issubclass(c, BaseException) and c.__module__ == module.__name__]
+    assert len(defined) >= 10
+    assert [c.__name__ for c in defined if not issubclass(c, LlmpressError)] == []
+    error = MissingStateError("GPTQModifier needs 'calibration_data'", got="no calibration_data",
+                              expected="token ids", fix="pass dataset=...")
+    assert isinstance(error, SessionError) and (error.got, error.fix) == ("no calibration_data", "pass dataset=...")
+    assert str(error) == ("GPTQModifier needs 'calibration_data' (got no calibration_data; expected token ids). "
+                          "Fix: pass dataset=...")
 
 
 def test_update_state_after_initialize_says_what_to_do():

@@ -121,6 +121,7 @@ recovery_stage:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_staged_recipe_rtn_then_qat_with_distillation_beats_rtn(tmp_path):
     """One YAML: RTN W4A16, then QAT recovery distilled from the original model. The stage
     checkpoint is saved, and QAT's perplexity is below RTN's on the shared model."""
@@ -168,6 +169,7 @@ def _perplexities(stdout: str) -> tuple[float, float]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_pruning_examples_trainer_and_plain_loop_agree(tmp_path):
     results = {}
     for script in ("prune_with_trainer.py", "prune_with_torch_loop.py"):
@@ -183,6 +185,7 @@ def test_pruning_examples_trainer_and_plain_loop_agree(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_cli_train_runs_a_staged_recipe_and_the_sparsity_survives_reloading(tmp_path):
     from llmpress.cli import main
 

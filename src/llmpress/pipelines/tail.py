@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.errors import UnsupportedModelError
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import with_rest
 from llmpress.pipelines.stand_ins import stood_in
@@ -22,8 +23,11 @@ from llmpress.pipelines.stand_ins import stood_in
 __all__ = ["TailError", "run_tail"]
 
 
-class TailError(RuntimeError):
+class TailError(UnsupportedModelError):
     """The model could not run around stand-ins; nothing was observed."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what, expected="a model whose modules after its blocks run on the last block's output")
 
 
 @torch.no_grad()
