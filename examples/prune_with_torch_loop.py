@@ -1,7 +1,7 @@
 """Prune a model to 50% in a plain PyTorch loop, with distillation from the dense model.
 
-    python examples/prune_with_torch_loop.py --model ../shared/fixtures/tiny-llama \\
-        --text ../shared/fixtures/text/calibration.txt --output out/pruned-loop
+    python examples/prune_with_torch_loop.py --model assets/tiny-llama \\
+        --text assets/text/calibration.txt --output out/pruned-loop
 
 The model, the optimizer and the teacher come from three different functions, each handing its
 piece to the active session; ``initialize()`` runs once everything is there. Each batch is one

@@ -1,7 +1,7 @@
 """Prune a model to 50% inside Hugging Face's Trainer, with distillation from the dense model.
 
-    python examples/prune_with_trainer.py --model ../shared/fixtures/tiny-llama \\
-        --text ../shared/fixtures/text/calibration.txt --output out/pruned-trainer
+    python examples/prune_with_trainer.py --model assets/tiny-llama \\
+        --text assets/text/calibration.txt --output out/pruned-trainer
 
 ``LlmpressTrainer`` is ``transformers.Trainer`` plus a session: a callback sends each step's
 events, ``compute_loss`` adds the distillation term, and every checkpoint (one per epoch here,

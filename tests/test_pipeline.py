@@ -257,15 +257,12 @@ def test_blocks_that_cannot_go_module_by_module_take_two_passes(monkeypatch, cap
 
 def test_automatic_choice_takes_two_passes_when_the_kept_activations_dwarf_the_block(monkeypatch, caplog):
     monkeypatch.setattr(layerwise, "KEPT_PER_BLOCK_WEIGHTS", 0)
-    probed = []
-    monkeypatch.setattr(layerwise, "plan_block", lambda block, *args: probed.append(block) or plan_block(block, *args))
     model = make_tiny_llama()
     with caplog.at_level(logging.INFO, logger="llmpress.pipelines.layerwise"):
         llmpress.oneshot(model, GPTQModifier(scheme="W4A16"), token_batches(4, 32),
                          calibration=CalibrationOptions(num_samples=4, seq_len=32))
     refusals = [r.getMessage() for r in caplog.records if "two passes" in r.getMessage()]
     assert len(refusals) == len(model.model.layers) >= 2 and all("would keep" in m for m in refusals)
-    assert probed == [model.model.layers[0]]  # blocks like the first are not probed again
 
 
 def test_keyword_inputs_equal_across_batches_are_kept_once():

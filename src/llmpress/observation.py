@@ -22,17 +22,32 @@ from torch import nn
 if TYPE_CHECKING:
     from llmpress.modifiers.base import Modifier
 
-__all__ = ["Observation", "primary_input"]
+__all__ = ["Observation", "primary_input", "with_primary_input"]
+
+
+def _primary_key(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
+    if args:
+        return 0
+    if "hidden_states" in kwargs:
+        return "hidden_states"
+    return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
 
 
 def primary_input(args: tuple, kwargs: dict[str, Any]) -> Any:
     """What a module is called on: its first argument, else ``hidden_states``, else the first
     tensor among its keyword arguments (None when there is none)."""
-    if args:
-        return args[0]
-    if "hidden_states" in kwargs:
-        return kwargs["hidden_states"]
-    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    key = _primary_key(args, kwargs)
+    if key is None:
+        return None
+    return args[0] if key == 0 else kwargs[key]
+
+
+def with_primary_input(args: tuple, kwargs: dict[str, Any], value: Any) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` with ``primary_input`` replaced by ``value``."""
+    key = _primary_key(args, kwargs)
+    if key == 0:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, key or "hidden_states": value}
 
 
 class Observation:

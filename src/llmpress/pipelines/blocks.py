@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
-from llmpress.observation import Observation, primary_input
+from llmpress.observation import Observation, primary_input, with_primary_input
 from llmpress.pipelines.stand_ins import stood_in
 
-__all__ = ["CalibrationBlock", "Inputs", "capture_block_inputs", "find_blocks", "hand_on", "share_repeated"]
+__all__ = ["CalibrationBlock", "Inputs", "capture_block_inputs", "find_blocks", "hand_on", "rest_of", "share_repeated",
+           "with_rest"]
 
 #: one ``(args, kwargs)`` per calibration batch
 Inputs = list[tuple[tuple, dict]]
@@ -85,16 +86,15 @@ class CalibrationBlock:
 
 def hand_on(inputs: Inputs, index: int, output: Any) -> tuple | None:
     """Batch ``index``'s input becomes the block's ``output`` (its hidden states, the other
-    arguments as they were), for the next block. Returns what the block returned besides the
-    hidden states (None when it returned them alone)."""
-    args, kwargs = inputs[index]
-    several = isinstance(output, (tuple, list))
-    hidden = output[0] if several else output
-    if args:
-        inputs[index] = ((hidden, *args[1:]), kwargs)
-    else:
-        inputs[index] = (args, {**kwargs, "hidden_states": hidden})
-    return tuple(output[1:]) if several else None
+    arguments as they were), for the next block. Returns ``rest_of(output)``."""
+    hidden = output[0] if isinstance(output, (tuple, list)) else output
+    inputs[index] = with_primary_input(*inputs[index], hidden)
+    return rest_of(output)
+
+
+def rest_of(output: Any) -> tuple | None:
+    """What a block returns besides its hidden states (None when it returns them alone)."""
+    return tuple(output[1:]) if isinstance(output, (tuple, list)) else None
 
 
 def with_rest(hidden: torch.Tensor, rest: tuple | None) -> Any:
@@ -108,9 +108,10 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[
     """Each batch's ``(args, kwargs)`` into the first block, and the watched modules that ran
     before it (observed on the way; nothing after the first block is observed).
 
-    The model's base runs with every block stood in: the first records its inputs and answers
-    with them (for the first batch it runs the real block once, unobserved, to answer in the
-    block's own output form), the others pass them on."""
+    The model's base runs with every block stood in: the first records its inputs (the hidden
+    states copied, so nothing the model does after it can change them) and answers with them (for
+    the first batch it runs the real block once, unobserved, to answer in the block's own output
+    form), the others pass them on."""
     inputs: Inputs = []
     form: list[tuple | None] = []  # what a block returns besides its hidden states
     inside = set(blocks.modules())
@@ -121,11 +122,12 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[
 
     def first(*args: Any, **kwargs: Any) -> Any:
         in_blocks[0] = True
-        inputs.append((args, kwargs))
+        hidden = primary_input(args, kwargs)
+        inputs.append(with_primary_input(args, kwargs, hidden.clone()))
         if not form:
             with observation.paused():
-                form.append(hand_on([(args, kwargs)], 0, real_first(*args, **kwargs)))
-        return with_rest(primary_input(args, kwargs), form[0])
+                form.append(rest_of(real_first(*args, **kwargs)))
+        return with_rest(hidden, form[0])
 
     def later(*args: Any, **kwargs: Any) -> Any:
         return with_rest(primary_input(args, kwargs), form[0])

@@ -102,37 +102,25 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
     return rest
 
 
-def _signature(block: nn.Module) -> tuple:
-    """Blocks with equal signatures (class, parameter names, shapes and dtypes) plan alike."""
-    return (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
-
-
 class _Planner:
-    """Each block's module-by-module plan, or None (logged) where it takes two passes. A block
-    refused for the memory its stages would keep is not probed again for each block like it
-    (the probe is a forward of one batch; the answer would be the same)."""
+    """Each block's module-by-module plan, or None (logged) where it takes two passes."""
 
     def __init__(self, automatic: bool, by_module: bool) -> None:
         self.automatic, self.by_module = automatic, by_module
-        self.over_budget: dict[tuple, str] = {}
 
     def plan(self, block: CalibrationBlock, targets: list[nn.Module]) -> BlockPlan | None:
         if not self.by_module:
             return None
-        signature = _signature(block.module) if self.automatic else None
-        reason = self.over_budget.get(signature)
-        if reason is None:
-            plan = plan_block(block.module, block.inputs[0], targets, block.observation)
-            release_free_memory()  # the probe's activations
-            if not isinstance(plan, BlockPlan):
-                reason = plan
-            else:
-                kept = kept_bytes(plan, block.inputs)
-                budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in block.module.parameters())
-                if not (self.automatic and kept > budget):
-                    return plan
-                reason = (f"it would keep {kept / 2**20:.0f} MB of activations, "
-                          f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
-                self.over_budget[signature] = reason
+        plan = plan_block(block.module, block.inputs[0], targets, block.observation)
+        release_free_memory()  # the probe's activations
+        if not isinstance(plan, BlockPlan):
+            reason = plan
+        else:
+            kept = kept_bytes(plan, block.inputs)
+            budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in block.module.parameters())
+            if not (self.automatic and kept > budget):
+                return plan
+            reason = (f"it would keep {kept / 2**20:.0f} MB of activations, "
+                      f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
         logger.info("block %d is calibrated in two passes, not module by module: %s", block.index, reason)
         return None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,7 +50,15 @@ from llmpress.pipelines.plan import BlockPlan, tokens_per_batch
 from llmpress.pipelines.stand_ins import ZeroAnswer, stood_in
 from llmpress.session import Session
 
-__all__ = ["calibrate_block_by_module"]
+__all__ = ["Kept", "calibrate_block_by_module"]
+
+
+@dataclass
+class Kept:
+    """What one stage keeps for the next."""
+
+    outputs: dict[nn.Module, KeptValues] = field(default_factory=dict)  # module -> its output, each batch
+    parked: dict[nn.Module, KeptValues] = field(default_factory=dict)  # parent -> its last Linear's input, each batch
 
 
 @torch.no_grad()
@@ -60,15 +69,14 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
     states, for the tail pass."""
     observation = session.observation
     rows = tokens_per_batch(block.inputs)
-    kept: dict[nn.Module, KeptValues] = {}  # module -> its output for each batch
-    parked: dict[nn.Module, KeptValues] = {}  # parent -> its last Linear's input for each batch
+    kept = Kept()
     done: set[nn.Module] = set()
     for number, group in enumerate(plan.groups):
         keep_for_next = number + 1 < len(plan.groups) or outputs_needed
-        stage = _Stage(plan, rows, kept, parked, done, observation, group, keep_for_next)
+        stage = _Stage(plan, rows, kept, done, observation, group, keep_for_next)
         with observation.only(()):  # the group's stand-ins hand their inputs over themselves
             _run(block, stage)
-        kept, parked = stage.kept_now, stage.parked_now
+        kept = stage.kept
         release_free_memory()  # this stage's batch temporaries, before the solver's
         session.modules_calibrated(block, group)
         done |= set(group)
@@ -77,7 +85,7 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
     if not outputs_needed:
         return None
     with observation.paused():
-        return _run(block, _Stage(plan, rows, kept, parked, done, observation), hand_outputs_on=True)
+        return _run(block, _Stage(plan, rows, kept, done, observation), hand_outputs_on=True)
 
 
 def _run(block: CalibrationBlock, stage: _Stage, hand_outputs_on: bool = False) -> tuple | None:
@@ -96,35 +104,34 @@ def _run(block: CalibrationBlock, stage: _Stage, hand_outputs_on: bool = False) 
 
 
 class _Stage:
-    """One stage's stand-ins (``answers``) and what it keeps for the next stage (when
-    ``keep_for_next``). ``group``: the modules observed in this stage (None: the outputs stage)."""
+    """One stage's stand-ins (``answers``), from what the last stage kept (``previous``), and
+    what it keeps for the next (``kept``, when ``keep_for_next``). ``group``: the modules observed
+    in this stage (None: the outputs stage)."""
 
-    def __init__(self, plan: BlockPlan, rows: list[int], kept: dict[nn.Module, KeptValues],
-                 parked: dict[nn.Module, KeptValues], done: set[nn.Module], observation: Observation,
+    def __init__(self, plan: BlockPlan, rows: list[int], previous: Kept, done: set[nn.Module], observation: Observation,
                  group: list[nn.Module] | None = None, keep_for_next: bool = False) -> None:
         self.plan, self.rows, self.observation, self.batch = plan, rows, observation, -1
         self.calls: Counter[nn.Module] = Counter()
         self.answers: dict[nn.Module, Callable[..., Any]] = {}
-        self.kept_now: dict[nn.Module, KeptValues] = {}
-        self.parked_now: dict[nn.Module, KeptValues] = {}
+        self.kept = Kept()
         # the parent that answers next stage from this group's (single) Linear's input
         owner = None
         if group is not None and keep_for_next and len(group) == 1:
             owner = next((p for p, a in plan.answers.items() if a.last is group[0]), None)
         keep = set() if not keep_for_next else {
             m for m in plan.complete(done) if not (owner is not None and owner in plan.ancestors[m])}
-        for module, values in kept.items():
+        for module, values in previous.outputs.items():
             self.answers[module] = self._kept_answer(module, values)
             if module in keep:
-                self.kept_now[module] = values
-        for module, values in parked.items():
+                self.kept.outputs[module] = values
+        for module, values in previous.parked.items():
             self.answers[module] = self._parked_answer(module, values, self._keeper(module, keep))
-        for module in keep - kept.keys() - parked.keys():
+        for module in keep - previous.outputs.keys() - previous.parked.keys():
             self.answers[module] = self._run_answer(module, self._keeper(module, keep))
         if group is not None:  # its modules hand their inputs to the modifiers; what follows answers zeros
             park = None
             if owner is not None:
-                park = self.parked_now[owner] = KeptValues(rows)
+                park = self.kept.parked[owner] = KeptValues(rows)
             for module in group:
                 zeros = ZeroAnswer(*plan.zeros[module]) if module in plan.zeros else None
                 self.answers[module] = self._member_answer(module, zeros, park)
@@ -140,8 +147,8 @@ class _Stage:
     def _keeper(self, module: nn.Module, keep: set[nn.Module]) -> KeptValues | None:
         if module not in keep:
             return None
-        self.kept_now[module] = KeptValues(self.rows)
-        return self.kept_now[module]
+        self.kept.outputs[module] = KeptValues(self.rows)
+        return self.kept.outputs[module]
 
     def _kept_answer(self, module: nn.Module, values: KeptValues) -> Callable[..., Any]:
         return lambda *args, **kwargs: values.get(self._count(module))
