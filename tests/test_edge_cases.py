@@ -102,7 +102,7 @@ def test_a_failed_initialize_ends_the_session():
     session = Session([first, second])
     with pytest.raises(llmpress.errors.UnsupportedModelError, match="matched no Linear"):
         session.initialize(model=make_tiny_llama())
-    with pytest.raises(SessionError, match="initialize\\(\\) failed"):
+    with pytest.raises(SessionError, match="failed part way"):
         session.initialize()
 
 

@@ -381,3 +381,17 @@ def test_a_retried_factor_is_the_factor_of_the_more_dampened_hessian(n):
     torch.testing.assert_close(factor, direct, atol=1e-5, rtol=1e-4)
     if n == 64:
         torch.testing.assert_close(factor.t() @ factor, torch.linalg.inv(damped), atol=1e-3, rtol=1e-3)
+
+
+def test_a_module_that_sees_no_input_is_rounded_to_nearest_and_reported(tmp_path, caplog):
+    """A Linear inside a block that the block never calls (an expert no token was routed to, say)
+    gets no Hessian: it is rounded to nearest at the end and named, not left in full precision."""
+    model = make_tiny_llama()
+    model.model.layers[0].mlp.spare = torch.nn.Linear(128, 128)
+    with caplog.at_level("WARNING"):
+        llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"]), token_batches(4, 32),
+                         output_dir=tmp_path / "out", calibration=CalibrationOptions(num_samples=4, seq_len=32))
+    spare = model.model.layers[0].mlp.spare
+    assert "saw no calibration input" in caplog.text and "model.layers.0.mlp.spare" in caplog.text
+    assert spare.weight_scale.shape == (128, 1)
+    assert torch.equal(spare.weight, fake_quantize(spare.weight.detach(), spare.weight_scale, None, spare.quantization_scheme.weights))

@@ -294,3 +294,48 @@ def test_the_pipeline_folder_uses_no_private_torch_state():
         for private in ("_forward_pre_hooks", "_forward_hooks", "._version", "data_ptr", "._parameters", "._buffers", ".forward ="):
             assert private not in text, f"{path.name} uses {private}"
         assert len(text.splitlines()) <= 250, f"{path.name} has {len(text.splitlines())} lines"
+
+
+def test_a_calibration_that_fails_part_way_takes_its_hooks_off_the_model(monkeypatch):
+    def boom(block, plan, session, outputs_needed):
+        raise RuntimeError("out of memory, say")
+
+    monkeypatch.setattr(layerwise, "calibrate_block_by_module", boom)
+    observed = []
+    monkeypatch.setattr(GPTQModifier, "observe", lambda self, name, x: observed.append(name))
+    model = make_tiny_llama()
+    session = llmpress.Session(GPTQModifier(scheme="W4A16")).initialize(model=model, calibration_data=[])
+    batches = [torch.tensor(token_batches(2, 16))]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        layerwise.run_layerwise_calibration(model, session, batches, true_sequential=True)
+    observed.clear()
+    with torch.no_grad():
+        model(batches[0])
+    assert observed == [] and session.observation is None
+    with pytest.raises(llmpress.errors.SessionError, match="failed part way"):
+        session.finalize()
+
+
+def test_modules_nobody_watches_are_compressed_in_their_place(monkeypatch):
+    """Weight-only RTN on the attention needs no data, static fp8 inputs on the MLP do: module by
+    module, the attention is handed over (and rounded) before the MLP's stages run, exactly as the
+    reference strategy does it, so the next block sees a compressed attention in both."""
+    from llmpress.modifiers import QuantizationModifier
+
+    groups = {"attention": {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 4, "group_size": 32}},
+              "mlp": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}
+
+    def reference(block, plan, session, outputs_needed):
+        return calibrate_block_reference(block, session, plan.groups, outputs_needed)
+
+    states = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(layerwise, "calibrate_block_by_module", reference)
+        model = llmpress.oneshot(make_tiny_llama(), QuantizationModifier(config_groups=groups), token_batches(4, 32),
+                                 calibration=CalibrationOptions(num_samples=4, seq_len=32, true_sequential=True))
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert any(k.endswith("mlp.down_proj.input_scale") for k in states[0])
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name

@@ -110,3 +110,22 @@ def test_a_gathered_state_dict_for_a_sharded_model_is_refused(tmp_path):
     model.model.embed_tokens.weight = torch.nn.Parameter(torch.empty(0))  # a shard, as FSDP leaves it
     with pytest.raises(CheckpointError, match="sharded"):
         model.save_pretrained(tmp_path / "out", state_dict=whole)
+
+
+def test_a_routed_model_copies_and_pickles_with_its_save_path(tmp_path):
+    import copy
+    import io
+
+    model = _compressed()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert twin.save_pretrained.model is twin
+    llmpress.load(_save_and_return(model, tmp_path / "a")).save_pretrained(tmp_path / "b")  # a chained call
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+
+
+def _save_and_return(model, folder):
+    model.save_pretrained(folder)
+    return folder

@@ -58,12 +58,17 @@ class Observation:
                 self.watchers.setdefault(module, []).append((modifier, name))
         self._only: set[nn.Module] | None = None
         self._paused = 0
-        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.watchers]
+        # first among the module's pre-hooks: the input as the module is called with it (before
+        # an input quantization of an earlier stage), as a stand-in hands it over too
+        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True) for m in self.watchers]
 
     @property
     def targets(self) -> list[nn.Module]:
         """Every watched module."""
         return list(self.watchers)
+
+    def watches(self, module: nn.Module) -> bool:
+        return module in self.watchers
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._paused or (self._only is not None and module not in self._only):

@@ -68,7 +68,7 @@ class Status(str, Enum):
     CREATED = "created"
     INITIALIZED = "initialized"
     FINALIZED = "finalized"
-    FAILED = "failed"  # initialize() raised after modifiers began to change the model
+    FAILED = "failed"  # initialize() or calibration raised after modifiers began to change the model
 
 
 def active_session() -> Session:
@@ -191,6 +191,13 @@ class Session:
     def abandon_batch(self) -> None:
         """The loop failed inside a batch: go back to between batches without sending events."""
         self._phase = "idle"
+
+    def abandon_calibration(self) -> None:
+        """Calibration failed part way: the observation hooks leave the model, and the session
+        is over (its modifiers may have compressed some modules and not others)."""
+        self._end_observation()
+        self._phase = "idle"
+        self.status = Status.FAILED
 
     def training_step(self):
         """A context manager for one batch of a plain training loop::
@@ -329,10 +336,11 @@ class Session:
 
     @property
     def calibrates_by_module(self) -> bool:
-        """Whether every modifier that observes calibration inputs can compress a block's
-        modules group by group (``modules_calibrated``), as module-by-module calibration needs."""
-        watching = [m for m in self.modifiers if m.calibration_targets()]
-        return bool(watching) and all("modules_calibrated" in m.events for m in watching)
+        """Whether the modifiers allow module-by-module calibration: every one that observes
+        calibration inputs or acts at ``layer_calibrated`` compresses group by group
+        (``modules_calibrated``), so nothing changes a block after its stages."""
+        acting = [m for m in self.modifiers if m.calibration_targets() or "layer_calibrated" in m.events]
+        return any(m.calibration_targets() for m in acting) and all("modules_calibrated" in m.events for m in acting)
 
     # -- checks ------------------------------------------------------------------------------
     def _check_required_state(self, modifier: Modifier) -> None:
@@ -357,7 +365,7 @@ class Session:
             return
         if self.status == Status.FAILED:
             raise SessionError(
-                f"{call} called on a session whose initialize() failed",
+                f"{call} called on a session that failed part way",
                 got="a failed session (its modifiers may have changed the model part way)",
                 fix="reload the model and create a new llmpress.Session(recipe)",
             )

@@ -26,7 +26,6 @@ error that says why; nothing is ignored in silence:
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,23 @@ HUB_ARGUMENTS = ("repo_id", "commit_message", "private", "create_pr", "revision"
 
 def route_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(dir, ...)`` write through :func:`save_checkpoint`."""
-    model.save_pretrained = types.MethodType(_save_pretrained, model)
+    model.save_pretrained = _SavePretrained(model)
+
+
+class _SavePretrained:
+    """``save_pretrained`` of one model, rebuilt for the copy when the model is copied or pickled
+    (``torch.save(model)``; a bound method would pickle as a lookup of a name the model lacks).
+    It holds the model itself, as a bound method would: ``llmpress.load(a).save_pretrained(b)``
+    must keep the model alive while it saves."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
+        _save_pretrained(self.model, save_directory, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (_SavePretrained, (self.model,))
 
 
 def _save_pretrained(

@@ -1,8 +1,8 @@
 """Whole-model calibration: every batch runs through the full model once.
 
-Modifiers observe what they need through their own hooks between ``calibration_start`` and
-``calibration_end``. When no modifier needs data (weight-only RTN, dynamic activations) no batch
-runs at all.
+The session hands the modifiers the inputs of the modules they observe (``observation.py``)
+between ``calibration_start`` and ``calibration_end``. When no modifier needs data (weight-only
+RTN, dynamic activations) no batch runs at all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ def run_basic_calibration(model: nn.Module, session: Session, batches: list[torc
     session.calibration_start()
     if session.needs_calibration_forward:
         device = next(model.parameters()).device
-        with torch.no_grad():
-            for batch in tqdm(batches, desc="Calibrating", unit="batch", leave=False):
-                model(input_ids=batch.to(device))
+        try:
+            with torch.no_grad():
+                for batch in tqdm(batches, desc="Calibrating", unit="batch", leave=False):
+                    model(input_ids=batch.to(device))
+        except BaseException:
+            session.abandon_calibration()  # the modifiers' hooks leave the model
+            raise
     session.calibration_end()

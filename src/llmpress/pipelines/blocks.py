@@ -117,11 +117,12 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[
     inside = set(blocks.modules())
     outside = [m for m in observation.targets if m not in inside]
     reached: set[nn.Module] = set()  # watched modules run before the first block: observed
-    in_blocks = [False]
+    in_blocks = False
     real_first = blocks[0]  # inside, blocks[0] is its stand-in
 
     def first(*args: Any, **kwargs: Any) -> Any:
-        in_blocks[0] = True
+        nonlocal in_blocks
+        in_blocks = True
         hidden = primary_input(args, kwargs)
         inputs.append(with_primary_input(args, kwargs, hidden.clone()))
         if not form:
@@ -133,7 +134,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[
         return with_rest(primary_input(args, kwargs), form[0])
 
     def note(module: nn.Module, args: tuple) -> None:  # runs before the observation hook
-        if not in_blocks[0]:
+        if not in_blocks:
             reached.add(module)
 
     handles = [m.register_forward_pre_hook(note, prepend=True) for m in outside]
@@ -141,7 +142,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[
     try:
         with stood_in(model, answers), observation.only(reached):
             for batch in batches:
-                in_blocks[0] = False
+                in_blocks = False
                 _base_model(model)(input_ids=batch.to(device), use_cache=False)
     finally:
         for handle in handles:

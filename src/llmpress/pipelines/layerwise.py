@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.memory import release_free_memory
+from llmpress.observation import primary_input
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated
 from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block
@@ -57,41 +58,53 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         run_basic_calibration(model, session, batches)
         return
     session.calibration_start()
+    held = CompactWeights(model)  # finished blocks wait as integers: one block in float at a time
+    try:
+        _calibrate(model, blocks, session, batches, true_sequential, held)
+    except BaseException:
+        session.abandon_calibration()  # the modifiers' hooks leave the model
+        raise
+    finally:
+        held.restore()
+    session.calibration_end()
+
+
+def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batches: list[torch.Tensor],
+               true_sequential: bool | None, held: CompactWeights) -> None:
     observation = session.observation
     device = next(model.parameters()).device
     inputs, reached = capture_block_inputs(model, blocks, batches, device, observation)
     share_repeated(inputs)
     inside = set(blocks.modules())
     tail = [m for m in observation.targets if m not in inside and m not in reached]  # e.g. a quantized lm_head
-    held = CompactWeights(model)  # finished blocks wait as integers: one block in float at a time
-    try:
-        rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held)
-        if tail:
-            try:
-                run_tail(model, blocks, batches, [args[0] for args, _ in inputs], rest, tail, device, observation)
-            except TailError as exc:
-                logger.warning("could not run %s's modules after its blocks on their outputs (%s): "
-                               "they get no calibration data", type(model).__name__, exc)
-        inputs.clear()
-        release_free_memory()  # the activations go back before the float weights return
-    finally:
-        held.restore()
-    session.calibration_end()
+    rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held)
+    if tail:
+        try:
+            run_tail(model, blocks, batches, [primary_input(*batch) for batch in inputs], rest, tail, device, observation)
+        except TailError as exc:
+            logger.warning("could not run %s's modules after its blocks on their outputs (%s): "
+                           "they get no calibration data", type(model).__name__, exc)
+    inputs.clear()
+    release_free_memory()  # the activations go back before the float weights return
 
 
 def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, true_sequential: bool | None,
                       outputs_needed_at_end: bool, held: CompactWeights) -> tuple | None:
     """Each block in turn; returns what the last block returns besides its hidden states."""
     watched = set(session.observation.targets)
-    planner = _Planner(automatic=true_sequential is None,
-                       by_module=true_sequential is not False and session.calibrates_by_module)
+    by_module = true_sequential is not False and session.calibrates_by_module
+    if true_sequential and not by_module:
+        logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
+    planner = _Planner(automatic=true_sequential is None, by_module=by_module)
     rest = None
     bar = tqdm(blocks, desc="Calibrating layers", unit="layer")
     for index, module in enumerate(bar):
         block = CalibrationBlock(index, module, inputs, session.observation)
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
-        targets = [m for m in module.modules() if m in watched]
-        plan = planner.plan(block, targets)
+        # the watched modules and every Linear: each Linear is handed over (modules_calibrated) in
+        # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
+        targets = [m for m in module.modules() if m in watched or isinstance(m, nn.Linear)]
+        plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
         if plan is None:
             rest = calibrate_block_reference(block, session, [targets], outputs_needed)
         else:

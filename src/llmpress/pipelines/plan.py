@@ -27,11 +27,11 @@ from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
 from llmpress.pipelines.stand_ins import ZeroAnswer
 
-__all__ = ["Answer", "BlockPlan", "kept_bytes", "plan_block", "tokens_per_batch"]
+__all__ = ["ParkedAnswer", "BlockPlan", "kept_bytes", "plan_block", "tokens_per_batch"]
 
 
 @dataclass(frozen=True)
-class Answer:
+class ParkedAnswer:
     """A parent answered from the input of its last watched module: ``last(x)``, alone
     (``length`` None) or first in a tuple of ``length`` with Nones after."""
 
@@ -45,7 +45,7 @@ class BlockPlan:
     order: list[nn.Module]  # submodules called exactly once, in the order they were entered
     ancestors: dict[nn.Module, list[nn.Module]]  # enclosing submodules, innermost first
     watched_in: dict[nn.Module, set[nn.Module]] = field(default_factory=dict)  # module -> watched ones in it
-    answers: dict[nn.Module, Answer] = field(default_factory=dict)
+    answers: dict[nn.Module, ParkedAnswer] = field(default_factory=dict)
     zeros: dict[nn.Module, tuple[int, int | None, torch.dtype]] = field(default_factory=dict)
     parked_bytes_per_token: int = 0  # the inputs parked for the parents' answers
 
@@ -123,13 +123,13 @@ def _plan_answers(plan: BlockPlan, record: _Probe) -> None:
             plan.answers[parent] = answer
 
 
-def _answer_from(last: nn.Module, inner: Any, output: Any) -> Answer | None:
+def _answer_from(last: nn.Module, inner: Any, output: Any) -> ParkedAnswer | None:
     """How a parent's ``output`` carries its module ``last``'s output ``inner``, if it does:
     as itself, or first in a tuple with Nones after."""
     if output is inner:
-        return Answer(last, None)
+        return ParkedAnswer(last, None)
     if isinstance(output, tuple) and output and output[0] is inner and all(o is None for o in output[1:]):
-        return Answer(last, len(output))
+        return ParkedAnswer(last, len(output))
     return None
 
 

@@ -34,9 +34,10 @@ def calibrate_block_reference(block: CalibrationBlock, session: Session, groups:
     states (for the tail pass), None when it returns them alone or ``outputs_needed`` is False."""
     observation = session.observation
     for group in filter(None, groups):
-        with observation.only(group):
-            for args, kwargs in block.inputs:
-                block.module(*args, **kwargs)
+        if any(observation.watches(m) for m in group):  # else there is nothing to observe
+            with observation.only(group):
+                for args, kwargs in block.inputs:
+                    block.module(*args, **kwargs)
         session.modules_calibrated(block, group)
     session.layer_calibrated(block)
     if not outputs_needed:

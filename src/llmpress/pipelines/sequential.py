@@ -72,11 +72,12 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
     kept = Kept()
     done: set[nn.Module] = set()
     for number, group in enumerate(plan.groups):
-        keep_for_next = number + 1 < len(plan.groups) or outputs_needed
-        stage = _Stage(plan, rows, kept, done, observation, group, keep_for_next)
-        with observation.only(()):  # the group's stand-ins hand their inputs over themselves
-            _run(block, stage)
-        kept = stage.kept
+        if any(observation.watches(m) for m in group):  # else: nothing to observe, no run
+            keep_for_next = number + 1 < len(plan.groups) or outputs_needed
+            stage = _Stage(plan, rows, kept, done, observation, group, keep_for_next)
+            with observation.only(()):  # the group's stand-ins hand their inputs over themselves
+                _run(block, stage)
+            kept = stage.kept
         release_free_memory()  # this stage's batch temporaries, before the solver's
         session.modules_calibrated(block, group)
         done |= set(group)

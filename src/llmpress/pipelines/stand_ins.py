@@ -49,9 +49,9 @@ def stood_in(root: nn.Module, answers: dict[nn.Module, Answer]) -> Iterator[None
     ``answers[module](*args, **kwargs)``."""
     places = [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()
               if child in answers]
-    for parent, name, child in places:
-        setattr(parent, name, StandIn(child, answers[child]))
     try:
+        for parent, name, child in places:
+            setattr(parent, name, StandIn(child, answers[child]))
         yield
     finally:
         for parent, name, child in places:

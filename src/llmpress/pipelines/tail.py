@@ -36,37 +36,38 @@ def run_tail(model: nn.Module, blocks: nn.ModuleList, batches: list[torch.Tensor
     """Run ``batches`` through the model with stand-ins for ``blocks``, observing ``tail``;
     ``outputs[i]`` is the last block's output for batch ``i``, ``rest`` what the block returns
     besides it (the same for every batch). Raises ``TailError`` when the model cannot run this
-    way before anything was observed; other errors propagate."""
-    handed = [0]  # outputs handed over so far
-    current = [0]  # the batch in flight
-    observed = [False]
+    way and nothing was observed yet; once something was, any error propagates as it is."""
+    handed = 0  # outputs handed over so far
+    current = 0  # the batch in flight
+    observed = False
 
     def hand_over(*args: Any, **kwargs: Any) -> Any:
-        if handed[0] != current[0]:
-            raise TailError("the model ran its last block more than once for one batch")
-        handed[0] += 1
-        return with_rest(outputs[current[0]], rest)
+        nonlocal handed
+        if handed != current:
+            raise UnsupportedModelError("the model ran its last block more than once for one batch")
+        handed += 1
+        return with_rest(outputs[current], rest)
 
     def pass_on(*args: Any, **kwargs: Any) -> Any:
         return with_rest(primary_input(args, kwargs), rest)
 
     def check(module: nn.Module, args: tuple) -> None:  # runs before the observation hook
-        if handed[0] != current[0] + 1:
-            raise TailError(f"{type(module).__name__} ran before the last block's output was handed over")
-        observed[0] = True
+        nonlocal observed
+        if handed != current + 1:
+            raise UnsupportedModelError(f"{type(module).__name__} ran before the last block's output was handed over")
+        observed = True
 
     last = len(blocks) - 1
     answers = {block: hand_over if i == last else pass_on for i, block in enumerate(blocks)}
     handles = [m.register_forward_pre_hook(check, prepend=True) for m in tail]
     try:
         with stood_in(model, answers), observation.only(tail):
-            for index, batch in enumerate(batches):
-                current[0] = index
+            for current, batch in enumerate(batches):
                 model(input_ids=batch.to(device), use_cache=False)
-    except TailError:
+    except (MemoryError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as exc:
-        if observed[0]:
+        if observed:
             raise
         raise TailError(f"{type(exc).__name__}: {exc}") from exc
     finally:

@@ -158,11 +158,11 @@ class GPTQModifier(Modifier):
         for members in bar:
             self._quantize_group(members)
             bar.set_postfix_str(", ".join(f"{n.rsplit('.', 1)[-1]} {self.losses[n]:.3g}" for n in members))
-        for name in names:
-            if name in self.pending:
+        for name in names:  # a module that saw no input stays pending: calibration_end rounds it and says so
+            if name in self.pending and (name in self.losses or self.pending[name][1].weights is None):
                 module, scheme = self.pending.pop(name)
                 self.inputs.apply_input_quantization(name, module, scheme)
-        self.hessians.release(names)
+        self.hessians.release([n for n in names if n not in self.pending])
 
     def _quantize_group(self, names: list[str]) -> None:
         start = time.perf_counter()

@@ -78,6 +78,9 @@ def assign_schemes(
         _warn_uncovered_weights(model, chosen, ignore, modifier)
     untie_shared_weights(model, [m for m, _ in chosen.values()])
     for module, scheme in chosen.values():
+        old = getattr(module, "quantization_scheme", None)
+        if old is not None and (old.weights, old.input_activations) != (scheme.weights, scheme.input_activations):
+            detach_quantization(module)  # an earlier stage's grid: its scales and input hook do not apply
         attach_scheme(module, scheme)
     return chosen
 
@@ -146,16 +149,11 @@ class QuantizationModifier(Modifier):
             self.inputs.record(name, x)
 
     def on_initialize(self, state: State) -> None:
-        earlier = {id(m): m.quantization_scheme for m in state.model.modules() if getattr(m, "quantization_scheme", None)}
         self.modules = assign_schemes(
             state.model, self.config.resolved_schemes(), self.config.ignore, type(self).__name__
         )
-        for module, scheme in self.modules.values():
+        for module, _ in self.modules.values():
             setattr(module, PENDING_ATTR, True)
-            old = earlier.get(id(module))
-            if old is not None and (old.weights, old.input_activations) != (scheme.weights, scheme.input_activations):
-                detach_quantization(module)  # another grid: the old scales and input hook do not apply
-                attach_scheme(module, scheme)
         self.pending = dict(self.modules)  # not quantized yet
         self.inputs = InputRangeObserver(type(self).__name__)
         self.calibrated = False
