@@ -90,21 +90,28 @@ def test_module_by_module_gives_exactly_what_the_reference_gives(arch):
         assert torch.equal(got, want), f"{arch}: {name}"
 
 
-def test_gptq_module_by_module_gives_the_reference_weights(monkeypatch):
-    """The whole pipeline with GPTQ: the optimised stages and the reference strategy, run on the
-    same plans, give the same weights bit for bit."""
+def _by_module_and_reference(monkeypatch, modifier) -> list[dict[str, torch.Tensor]]:
+    """The tiny Llama's state after oneshot module by module, then with the reference strategy
+    run on the same plans instead."""
     def reference(block, plan, session, outputs_needed):
         return calibrate_block_reference(block, session, plan.groups, outputs_needed)
 
-    weights = []
+    states = []
     for patched in (False, True):
         if patched:
             monkeypatch.setattr(layerwise, "calibrate_block_by_module", reference)
-        model = llmpress.oneshot(make_tiny_llama(), GPTQModifier(scheme="W4A16"), token_batches(4, 32),
+        model = llmpress.oneshot(make_tiny_llama(), modifier.clone(), token_batches(4, 32),
                                  calibration=CalibrationOptions(num_samples=4, seq_len=32, true_sequential=True))
-        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    for name, value in weights[0].items():
-        assert torch.equal(value, weights[1][name]), name
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def test_gptq_module_by_module_gives_the_reference_weights(monkeypatch):
+    """The whole pipeline with GPTQ: the optimised stages and the reference strategy, run on the
+    same plans, give the same weights bit for bit."""
+    ours, reference = _by_module_and_reference(monkeypatch, GPTQModifier(scheme="W4A16"))
+    for name, value in ours.items():
+        assert torch.equal(value, reference[name]), name
 
 
 def test_llama_blocks_multiply_each_linear_once():
@@ -326,16 +333,7 @@ def test_modules_nobody_watches_are_compressed_in_their_place(monkeypatch):
               "mlp": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
                       "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}
 
-    def reference(block, plan, session, outputs_needed):
-        return calibrate_block_reference(block, session, plan.groups, outputs_needed)
-
-    states = []
-    for patched in (False, True):
-        if patched:
-            monkeypatch.setattr(layerwise, "calibrate_block_by_module", reference)
-        model = llmpress.oneshot(make_tiny_llama(), QuantizationModifier(config_groups=groups), token_batches(4, 32),
-                                 calibration=CalibrationOptions(num_samples=4, seq_len=32, true_sequential=True))
-        states.append({k: v.clone() for k, v in model.state_dict().items()})
-    assert any(k.endswith("mlp.down_proj.input_scale") for k in states[0])
-    for name, value in states[0].items():
-        assert torch.equal(value, states[1][name]), name
+    ours, reference = _by_module_and_reference(monkeypatch, QuantizationModifier(config_groups=groups))
+    assert any(k.endswith("mlp.down_proj.input_scale") for k in ours)
+    for name, value in ours.items():
+        assert torch.equal(value, reference[name]), name
