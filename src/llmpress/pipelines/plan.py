@@ -4,10 +4,11 @@
 returns a ``BlockPlan``, or the reason the block cannot go module by module (then it takes two
 passes). The plan says:
 
-* ``groups``: the watched modules in call order, grouped by shared input (q/k/v read the same
-  normed hidden states, as do gate/up): each group is one stage;
+* ``groups``: the block's targets (the modules the modifiers watch, and every Linear) in call
+  order, grouped by shared input (q/k/v read the same normed hidden states, as do gate/up): each
+  group is handed to the modifiers in turn;
 * which submodules are called exactly once, in order, and what encloses what;
-* ``answers``: a parent whose output is its last watched module's output (Llama's attention
+* ``answers``: a parent whose output is its last target's output (Llama's attention
   returns o_proj's, its MLP down_proj's) can answer from that module's input alone;
 * ``zeros``: submodules whose output can be replaced by zeros where it is never used (its shape
   follows from its input: the input's leading dimensions, a fixed number of features).
@@ -32,7 +33,7 @@ __all__ = ["ParkedAnswer", "BlockPlan", "kept_bytes", "plan_block", "tokens_per_
 
 @dataclass(frozen=True)
 class ParkedAnswer:
-    """A parent answered from the input of its last watched module: ``last(x)``, alone
+    """A parent answered from the input of its last target: ``last(x)``, alone
     (``length`` None) or first in a tuple of ``length`` with Nones after."""
 
     last: nn.Module
@@ -44,14 +45,14 @@ class BlockPlan:
     groups: list[list[nn.Module]]
     order: list[nn.Module]  # submodules called exactly once, in the order they were entered
     ancestors: dict[nn.Module, list[nn.Module]]  # enclosing submodules, innermost first
-    watched_in: dict[nn.Module, set[nn.Module]] = field(default_factory=dict)  # module -> watched ones in it
+    targets_in: dict[nn.Module, set[nn.Module]] = field(default_factory=dict)  # module -> the targets in it
     answers: dict[nn.Module, ParkedAnswer] = field(default_factory=dict)
     zeros: dict[nn.Module, tuple[int, int | None, torch.dtype]] = field(default_factory=dict)
     parked_bytes_per_token: int = 0  # the inputs parked for the parents' answers
 
     def complete(self, done: set[nn.Module]) -> list[nn.Module]:
-        """The outermost submodules whose watched modules are all in ``done``."""
-        full = {m for m in self.order if self.watched_in.get(m) and self.watched_in[m] <= done}
+        """The outermost submodules whose targets are all in ``done``."""
+        full = {m for m in self.order if self.targets_in.get(m) and self.targets_in[m] <= done}
         return [m for m in self.order if m in full and not any(a in full for a in self.ancestors[m])]
 
     def zeroed_after(self, module: nn.Module) -> dict[nn.Module, ZeroAnswer]:
@@ -80,28 +81,28 @@ def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:
 
 
 @torch.no_grad()
-def plan_block(block: nn.Module, first: tuple[tuple, dict], watched: list[nn.Module],
+def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Module],
                observation: Observation | None = None) -> BlockPlan | str:
     """Probe ``block`` on one batch (``first``: its args and kwargs) and plan the stages for the
-    ``watched`` modules inside it; or say why it cannot go module by module."""
-    record = _Probe(block, set(watched))
+    ``targets`` inside it; or say why it cannot go module by module."""
+    record = _Probe(block, set(targets))
     args, kwargs = first
     with record, (observation.paused() if observation is not None else nullcontext()):
         block(*args, **kwargs)
-    if not watched:
-        return "nothing in it is watched"
-    counts = sorted({record.calls[m] for m in watched})
+    if not targets:
+        return "it has no module to calibrate"
+    counts = sorted({record.calls[m] for m in targets})
     if counts != [1]:
-        return f"its watched modules are called {'/'.join(map(str, counts))} times in a forward, not once each"
+        return f"its modules to calibrate are called {'/'.join(map(str, counts))} times in a forward, not once each"
     tokens = tokens_per_batch([first])[0]
-    for module, x in record.watched_inputs:
+    for module, x in record.target_inputs:
         if not isinstance(x, torch.Tensor) or x.shape[:-1].numel() != tokens:
             return f"{type(module).__name__} sees a subset of the batch's tokens (routed experts?)"
     plan = BlockPlan(groups=record.groups(), order=[m for m in record.order if record.calls[m] == 1],
                      ancestors=_ancestors(block))
-    for module in watched:
+    for module in targets:
         for owner in [module, *plan.ancestors[module]]:
-            plan.watched_in.setdefault(owner, set()).add(module)
+            plan.targets_in.setdefault(owner, set()).add(module)
     plan.zeros = {m: shape for m in plan.order if (shape := record.zero_shape(m)) is not None}
     _plan_answers(plan, record)
     plan.parked_bytes_per_token = sum(a.last.in_features * a.last.weight.element_size() for a in plan.answers.values())
@@ -109,7 +110,7 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], watched: list[nn.Mod
 
 
 def _plan_answers(plan: BlockPlan, record: _Probe) -> None:
-    """Parents that return their last watched module's output as theirs (the outermost such)."""
+    """Parents that return their last target's output as theirs (the outermost such)."""
     rank = {m: i for i, group in enumerate(plan.groups) for m in group}
     for group in plan.groups:
         if len(group) != 1 or not isinstance(group[0], nn.Linear):
@@ -117,7 +118,7 @@ def _plan_answers(plan: BlockPlan, record: _Probe) -> None:
         last = group[0]
         for parent in plan.ancestors[last]:  # innermost first: keep the outermost that qualifies
             answer = _answer_from(last, record.outputs.get(last), record.outputs.get(parent))
-            if answer is None or record.calls[parent] != 1 or any(rank[m] > rank[last] for m in plan.watched_in[parent]):
+            if answer is None or record.calls[parent] != 1 or any(rank[m] > rank[last] for m in plan.targets_in[parent]):
                 break
             plan.answers = {p: a for p, a in plan.answers.items() if a.last is not last}
             plan.answers[parent] = answer
@@ -150,16 +151,16 @@ def _ancestors(block: nn.Module) -> dict[nn.Module, list[nn.Module]]:
 
 class _Probe:
     """Recording hooks on every submodule of a block for one forward: calls, entry order, the
-    watched modules' inputs (to group them) and every output (to plan answers and zeros)."""
+    targets' inputs (to group them) and every output (to plan answers and zeros)."""
 
-    def __init__(self, block: nn.Module, watched: set[nn.Module]) -> None:
-        self.block, self.watched = block, watched
+    def __init__(self, block: nn.Module, targets: set[nn.Module]) -> None:
+        self.block, self.targets = block, targets
         self.calls: Counter[nn.Module] = Counter()
         self.order: list[nn.Module] = []
         self.inputs: dict[nn.Module, Any] = {}
         self.outputs: dict[nn.Module, Any] = {}
-        self.watched_inputs: list[tuple[nn.Module, Any]] = []
-        self.unchanged: list[bool] = []  # per watched call: its input equals what the previous one saw
+        self.target_inputs: list[tuple[nn.Module, Any]] = []
+        self.unchanged: list[bool] = []  # per target call: its input equals what the previous one saw
         self._last: tuple[Any, torch.Tensor | None] = (None, None)
 
     def __enter__(self) -> _Probe:
@@ -177,19 +178,19 @@ class _Probe:
         self.order.append(module)
         x = primary_input(args, kwargs)
         self.inputs.setdefault(module, x)
-        if module in self.watched:
+        if module in self.targets:
             previous, snapshot = self._last
             self.unchanged.append(x is previous and snapshot is not None and torch.equal(x, snapshot))
-            self.watched_inputs.append((module, x))
+            self.target_inputs.append((module, x))
             self._last = (x, x.clone() if isinstance(x, torch.Tensor) else None)
 
     def _after(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.outputs.setdefault(module, output)
 
     def groups(self) -> list[list[nn.Module]]:
-        """Watched modules in call order; one that reads its predecessor's input, unchanged, joins its group."""
+        """Targets in call order; one that reads its predecessor's input, unchanged, joins its group."""
         groups: list[list[nn.Module]] = []
-        for (module, _), same in zip(self.watched_inputs, self.unchanged):
+        for (module, _), same in zip(self.target_inputs, self.unchanged):
             if groups and same:
                 groups[-1].append(module)
             else:

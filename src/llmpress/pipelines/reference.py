@@ -1,11 +1,12 @@
 """The reference strategy for one block: read this first.
 
-For each group of the block's watched modules (all of them at once, or one group at a time
-module by module): run every batch through the block with only that group observed, and let the
-modifiers compress the group (``modules_calibrated``). Then ``layer_calibrated``, and one more
+For each group of the block's targets (the modules the modifiers watch, and every Linear; all
+at once, or one group at a time module by module): run every batch through the block with only
+that group observed (no run when nobody watches it), and let the modifiers compress the group
+(``modules_calibrated``). Then ``layer_calibrated``, and one more
 run, unobserved, with everything compressed, whose outputs become the next block's inputs::
 
-    for group in groups:                         # [all watched modules] for two passes
+    for group in groups:                         # [all targets] for two passes
         run the block on every batch, observing only `group`
         session.modules_calibrated(block, group)
     session.layer_calibrated(block)

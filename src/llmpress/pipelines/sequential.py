@@ -4,12 +4,13 @@
 each stage runs the block once more too, but what it does not need is answered by stand-ins
 (``stand_ins.py``) instead of computed:
 
+* a group nobody watches (weight-only RTN needs no data) is handed over without a run;
 * the group's own modules hand their input to the modifiers and answer with zeros, and every
   submodule entered after the group's last module answers with zeros: nothing after the group
   is used in this stage;
-* a submodule whose watched modules are all compressed runs once and keeps its output; later
+* a submodule whose targets are all compressed runs once and keeps its output; later
   stages get a copy of that output;
-* a submodule that returns its last watched Linear's output as its own (Llama's attention
+* a submodule that returns its last Linear's output as its own (Llama's attention
   returns o_proj's, its MLP down_proj's) keeps that Linear's input from the stage that observed
   it and answers next stage with that one product.
 
@@ -78,7 +79,7 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
             with observation.only(()):  # the group's stand-ins hand their inputs over themselves
                 _run(block, stage)
             kept = stage.kept
-        release_free_memory()  # this stage's batch temporaries, before the solver's
+            release_free_memory()  # this stage's batch temporaries, before the solver's
         session.modules_calibrated(block, group)
         done |= set(group)
         release_free_memory()
