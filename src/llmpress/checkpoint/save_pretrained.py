@@ -62,7 +62,7 @@ class _SavePretrained:
 
 
 def _save_pretrained(
-    self: nn.Module,
+    model: nn.Module,
     save_directory: str | Path,
     is_main_process: bool | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
@@ -92,9 +92,9 @@ def _save_pretrained(
         raise CheckpointError(f"{', '.join(sorted(hub))} only apply with push_to_hub=True", got=sorted(hub))
     if is_main_process is False:
         return  # transformers' convention: only the main process calls with True, and writes
-    _check_given_state_dict(self, state_dict)
+    _check_given_state_dict(model, state_dict)
     # without is_main_process every rank calls (the main one writes, the others wait for it)
-    folder = save_checkpoint(save_directory, self, save_compressed=save_compressed, max_shard_size=max_shard_size,
+    folder = save_checkpoint(save_directory, model, save_compressed=save_compressed, max_shard_size=max_shard_size,
                              synchronize=is_main_process is None)
     if push_to_hub:
         upload_to_hub(folder, token=token, **hub)

@@ -57,11 +57,10 @@ if HfQuantizer is not None:
         requires_calibration = False
 
         def __init__(self, quantization_config: Any, **kwargs: Any) -> None:
-            from llmpress.loading.methods import METHODS, method_name
+            from llmpress.loading.methods import make_quantizer
 
             super().__init__(quantization_config, **kwargs)
-            method = METHODS.get(method_name(quantization_config.quant_method))
-            self.inner = method.quantizer(quantization_config, pre_quantized=self.pre_quantized)
+            self.inner = make_quantizer(quantization_config, pre_quantized=self.pre_quantized)
 
         def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
             self.inner.validate_environment(device_map=device_map)

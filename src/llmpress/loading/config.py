@@ -18,7 +18,7 @@ from llmpress.errors import CheckpointError, RecipeError
 if TYPE_CHECKING:
     pass
 
-__all__ = ["CompressedTensorsConfig", "LlmpressConfig", "QuantizationConfig", "QuantizationMethod"]
+__all__ = ["CompressedTensorsConfig", "LlmpressConfig", "QuantizationConfig", "QuantizationMethod", "method_name"]
 
 
 class QuantizationMethod(str, Enum):
@@ -29,7 +29,8 @@ class QuantizationMethod(str, Enum):
     LLMPRESS = "llmpress"
 
 
-def _name(method: str | QuantizationMethod) -> str:
+def method_name(method: str | QuantizationMethod) -> str:
+    """The registry name of a method (an enum member's value, or the string itself)."""
     return method.value if isinstance(method, QuantizationMethod) else str(method)
 
 
@@ -44,7 +45,7 @@ class QuantizationConfig(QuantizationConfigMixin):
         return super().from_dict(data, return_unused_kwargs=return_unused_kwargs, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": _name(self.quant_method), **{k: v for k, v in super().to_dict().items() if not k.startswith("_")}}
+        return {"quant_method": method_name(self.quant_method), **{k: v for k, v in super().to_dict().items() if not k.startswith("_")}}
 
 
 class CompressedTensorsConfig(QuantizationConfig):

@@ -18,7 +18,7 @@ from torch import nn
 
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
 from llmpress.loading.config import QuantizationConfig
-from llmpress.loading.methods import METHODS, config_from_dict, method_name
+from llmpress.loading.methods import config_from_dict, make_quantizer
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.shards import (
     ShardEntry,
@@ -62,7 +62,7 @@ def load(
     if qconfig is not None:
         if dequantize and hasattr(qconfig, "dequantize"):
             qconfig.dequantize = True
-        quantizer = METHODS.get(method_name(qconfig.quant_method)).quantizer(qconfig, pre_quantized=pre_quantized)
+        quantizer = make_quantizer(qconfig, pre_quantized=pre_quantized)
         if not pre_quantized and quantizer.requires_calibration:
             raise CheckpointError(
                 f"{qconfig.quant_method} cannot quantize while loading: it needs calibration",

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from llmpress.errors import CheckpointError, RegistryError
-from llmpress.loading.config import QuantizationConfig, QuantizationMethod
+from llmpress.loading.config import QuantizationConfig, QuantizationMethod, method_name
 from llmpress.registry import Registry
 
 if TYPE_CHECKING:
     from llmpress.loading.quantizer import Quantizer
 
-__all__ = ["METHODS", "Method", "config_from_dict", "method_name", "register_quantization_method"]
+__all__ = ["METHODS", "Method", "config_from_dict", "make_quantizer", "register_quantization_method"]
 
 
 class Method(NamedTuple):
@@ -39,10 +39,6 @@ class Method(NamedTuple):
 
 
 METHODS: Registry[Method] = Registry("quantization method", CheckpointError)
-
-
-def method_name(method: str | QuantizationMethod) -> str:
-    return method.value if isinstance(method, QuantizationMethod) else str(method)
 
 
 def register_quantization_method(method: str | QuantizationMethod, *, config: type[QuantizationConfig]
@@ -64,6 +60,11 @@ def register_quantization_method(method: str | QuantizationMethod, *, config: ty
         return quantizer
 
     return register
+
+
+def make_quantizer(config: QuantizationConfig, *, pre_quantized: bool) -> Quantizer:
+    """The registered quantizer of ``config``'s method, made for ``config``."""
+    return METHODS.get(method_name(config.quant_method)).quantizer(config, pre_quantized=pre_quantized)
 
 
 def config_from_dict(data: dict[str, Any] | QuantizationConfigMixin) -> QuantizationConfig:
