@@ -156,20 +156,3 @@ def test_recipe_strings_that_are_not_paths():
 def test_nested_unknown_field_suggests_the_nested_name():
     with pytest.raises(RecipeError, match="did you mean 'num_bits'"):
         QuantizationModifier(config_groups={"g": {"weights": {"num_bit": 4}}})
-
-
-def test_fused_moe_experts_left_in_full_precision_are_reported(caplog):
-    """transformers 5 keeps Mixtral's experts as 3-D parameters, not Linear modules: a recipe for
-    every Linear cannot reach them, and the user is told how much of the model that leaves."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
-    model = MixtralForCausalLM(config).eval()
-    with caplog.at_level(logging.WARNING):
-        llmpress.oneshot(model, QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
-    assert "not nn.Linear and stay in full precision" in caplog.text and "experts" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        llmpress.oneshot(make_tiny_llama(), QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
-    assert "stay in full precision" not in caplog.text  # a dense model: nothing left out

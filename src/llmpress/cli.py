@@ -25,7 +25,10 @@ def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.recipe import Recipe
 
     recipe = Recipe.from_any(args.recipe)
-    options = CalibrationOptions(num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size)
+    options = CalibrationOptions(
+        num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
+        calibrate_all_experts=args.calibrate_all_experts,
+    )
     start = time.perf_counter()
     oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options)
     print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
@@ -155,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--seq-len", type=_at_least(1), default=256)
     oneshot.add_argument("--seed", type=int, default=0)
     oneshot.add_argument("--batch-size", type=_at_least(1), default=2, help="samples per calibration forward")
+    oneshot.add_argument(
+        "--calibrate-all-experts", action=argparse.BooleanOptionalAction, default=True,
+        help="MoE: every expert sees every calibration token for its statistics (default: on)",
+    )
     oneshot.set_defaults(run=_oneshot)
 
     training = commands.add_parser(

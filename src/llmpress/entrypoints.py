@@ -18,6 +18,7 @@ from torch import nn
 from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
+from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.modifiers.base import TRAINING_EVENTS
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
@@ -92,6 +93,7 @@ def oneshot(
     if dataset is None:
         _require_no_calibration(recipe)
     batches = _calibration_batches(dataset, processor, options)
+    linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
     for stage in recipe.stages:
         _oneshot_stage(model, stage, batches, processor, options)
     if output_dir is not None:
@@ -109,7 +111,7 @@ def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor
     logger.info("running one-shot stage %s", stage.name)
     model.eval()
     session = Session(Recipe([stage]))
-    with session:
+    with session, calibrating_all_experts(model, options.calibrate_all_experts):
         session.initialize(model=model, calibration_data=batches, processor=processor)
         if options.pipeline == "layerwise":
             run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential)
@@ -154,6 +156,7 @@ def train(
     if dataset is None:
         raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
     recipe = Recipe.from_any(recipe)
+    linearize_experts(model)
     options = training or TrainingOptions()
     calibration = calibration or CalibrationOptions()
     if isinstance(teacher, (str, Path)):

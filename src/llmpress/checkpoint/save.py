@@ -20,6 +20,7 @@ from llmpress.checkpoint.compressed_state import (
 )
 from llmpress.checkpoint.sparsity import sparsity_config_for
 from llmpress.errors import CheckpointError
+from llmpress.models.keys import KeyMap
 
 if TYPE_CHECKING:
     from llmpress.recipe import Recipe
@@ -58,6 +59,8 @@ def save_checkpoint(
         return Path(output_dir)
     limit = parse_size(max_shard_size)
     state = compressed_state_dict(model, save_compressed)
+    names = KeyMap(model)  # the names transformers' save_pretrained would write
+    state = {names.to_checkpoint(key): tensor for key, tensor in state.items()}
     with atomic_directory(output_dir, replaces=_is_checkpoint_file) as tmp:
         _write_shards(tmp, state, limit)
         _write_config(tmp, model, _compression_config(model, save_compressed))

@@ -43,6 +43,10 @@ class CalibrationOptions:
     #: per block, keeping only the block's input; None: module by module while that stays
     #: within 8x the block's weights (a small model on many tokens takes two passes)
     true_sequential: bool | None = None
+    #: MoE layers: every expert sees every calibration token for its statistics (the layer's
+    #: output still mixes only the routed experts), so a rarely routed expert does not get a
+    #: near-empty Hessian; costs one expert forward per expert and token while calibrating
+    calibrate_all_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.pipeline not in ("layerwise", "basic"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from llmpress.loading.shards import (
     stream_tensors,
 )
 from llmpress.memory import release_free_memory
+from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
 __all__ = ["load", "load_checkpoint"]
@@ -76,6 +78,7 @@ def load(
 
     model = _skeleton(config, dtype)
     shards = {file: read_header(file) for file in checkpoint_shards(folder)}
+    shards = _model_names(model, shards)
     keys = {entry.name for entries in shards.values() for entry in entries}
     if quantizer is not None:
         quantizer.process_model_before_weight_loading(model, checkpoint_keys=keys)
@@ -187,21 +190,37 @@ def _checkpoint_dtype(config) -> torch.dtype:
 
 
 def _skeleton(config, dtype: torch.dtype) -> nn.Module:
-    """The model with every parameter on ``meta`` (buffers such as rotary tables are real).
-    Its weights are not initialised (every one is read from the checkpoint, as in transformers'
-    own ``from_pretrained``); ``load`` ties the tied ones once they are read."""
+    """The model with every parameter on ``meta`` (buffers such as rotary tables are real), of
+    the class ``config.architectures`` names, as ``from_pretrained`` builds it. Its weights are
+    not initialised (every one is read from the checkpoint, as in transformers' own
+    ``from_pretrained``); ``load`` ties the tied ones once they are read."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
+    cls = model_class(config)
     try:
         with init_empty_weights(include_buffers=False), _no_weight_init():
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return build(cls, config, dtype=dtype)
     except ValueError as exc:
         raise UnsupportedModelError(
-            "transformers has no causal-LM class for this config",
+            f"transformers cannot build {cls.__name__} from this config",
             got=f"{getattr(config, 'model_type', '?')}: {str(exc).splitlines()[0]}",
-            expected="a decoder model type (llama, qwen2, mistral, ...)",
+            expected="a config.json of an architecture transformers knows",
         ) from None
+
+
+def _model_names(model: nn.Module, shards: dict[Path, list[ShardEntry]]) -> dict[Path, list[ShardEntry]]:
+    """The shards' entries under the model's names (transformers' renamings and base-model
+    prefix); fused MoE experts whose checkpoint is per expert become one Linear per expert
+    first, so per-expert tensors load as they are."""
+    names = KeyMap(model)
+    renamed = {entry.name: names.to_model(entry.name) for entries in shards.values() for entry in entries}
+    model_keys = set(renamed.values())
+    per_expert = [name for name, _ in fused_experts(model) if f"{name}.down_proj" not in model_keys]
+    if per_expert:
+        linearize_experts(model, only=per_expert)
+        names = KeyMap(model)
+        renamed = {key: names.to_model(key) for key in renamed}
+    return {file: [replace(e, name=renamed[e.name]) for e in entries] for file, entries in shards.items()}
 
 
 def _no_weight_init():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -108,8 +109,13 @@ class GPTQModifier(Modifier):
         done = [n for n in names_of(block.module.modules(), self.modules) if n in self.losses]
         self._note = ""
         if done:
-            labels = _labels(done)
-            self._note = "GPTQ loss " + " ".join(f"{labels[n]} {self.losses[n]:.3g}" for n in done)
+            # an MoE layer's experts: one figure per projection (the largest loss among experts)
+            losses: dict[str, float] = {}
+            for n in done:
+                key = re.sub(r"\.experts\.\d+\.", ".experts.", n)
+                losses[key] = max(losses.get(key, 0.0), self.losses[n])
+            labels = _labels(list(losses))
+            self._note = "GPTQ loss " + " ".join(f"{labels[n]} {loss:.3g}" for n, loss in losses.items())
             logger.info("%s layer %d: %s", type(self).__name__, block.index, self._note)
 
     def step_note(self) -> str:

@@ -1,0 +1,36 @@
+"""Which model class a checkpoint is built as: the one its config names, as ``from_pretrained``
+does (``BertModel`` for a sentence-embedding checkpoint, ``LlavaForConditionalGeneration`` for a
+vision-language one), else the causal-LM Auto class, else the base model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmpress.errors import UnsupportedModelError
+
+__all__ = ["model_class"]
+
+
+def model_class(config: Any):
+    """A class with ``from_config``/``_from_config`` for ``config``."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and hasattr(cls, "_from_config"):
+            return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        if type(config) in auto._model_mapping or getattr(config, "auto_map", None):
+            return auto
+    raise UnsupportedModelError(
+        "transformers has no model class for this config",
+        got=f"model_type {getattr(config, 'model_type', '?')!r}, architectures {getattr(config, 'architectures', None)}",
+        expected="an architecture transformers knows (or remote code with trust_remote_code)",
+    )
+
+
+def build(cls, config: Any, **kwargs: Any):
+    """``cls`` built from ``config``: Auto classes through ``from_config``, others ``_from_config``."""
+    if hasattr(cls, "from_config") and cls.__module__.startswith("transformers.models.auto"):
+        return cls.from_config(config, **kwargs)
+    return cls._from_config(config, **kwargs)

@@ -1,0 +1,87 @@
+"""Tiny random models of many transformers architectures, saved as transformers saves them.
+
+Each entry is a model type and the config fields that make it small (2 layers, hidden 128, every
+matrix's column count a multiple of the default group of 128). Experts get weights large enough
+that routing differs between tokens. The tokenizer is the trained fixture's (4096 tokens), so
+the command line can calibrate on text.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+SMALL = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=4096, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=128)
+MLA = dict(kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_key_value_heads=4)
+
+DENSE = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "gemma": {"head_dim": 32},
+    "gemma2": {"head_dim": 32},
+    "gemma3_text": {"head_dim": 32},
+    "phi": {"num_key_value_heads": 4},
+    "phi3": {},
+    "gpt_neox": {"num_key_value_heads": 4},
+    "gptj": {"n_embd": 128, "n_layer": 2, "n_head": 4, "rotary_dim": 16, "n_positions": 256},
+    "opt": {"ffn_dim": 256, "word_embed_proj_dim": 128},
+    "falcon": {"num_kv_heads": 1, "new_decoder_architecture": False, "multi_query": True},
+    "bloom": {"n_head": 4, "n_layer": 2},
+    "stablelm": {},
+    "starcoder2": {},
+    "olmo2": {},
+    "cohere": {},
+    "granite": {},
+}
+EXPERTS = {
+    "mixtral": {"num_local_experts": 4},
+    "qwen2_moe": {"num_experts": 4, "shared_expert_intermediate_size": 128},
+    "qwen3_moe": {"num_experts": 4},
+    "olmoe": {"num_experts": 4, "intermediate_size": 128},
+    "phimoe": {"num_local_experts": 4},
+    "deepseek_v3": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MLA},
+    "glm4_moe": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "gpt_oss": {"num_local_experts": 4, "intermediate_size": 128, "head_dim": 32},
+    "granitemoe": {"num_local_experts": 4, "intermediate_size": 128},
+}
+#: where transformers (+ compressed-tensors) cannot read a compressed checkpoint, and why
+TRANSFORMERS_CANNOT = {
+    # transformers keeps these experts fused in checkpoints too and has no per-expert layout to
+    # read quantized experts from; llmpress saves them per expert, as llm-compressor does
+    "gpt_oss": "experts fused in transformers' checkpoint layout",
+    "granitemoe": "experts fused in transformers' checkpoint layout",
+    # FalconPreTrainedModel._init_weights reads FalconLinear.weight, which compressed-tensors'
+    # packed module no longer has
+    "falcon": "transformers' Falcon init fails on packed FalconLinear",
+}
+ENCODERS = {"bert": {"intermediate_size": 256}}
+
+ARCHITECTURES = {**DENSE, **{k: {**MOE, **v} for k, v in EXPERTS.items()}, **ENCODERS}
+
+
+def save_tiny(model_type: str, folder: Path, tokenizer_from: Path | None = None, seed: int = 0) -> Path:
+    """Build the tiny model of ``model_type`` and save it (and the tokenizer) to ``folder``."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    fields = {**SMALL, **ARCHITECTURES[model_type]}
+    config = AutoConfig.for_model(model_type, **fields)
+    auto = AutoModel if model_type in ENCODERS else AutoModelForCausalLM
+    model = auto.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 3 or "router" in name or name.endswith("mlp.gate.weight"):
+                parameter.normal_(0, 0.05)  # experts and routers that tell tokens apart
+    model.save_pretrained(folder)
+    if tokenizer_from is not None:
+        for file in tokenizer_from.glob("tokenizer*"):
+            shutil.copy(file, folder / file.name)
+    return folder

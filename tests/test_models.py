@@ -1,0 +1,123 @@
+"""Reading architectures as transformers does: the class from ``architectures``, renamed and
+prefixed checkpoint keys, and MoE experts held one Linear per expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from architectures import save_tiny
+from safetensors import safe_open
+
+import llmpress
+from llmpress.errors import CheckpointError
+from llmpress.models import LinearExperts, calibrating_all_experts, fused_experts, linearize_experts
+from llmpress.modifiers import GPTQModifier
+
+
+def _keys(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_linear_experts_compute_what_the_fused_module_does(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny(model_type, tmp_path)).eval()
+    ids = torch.randint(3, 4096, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert linearize_experts(model)
+        after = model(ids).logits
+    assert not list(fused_experts(model))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_per_expert_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """Mixtral's checkpoint names experts block_sparse_moe.experts.<i>.w1 (transformers fuses them
+    on load): llmpress reads it with the same logits, and writes it back in the same layout."""
+    from transformers import AutoModelForCausalLM
+
+    source = save_tiny("mixtral", tmp_path / "src")
+    keys = _keys(source)
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in keys
+    ids = torch.randint(3, 4096, (2, 12))
+    reference = AutoModelForCausalLM.from_pretrained(source).eval()
+    ours = llmpress.load(source)
+    assert isinstance(ours.model.layers[0].mlp.experts, LinearExperts)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    llmpress.save_checkpoint(tmp_path / "again", ours)
+    assert _keys(tmp_path / "again") == keys
+
+
+def test_renamed_head_and_base_model_checkpoints_load(tmp_path):
+    """GPT-NeoX stores its head as embed_out; a BertModel checkpoint has no 'bert.' prefix."""
+    from transformers import AutoModel, AutoModelForCausalLM, BertForMaskedLM
+
+    neox = save_tiny("gpt_neox", tmp_path / "neox")
+    assert "embed_out.weight" in _keys(neox)
+    ids = torch.randint(3, 4096, (1, 10))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(neox).eval()(ids).logits
+        torch.testing.assert_close(llmpress.load(neox)(ids).logits, expected)
+
+    bert = save_tiny("bert", tmp_path / "bert")
+    assert not any(k.startswith("bert.") for k in _keys(bert))
+    ours = llmpress.load(bert)
+    assert type(ours).__name__ == "BertModel"  # the class config.architectures names
+    with torch.no_grad():
+        expected = AutoModel.from_pretrained(bert).eval()(ids).last_hidden_state
+        torch.testing.assert_close(ours(ids).last_hidden_state, expected)
+    # the same weights under a model with a head, as from_pretrained maps the prefix
+    head = BertForMaskedLM(ours.config)
+    head.save_pretrained(tmp_path / "with-head")
+    with_head = llmpress.load(tmp_path / "with-head")
+    assert type(with_head).__name__ == "BertForMaskedLM"
+
+
+def test_incomplete_per_expert_checkpoint_is_still_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = save_tiny("qwen3_moe", tmp_path)
+    state = load_file(str(source / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks weights") as error:
+        llmpress.load(source)
+    assert "experts.2.up_proj" in str(error.value)
+
+
+def test_every_expert_gets_its_own_hessian_from_all_tokens(tmp_path):
+    """calibrate_all_experts: each expert's projections see every calibration token, so none is
+    left without statistics; the layer's output still uses only the routed experts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("qwen3_moe", tmp_path)).eval()
+    linearize_experts(model)
+    experts = model.model.layers[0].mlp.experts
+    seen: dict[int, int] = {}
+    hooks = [e.gate_proj.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, seen.get(i, 0) + a[0].shape[0]))
+             for i, e in enumerate(experts)]
+    ids = torch.randint(3, 4096, (2, 12))
+    with torch.no_grad():
+        routed = model(ids).logits
+        routed_counts = dict(seen)
+        seen.clear()
+        with calibrating_all_experts(model):
+            everyone = model(ids).logits
+    for hook in hooks:
+        hook.remove()
+    assert sum(routed_counts.values()) == 24 * 2  # top-2 routing
+    assert seen == {i: 24 for i in range(len(experts))}
+    torch.testing.assert_close(everyone, routed)
+
+
+def test_oneshot_quantizes_every_expert_of_a_transformers_moe_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("mixtral", tmp_path)).eval()
+    samples = [torch.randint(3, 4096, (16,)).tolist() for _ in range(4)]
+    llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"]), samples)
+    experts = model.model.layers[1].mlp.experts
+    assert all(hasattr(p, "weight_scale") for e in experts for p in (e.w1, e.w2, e.w3))
