@@ -45,6 +45,16 @@ def make_tiny_llama(seed: int = 0, *, tie: bool = False, intermediate: int = 200
     return LlamaForCausalLM(config).eval()
 
 
+def sparsity_record(folder: Path) -> dict:
+    """The sparsity record of a pruned, unquantized checkpoint: a plain checkpoint (no
+    quantization_config, which transformers + compressed-tensors would refuse) with llmpress's key."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    return config["llmpress_sparsity"]
+
+
 def token_batches(count: int = 4, length: int = 32, vocab: int = 512, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]

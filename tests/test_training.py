@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama, train_steps
+from conftest import make_tiny_llama, sparsity_record, train_steps
 
 import llmpress
 from llmpress.errors import MissingStateError, RecipeError, SessionError
@@ -219,10 +219,9 @@ def test_pruning_checkpoint_keeps_zeros_and_says_so(tmp_path):
     train_steps(session, model, optimizer, 1)
     session.finalize()
     model.save_pretrained(tmp_path / "final")
-    import json
 
     for folder, sparsity, structure in (("mid", cubic_sparsity(0.5, 0.0, 0.5), "unstructured"), ("final", 0.5, "2:4")):
-        config = json.loads((tmp_path / folder / "config.json").read_text())["quantization_config"]["sparsity_config"]
+        config = sparsity_record(tmp_path / folder)
         assert config["global_sparsity"] == pytest.approx(sparsity, abs=0.01)
         assert config["sparsity_structure"] == structure  # mid-schedule the zeros are not 2:4 yet
         assert "MagnitudePruningModifier" in (tmp_path / folder / "recipe.yaml").read_text()
@@ -231,6 +230,11 @@ def test_pruning_checkpoint_keeps_zeros_and_says_so(tmp_path):
     ours = llmpress.load(tmp_path / "final")
     for reloaded in (loaded, ours):
         assert float((reloaded.model.layers[0].mlp.down_proj.weight == 0).float().mean()) == pytest.approx(0.5)
+    from llmpress.checkpoint.inspect import describe_checkpoint
+
+    assert describe_checkpoint(tmp_path / "final")["sparsity"].startswith("2:4, 50.0% zeros")
+    ours.save_pretrained(tmp_path / "again")  # loaded pruned: saving keeps the record
+    assert sparsity_record(tmp_path / "again")["sparsity_structure"] == "2:4"
 
 
 def test_resume_at_replays_closed_windows_and_continues_open_ones():
@@ -250,7 +254,6 @@ def test_resume_at_replays_closed_windows_and_continues_open_ones():
 
 
 def test_n_m_sparsity_is_recorded_with_its_own_n_and_m(tmp_path):
-    import json
 
     model = make_tiny_llama(intermediate=256)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -259,5 +262,5 @@ def test_n_m_sparsity_is_recorded_with_its_own_n_and_m(tmp_path):
     train_steps(session, model, optimizer, 1)
     session.finalize()
     model.save_pretrained(tmp_path / "out")
-    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    config = sparsity_record(tmp_path / "out")
     assert config["sparsity_structure"] == "4:8"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, make_tiny_llama, text_path, trained_model_dir
+from conftest import REPO, make_tiny_llama, sparsity_record, text_path, trained_model_dir
 
 import llmpress
 from llmpress.errors import RecipeError, SessionError
@@ -45,8 +45,7 @@ def test_trainer_prunes_on_schedule_and_every_checkpoint_is_sparse(tmp_path):
     trainer.save_model(str(tmp_path / "run"))
     run = tmp_path / "run"
     for checkpoint, expected in (("checkpoint-2", 0.5 * (1 - (1 / 3) ** 3)), ("checkpoint-4", 0.5), (".", 0.5)):
-        config = json.loads((run / checkpoint / "config.json").read_text())["quantization_config"]
-        assert config["sparsity_config"]["global_sparsity"] == pytest.approx(expected, abs=0.005)
+        assert sparsity_record(run / checkpoint)["global_sparsity"] == pytest.approx(expected, abs=0.005)
         assert "MagnitudePruningModifier" in (run / checkpoint / "recipe.yaml").read_text()
     assert (run / "checkpoint-2" / "optimizer.pt").exists()  # the final save kept the Trainer's checkpoints
 
@@ -158,7 +157,7 @@ def _pruned_fraction(folder) -> dict[str, float]:
     from llmpress.checkpoint.sparsity import sparsity_of
 
     model = llmpress.load_checkpoint(folder)
-    config = json.loads((folder / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    config = sparsity_record(folder)
     modules = dict(model.named_modules())
     return {name: sparsity_of(modules[name]) for name in config["targets"]}
 

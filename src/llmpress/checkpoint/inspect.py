@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.errors import CheckpointError
+from llmpress.checkpoint.sparsity import SPARSITY_KEY
+from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -62,7 +63,7 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
         "files": len(files),
         "size_mb": sum(f.stat().st_size for f in files) / 1e6,
         "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
-        "sparsity": _describe_sparsity(qcfg.get("sparsity_config")),
+        "sparsity": _describe_sparsity(qcfg.get("sparsity_config") or config.get(SPARSITY_KEY)),
     }
 
 
@@ -78,12 +79,14 @@ def _describe_sparsity(config: dict[str, Any] | None) -> str | None:
 def _skeleton(folder: Path) -> nn.Module | None:
     """The model built on the meta device (no memory): for parameter counts and module names."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
+
+        from llmpress.models import build, model_class
 
         config = AutoConfig.from_pretrained(str(folder))
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, OSError):
+            return build(model_class(config), config)
+    except (ValueError, KeyError, OSError, UnsupportedModelError):
         return None  # an architecture transformers does not know: describe the files only

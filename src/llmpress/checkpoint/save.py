@@ -18,7 +18,7 @@ from llmpress.checkpoint.compressed_state import (
     compressed_state_dict,
     quantization_config_for,
 )
-from llmpress.checkpoint.sparsity import sparsity_config_for
+from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_config_for
 from llmpress.errors import CheckpointError
 from llmpress.models.keys import KeyMap
 
@@ -63,7 +63,7 @@ def save_checkpoint(
     state = {names.to_checkpoint(key): tensor for key, tensor in state.items()}
     with atomic_directory(output_dir, replaces=_is_checkpoint_file) as tmp:
         _write_shards(tmp, state, limit)
-        _write_config(tmp, model, _compression_config(model, save_compressed))
+        _write_config(tmp, model, *_compression_config(model, save_compressed))
         if processor is not None:
             processor.save_pretrained(str(tmp))
         # imported here: recipes import the modifiers, some of which import this package
@@ -127,19 +127,22 @@ def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> N
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
-def _compression_config(model: nn.Module, save_compressed: bool) -> dict[str, Any] | None:
-    """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it."""
+def _compression_config(model: nn.Module, save_compressed: bool) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it; for a
+    pruned model that is not quantized, no ``quantization_config`` at all (a plain checkpoint,
+    as llm-compressor writes it: transformers + compressed-tensors refuse one without config
+    groups) and the sparsity record under llmpress's own config key."""
     config = quantization_config_for(model, save_compressed)
     sparsity = sparsity_config_for(model)
-    if sparsity is None:
-        return config
-    if config is None:  # pruned, not quantized: compressed-tensors' sparsity-only form
-        config = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {}}
+    if sparsity is None or config is None:
+        return config, sparsity
     config["sparsity_config"] = sparsity
-    return config
+    return config, None
 
 
-def _write_config(folder: Path, model: nn.Module, quantization_config: dict[str, Any] | None) -> None:
+def _write_config(
+    folder: Path, model: nn.Module, quantization_config: dict[str, Any] | None, sparsity_only: dict[str, Any] | None = None,
+) -> None:
     config = getattr(model, "config", None)
     if config is None:
         raise CheckpointError(
@@ -148,6 +151,10 @@ def _write_config(folder: Path, model: nn.Module, quantization_config: dict[str,
             expected="a transformers PreTrainedModel (with .config)",
         )
     config = copy.deepcopy(config)
+    if hasattr(config, SPARSITY_KEY):
+        delattr(config, SPARSITY_KEY)
+    if sparsity_only is not None:
+        setattr(config, SPARSITY_KEY, sparsity_only)
     if quantization_config is not None:
         config.quantization_config = quantization_config
     elif hasattr(config, "quantization_config"):

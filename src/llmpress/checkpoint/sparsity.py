@@ -12,10 +12,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["SPARSITY_ATTR", "mark_sparse_modules", "sparsity_config_for", "sparsity_of", "structure_of"]
+__all__ = ["SPARSITY_ATTR", "SPARSITY_KEY", "mark_sparse_modules", "sparsity_config_for", "sparsity_of", "structure_of"]
 
 # attribute on a pruned module: "unstructured" or "N:M"
 SPARSITY_ATTR = "llmpress_sparsity_structure"
+#: config.json key of a pruned, unquantized checkpoint's sparsity record (it has no quantization_config)
+SPARSITY_KEY = "llmpress_sparsity"
 
 
 def _weight(module: nn.Module):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.checkpoint.sparsity import SPARSITY_KEY, mark_sparse_modules
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
 from llmpress.loading.config import QuantizationConfig
 from llmpress.loading.methods import config_from_dict, make_quantizer
@@ -111,6 +112,8 @@ def load(
     if quantizer is not None:
         quantizer.process_model_after_weight_loading(model)
         setattr(model, QUANTIZER_ATTR, quantizer)
+    else:  # a pruned checkpoint's record, so that saving the model again keeps it
+        mark_sparse_modules(model, getattr(config, SPARSITY_KEY, None))
     recipe_file = folder / "recipe.yaml"
     if recipe_file.is_file():
         try:  # what was applied, kept for the next save; the weights do not depend on it
