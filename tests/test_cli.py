@@ -51,7 +51,7 @@ def test_inspect(w4a16_checkpoint, capsys):
     [
         (["oneshot", "--model", "no/such/model", "--recipe", "W4A16", "--output", "x"], "model folder not found"),
         (["oneshot", "--model", "MODEL", "--recipe", "W4A17", "--output", "x"], "must be a mapping"),
-        (["oneshot", "--model", "MODEL", "--recipe", "broken.yaml", "--output", "x"], "recipe file not found"),
+        (["oneshot", "--model", "MODEL", "--recipe", "broken.yaml", "--output", "x"], "cannot read the recipe file"),
         (["eval", "--model", "MODEL", "--dataset", "no/such.txt"], "evaluation text not found"),
         (["inspect", "no/such/dir"], "not a checkpoint folder"),
     ],

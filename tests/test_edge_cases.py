@@ -13,8 +13,8 @@ from conftest import make_tiny_llama, token_batches
 
 import llmpress
 from llmpress import Recipe, Session
-from llmpress.errors import MissingStateError, RecipeError, SchemeError, SessionError
-from llmpress.modifiers import QuantizationModifier
+from llmpress.errors import MissingStateError, RecipeError, SessionError
+from llmpress.modifiers import GPTQModifier, QuantizationModifier
 
 
 def logits(model, ids):
@@ -133,11 +133,36 @@ def test_two_modifiers_of_one_kind_round_trip():
     assert Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe
 
 
-def test_rtn_refuses_actorder_and_static_asymmetric_inputs():
+def test_rtn_refuses_actorder():
     with pytest.raises(RecipeError, match="GPTQ option"):
-        QuantizationModifier(config_groups={"g": {"weights": {"num_bits": 4, "group_size": 128, "actorder": "weight"}}})
-    with pytest.raises(SchemeError, match="static asymmetric"):
-        QuantizationModifier(config_groups={"g": {"weights": {"num_bits": 8}, "input_activations": {"symmetric": False}}})
+        QuantizationModifier(config_groups={"g": {"weights": {"num_bits": 8, "group_size": 128, "actorder": "weight"}}})
+
+
+@pytest.mark.integration
+def test_static_asymmetric_int8_inputs_calibrate_save_and_load(tmp_path):
+    """llm-compressor's recipe form: a per-tensor input zero point observed in calibration,
+    stored as compressed-tensors stores it, read back by llmpress and by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor", "dynamic": False},
+    }
+    model = make_tiny_llama()
+    samples = token_batches(4, 32)
+    llmpress.oneshot(model, GPTQModifier(config_groups={"group_0": group}, ignore=["lm_head"]), samples, output_dir=tmp_path)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.input_zero_point.dtype == torch.int8 and int(layer.input_zero_point) != 0
+    ids = torch.tensor([samples[0]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        ours = llmpress.load(tmp_path, dequantize=True)
+        torch.testing.assert_close(ours(ids).logits, expected)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)(ids).logits
+        torch.testing.assert_close(theirs, expected, rtol=1e-4, atol=1e-4)
+        runtime = llmpress.load(tmp_path)(ids).logits
+    assert float((runtime - expected).norm() / expected.norm()) < 0.02
 
 
 def test_scheme_map_takes_a_single_target_string():

@@ -81,7 +81,7 @@ def test_bad_grammar_is_a_recipe_error():
         Recipe.from_yaml("quant_stage: [unclosed")
     with pytest.raises(RecipeError, match="mapping"):
         Recipe.from_yaml("W4A17")
-    with pytest.raises(RecipeError, match="not found"):
+    with pytest.raises(RecipeError, match="No such file"):
         Recipe.from_any("missing/recipe.yaml")
 
 
@@ -111,3 +111,50 @@ def test_adding_recipes_keeps_every_stage():
     combined = Recipe.from_any("W4A16") + Recipe.from_any("W8A8")
     assert [s.name for s in combined.stages] == ["quant_stage", "quant_1_stage"]
     assert Recipe.from_dict(yaml.safe_load(combined.to_yaml())) == combined
+
+
+LLMCOMPRESSOR_GPTQ_RECIPE = """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}
+    GPTQModifier:
+      block_size: 64
+      dampening_frac: 0.02
+"""
+
+
+def test_gptq_without_a_scheme_quantizes_what_the_stage_describes():
+    """llm-compressor's recipes give the scheme to a QuantizationModifier and the algorithm to a
+    GPTQModifier with only block_size: the two become one GPTQ over that scheme."""
+    from llmpress.modifiers import GPTQModifier
+
+    (modifier,) = Recipe.from_yaml(LLMCOMPRESSOR_GPTQ_RECIPE).modifiers
+    assert isinstance(modifier, GPTQModifier)
+    assert modifier.config.block_size == 64 and modifier.config.dampening_frac == 0.02
+    assert modifier.config.ignore == ["lm_head"]
+    (scheme,) = modifier.config.resolved_schemes()
+    assert scheme.weights.num_bits == 4 and scheme.weights.group_size == 128
+    with pytest.raises(RecipeError, match="GPTQModifier has no scheme, and no QuantizationModifier before it"):
+        Recipe.from_yaml("quant_stage:\n  GPTQModifier: {block_size: 64}\n")
+
+
+def test_recipe_file_needs_no_suffix_and_may_be_a_pipe(tmp_path):
+    import os
+
+    plain = tmp_path / "recipe"
+    plain.write_text(LLMCOMPRESSOR_GPTQ_RECIPE)
+    assert Recipe.from_any(str(plain)) == Recipe.from_yaml(LLMCOMPRESSOR_GPTQ_RECIPE)
+    read, write = os.pipe()
+    os.write(write, LLMCOMPRESSOR_GPTQ_RECIPE.encode())
+    os.close(write)
+    try:
+        assert Recipe.from_any(f"/dev/fd/{read}") == Recipe.from_yaml(LLMCOMPRESSOR_GPTQ_RECIPE)
+    finally:
+        os.close(read)
+    with pytest.raises(RecipeError, match="cannot read the recipe file"):
+        Recipe.from_file(tmp_path)

@@ -52,7 +52,7 @@ def load_compressed_into(model: Any, folder: str) -> bool:
 
     weight = next(model.parameters())
     dense = load_checkpoint(folder, dtype=weight.dtype)
-    qparams = ("weight_scale", "weight_zero_point", "input_scale")
+    qparams = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
     state = {k: v for k, v in dense.state_dict().items() if not k.endswith(qparams)}
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(qparams)]

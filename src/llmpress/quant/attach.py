@@ -78,8 +78,10 @@ def set_weight_qparams(
     set_module_buffer(module, "weight_zero_point", zero_point)
 
 
-def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:
+def set_input_scale(module: nn.Module, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
+    """A static input scale (and zero point, for asymmetric inputs), as compressed-tensors stores them."""
     set_module_buffer(module, "input_scale", scale.reshape(1).to(module.weight.dtype))
+    set_module_buffer(module, "input_zero_point", None if zero_point is None else zero_point.reshape(1))
 
 
 def enable_input_quantization(module: nn.Module) -> None:
@@ -89,8 +91,8 @@ def enable_input_quantization(module: nn.Module) -> None:
         return
 
     def hook(mod: nn.Module, inputs: tuple) -> tuple:
-        scale = getattr(mod, "input_scale", None)
-        return (fake_quantize_activation(inputs[0], args, scale), *inputs[1:])
+        scale, zero_point = getattr(mod, "input_scale", None), getattr(mod, "input_zero_point", None)
+        return (fake_quantize_activation(inputs[0], args, scale, zero_point), *inputs[1:])
 
     setattr(module, _HOOK, module.register_forward_pre_hook(hook))
 
@@ -101,6 +103,6 @@ def detach_quantization(module: nn.Module) -> None:
     if handle is not None:
         handle.remove()
         setattr(module, _HOOK, None)
-    for name in ("weight_scale", "weight_zero_point", "input_scale"):
+    for name in ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point"):
         set_module_buffer(module, name, None)
     module.quantization_scheme = None

@@ -189,14 +189,6 @@ class QuantizationScheme(BaseModel):
                     expected="weights.dynamic=False",
                     fix="remove dynamic from the weights section",
                 )
-        inputs = self.input_activations
-        if inputs is not None and not inputs.dynamic and not inputs.symmetric:
-            raise SchemeError(
-                "static asymmetric input activations are not supported",
-                got="input_activations: {dynamic: false, symmetric: false}",
-                expected="symmetric static inputs, or dynamic ones",
-                fix="set symmetric: true (or dynamic: true) for input_activations",
-            )
         if self.output_activations is not None:
             raise SchemeError(
                 "output activation quantization is not supported",

@@ -15,6 +15,7 @@ to an equal recipe.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ __all__ = ["Recipe", "RecipeStage", "APPLIED_RECIPE_ATTR"]
 
 # attribute on a model: the Recipe it was loaded with followed by the stages applied since
 APPLIED_RECIPE_ATTR = "_llmpress_applied_recipe"
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_STAGE = "default_stage"
 DEFAULT_GROUP = "default_modifiers"
@@ -87,7 +90,7 @@ class Recipe:
 
     @classmethod
     def from_modifiers(cls, modifiers: list[Modifier], stage: str = DEFAULT_STAGE) -> Recipe:
-        return cls([RecipeStage(stage, {DEFAULT_GROUP: list(modifiers)})])
+        return cls([_schemes_from_stage(RecipeStage(stage, {DEFAULT_GROUP: list(modifiers)}))])
 
     @classmethod
     def from_preset(cls, name: str, ignore: list[str] | None = None) -> Recipe:
@@ -100,14 +103,16 @@ class Recipe:
     @classmethod
     def from_file(cls, path: str | Path) -> Recipe:
         path = Path(path)
-        if not path.is_file():
+        try:  # any readable file: no suffix needed, a pipe (/dev/fd/N) too
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
             raise RecipeError(
-                "recipe file not found",
-                got=str(path),
-                expected="a path to a .yaml, .yml or .json recipe, or a preset name",
+                "cannot read the recipe file",
+                got=f"{path}: {exc.strerror or exc}" if isinstance(exc, OSError) else f"{path}: not UTF-8 text",
+                expected="a readable YAML or JSON recipe file, or a preset name",
                 fix=f"check the path, or use a preset: {', '.join(_preset_names())}",
-            )
-        return cls.from_yaml(path.read_text(encoding="utf-8"), origin=str(path))
+            ) from None
+        return cls.from_yaml(text, origin=str(path))
 
     @classmethod
     def from_yaml(cls, text: str, origin: str = "recipe") -> Recipe:
@@ -208,6 +213,42 @@ def _parse_stage(name: str, body: Any) -> RecipeStage:
             loose.extend(_parse_group(name, {key: value}))
     if loose:
         stage.groups = {DEFAULT_GROUP: loose, **stage.groups}
+    return _schemes_from_stage(stage)
+
+
+_SCHEME_FIELDS = ("scheme", "config_groups", "targets", "ignore")
+
+
+def _schemes_from_stage(stage: RecipeStage) -> RecipeStage:
+    """llm-compressor's grammar: a modifier without a scheme of its own (GPTQ with only
+    ``block_size``) quantizes, with its algorithm, what the stage's earlier QuantizationModifier
+    describes. The two become one modifier: the scheme modifier's fields in the algorithm's."""
+    from llmpress.modifiers.quantization import QuantizationModifier
+
+    seen: list[tuple[str, Modifier]] = []
+    for group, modifiers in list(stage.groups.items()):
+        for modifier in list(modifiers):
+            config = modifier.config
+            if getattr(type(config), "scheme_from_stage", False) and not config.has_scheme:
+                donors = [(g, m) for g, m in seen if isinstance(m, QuantizationModifier)]
+                if not donors:
+                    raise RecipeError(
+                        f"stage {stage.name!r}: {type(modifier).__name__} has no scheme, and no QuantizationModifier before it "
+                        "in the stage gives one",
+                        got=f"{type(modifier).__name__}: {config.model_dump(exclude_defaults=True)}",
+                        expected="scheme: W4A16 (or config_groups) on it, or a QuantizationModifier with the scheme before it",
+                    )
+                donor_group, donor = donors[-1]
+                fields = config.model_dump(exclude_defaults=True)
+                fields.update({k: v for k, v in donor.config.model_dump(exclude_defaults=True).items() if k in _SCHEME_FIELDS})
+                merged = type(modifier)(**fields)
+                stage.groups[donor_group].remove(donor)
+                stage.groups[group][stage.groups[group].index(modifier)] = merged
+                seen.remove((donor_group, donor))
+                logger.info("stage %s: %s quantizes what the QuantizationModifier before it describes", stage.name, type(modifier).__name__)
+                modifier = merged
+            seen.append((group, modifier))
+    stage.groups = {g: m for g, m in stage.groups.items() if m}
     return stage
 
 
@@ -250,6 +291,6 @@ def _looks_like_path(text: str) -> bool:
     if text.endswith((".yaml", ".yml", ".json")):
         return True
     try:
-        return Path(text).is_file()
+        return Path(text).exists() and not Path(text).is_dir()  # a file, a pipe, /dev/fd/N
     except OSError:  # too long or otherwise impossible as a file name: not a path
         return False

@@ -192,7 +192,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = self.quantization_scheme.input_activations
         if inputs is not None:
-            x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None))
+            x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None))
         if self.kernel == "int4":
             out = kernels.int4_matmul(x, self.int4_weight, self.quantization_scheme.weights.group_size, self.int4_table)
         elif self.kernel == "int8":

@@ -3,7 +3,7 @@ only as llm-compressor's one-shot recipes give them."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
@@ -16,6 +16,8 @@ __all__ = ["GPTQModifierConfig"]
 
 
 class GPTQModifierConfig(SchemeFields, OneShotFields):
+    scheme_from_stage: ClassVar[bool] = True  # no scheme: the stage's QuantizationModifier gives it
+
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: ActivationOrdering | None = None

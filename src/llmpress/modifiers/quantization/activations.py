@@ -51,6 +51,6 @@ class InputRangeObserver:
                     fix=f"add {name!r} to ignore, or check that the calibration data reaches it",
                 )
             low, high = self.ranges.pop(name)
-            scale, _ = compute_qparams(low.reshape(1), high.reshape(1), args)
-            set_input_scale(module, scale)
+            scale, zero_point = compute_qparams(low.reshape(1), high.reshape(1), args)
+            set_input_scale(module, scale, zero_point)
         enable_input_quantization(module)

@@ -3,7 +3,7 @@ modifier shares (``SchemeFields``: GPTQ composes them with its own fields)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, field_validator, model_validator
 
@@ -37,8 +37,18 @@ class SchemeFields(BaseModel):
     def _one_name_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    #: a modifier that may leave its scheme to an earlier modifier of its stage (GPTQ after a
+    #: QuantizationModifier with the scheme, as llm-compressor's recipes write it)
+    scheme_from_stage: ClassVar[bool] = False
+
+    @property
+    def has_scheme(self) -> bool:
+        return self.scheme is not None or self.config_groups is not None
+
     @model_validator(mode="after")
     def _check_scheme(self) -> SchemeFields:
+        if not self.has_scheme and self.scheme_from_stage:
+            return self
         if (self.scheme is None) == (self.config_groups is None):
             raise RecipeError(
                 "QuantizationModifier needs exactly one of 'scheme' and 'config_groups'",
@@ -58,6 +68,8 @@ class SchemeFields(BaseModel):
 
     def resolved_schemes(self) -> list[QuantizationScheme]:
         """The schemes this config asks for, each with its own targets."""
+        if not self.has_scheme:
+            return []
         if self.config_groups is not None:
             return list(self.config_groups.values())
         if isinstance(self.scheme, str):
