@@ -49,7 +49,7 @@ def test_inspect(w4a16_checkpoint, capsys):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["oneshot", "--model", "no/such/model", "--recipe", "W4A16", "--output", "x"], "model folder not found"),
+        (["oneshot", "--model", "no/such/model", "--recipe", "W4A16", "--output", "x"], "not a model checkpoint folder"),
         (["oneshot", "--model", "MODEL", "--recipe", "W4A17", "--output", "x"], "must be a mapping"),
         (["oneshot", "--model", "MODEL", "--recipe", "broken.yaml", "--output", "x"], "cannot read the recipe file"),
         (["eval", "--model", "MODEL", "--dataset", "no/such.txt"], "evaluation text not found"),

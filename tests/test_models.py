@@ -121,3 +121,23 @@ def test_oneshot_quantizes_every_expert_of_a_transformers_moe_model(tmp_path):
     llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"]), samples)
     experts = model.model.layers[1].mlp.experts
     assert all(hasattr(p, "weight_scale") for e in experts for p in (e.w1, e.w2, e.w3))
+
+
+def test_hub_model_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):
+    """``Qwen/Qwen3-8B``-style ids resolve as from_pretrained resolves them: the cache first;
+    HF_HUB_OFFLINE (set for every test) keeps it from going online."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-qwen3-moe" / "snapshots" / "0123abcd"
+    save_tiny("qwen3_moe", tmp_path / "src")
+    shutil.copytree(tmp_path / "src", snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    model = llmpress.load("tiny-org/tiny-qwen3-moe")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    with pytest.raises(CheckpointError, match="neither a local folder nor in the Hugging Face cache"):
+        llmpress.load("tiny-org/not-cached")

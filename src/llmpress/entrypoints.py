@@ -17,7 +17,7 @@ from torch import nn
 
 from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
-from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError
+from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.modifiers.base import TRAINING_EVENTS
 from llmpress.pipelines.basic import run_basic_calibration
@@ -32,14 +32,14 @@ logger = logging.getLogger(__name__)
 
 
 def load_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
-    """A causal LM (plain or compressed-tensors checkpoint) and its tokenizer, from a folder."""
+    """A model (plain or compressed-tensors checkpoint) and its tokenizer, from a folder or a
+    cached Hub model id."""
     from transformers import AutoTokenizer
 
     from llmpress.loading import load_checkpoint
+    from llmpress.loading.loader import model_folder
 
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError("model folder not found", got=str(folder), expected="a local model folder")
+    folder = model_folder(path)
     model = load_checkpoint(folder, dtype=dtype)
     processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
     return model, processor

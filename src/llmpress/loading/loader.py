@@ -32,7 +32,7 @@ from llmpress.memory import release_free_memory
 from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
-__all__ = ["load", "load_checkpoint"]
+__all__ = ["load", "load_checkpoint", "model_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def load(
     - ``dtype`` is the dtype of the unquantized parts (default: the quantizer's choice, else the
       checkpoint's). ``device_map``: a device, ``{"module.prefix": device}``, or ``"auto"``.
     """
-    folder = _model_folder(path)
+    folder = model_folder(path)
     config = _read_config(folder)
     qconfig, pre_quantized = _quantization_config(config, quantization_config)
     quantizer: Quantizer | None = None
@@ -130,16 +130,37 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> 
     return load(path, dtype=dtype, dequantize=True)
 
 
-def _model_folder(path: str | Path) -> Path:
+def model_folder(path: str | Path) -> Path:
+    """A local checkpoint folder, or a Hub model id (``Qwen/Qwen3-8B``) resolved as
+    ``from_pretrained`` resolves it: the local cache first, downloading only when online
+    (``HF_HUB_OFFLINE=1`` is honoured)."""
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(
-            "not a model checkpoint folder",
-            got=str(folder),
-            expected="a local folder with config.json and *.safetensors",
-            fix="check the --model path (llmpress loads local folders; nothing is downloaded)",
-        )
-    return folder
+    if (folder / "config.json").is_file():
+        return folder
+    if not folder.exists() and _is_repo_id(str(path)):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.yaml"]))
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+            raise CheckpointError(
+                "the model is neither a local folder nor in the Hugging Face cache",
+                got=f"{path}: {str(exc).splitlines()[0]}",
+                expected="a local checkpoint folder, or a Hub model id that is cached (or reachable online)",
+                fix="download it first (huggingface-cli download ID), or unset HF_HUB_OFFLINE",
+            ) from None
+    raise CheckpointError(
+        "not a model checkpoint folder",
+        got=str(folder),
+        expected="a local folder with config.json and *.safetensors, or a Hub model id",
+        fix="check the --model path",
+    )
+
+
+def _is_repo_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") and " " not in p for p in parts)
 
 
 def _read_config(folder: Path):
