@@ -8,7 +8,7 @@ from typing import Any
 
 from llmpress.errors import UnsupportedModelError
 
-__all__ = ["model_class"]
+__all__ = ["build", "model_class"]
 
 
 def model_class(config: Any):

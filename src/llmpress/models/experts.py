@@ -31,6 +31,7 @@ __all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_exper
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class _Layout:
     transposed: bool  # parameters stored input-major (experts × in × out)
@@ -91,7 +92,8 @@ class LinearExperts(nn.ModuleList):
 
     def __init__(self, fused: nn.Module, names: ProjectionNames, layout: _Layout) -> None:
         down = fused.down_proj
-        experts, hidden, intermediate = down.shape[0], *(down.shape[1:] if not layout.transposed else down.shape[:0:-1])
+        experts, rows, columns = down.shape  # down_proj: hidden × intermediate per expert (transposed: the reverse)
+        hidden, intermediate = (columns, rows) if layout.transposed else (rows, columns)
         super().__init__(
             ExpertMLP(hidden, intermediate, names, gate=layout.gate, bias=layout.bias, device=down.device, dtype=down.dtype)
             for _ in range(experts)

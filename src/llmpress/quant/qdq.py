@@ -151,12 +151,10 @@ def fake_quantize_activation(
     """Fake-quantize a module input: dynamic args compute the scale from ``x`` now (per token
     or per tensor); static args use the calibrated ``scale`` (and ``zero_point``, asymmetric).
     With gradients on, the gradient of the rounding is the identity (straight-through)."""
+    flat = x.reshape(-1, x.shape[-1])
     if args.dynamic or scale is None:
-        flat = x.reshape(-1, x.shape[-1])
         min_vals, max_vals = reduce_min_max(flat.detach(), args)
         scale, zero_point = compute_qparams(min_vals, max_vals, args)
-    else:
-        flat = x.reshape(-1, x.shape[-1])
     quantized = fake_quantize(flat.detach(), scale.detach(), zero_point, args).reshape(x.shape)
     if x.requires_grad:  # training (QAT): the rounding passes gradients straight through
         return x + (quantized - x).detach()

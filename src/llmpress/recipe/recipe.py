@@ -225,12 +225,13 @@ def _schemes_from_stage(stage: RecipeStage) -> RecipeStage:
     describes. The two become one modifier: the scheme modifier's fields in the algorithm's."""
     from llmpress.modifiers.quantization import QuantizationModifier
 
-    seen: list[tuple[str, Modifier]] = []
+    donors: list[tuple[str, Modifier]] = []  # the stage's QuantizationModifiers so far, not yet taken
     for group, modifiers in list(stage.groups.items()):
         for modifier in list(modifiers):
             config = modifier.config
-            if getattr(type(config), "scheme_from_stage", False) and not config.has_scheme:
-                donors = [(g, m) for g, m in seen if isinstance(m, QuantizationModifier)]
+            if isinstance(modifier, QuantizationModifier):
+                donors.append((group, modifier))
+            elif getattr(type(config), "scheme_from_stage", False) and not config.has_scheme:
                 if not donors:
                     raise RecipeError(
                         f"stage {stage.name!r}: {type(modifier).__name__} has no scheme, and no QuantizationModifier before it "
@@ -238,16 +239,12 @@ def _schemes_from_stage(stage: RecipeStage) -> RecipeStage:
                         got=f"{type(modifier).__name__}: {config.model_dump(exclude_defaults=True)}",
                         expected="scheme: W4A16 (or config_groups) on it, or a QuantizationModifier with the scheme before it",
                     )
-                donor_group, donor = donors[-1]
+                donor_group, donor_modifier = donors.pop()
                 fields = config.model_dump(exclude_defaults=True)
-                fields.update({k: v for k, v in donor.config.model_dump(exclude_defaults=True).items() if k in _SCHEME_FIELDS})
-                merged = type(modifier)(**fields)
-                stage.groups[donor_group].remove(donor)
-                stage.groups[group][stage.groups[group].index(modifier)] = merged
-                seen.remove((donor_group, donor))
+                fields.update({k: v for k, v in donor_modifier.config.model_dump(exclude_defaults=True).items() if k in _SCHEME_FIELDS})
+                stage.groups[donor_group].remove(donor_modifier)
+                stage.groups[group][stage.groups[group].index(modifier)] = type(modifier)(**fields)
                 logger.info("stage %s: %s quantizes what the QuantizationModifier before it describes", stage.name, type(modifier).__name__)
-                modifier = merged
-            seen.append((group, modifier))
     stage.groups = {g: m for g, m in stage.groups.items() if m}
     return stage
 
