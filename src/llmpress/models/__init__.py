@@ -9,6 +9,7 @@ from llmpress.models.experts import (
     calibrating_all_experts,
     fused_experts,
     linearize_experts,
+    routed_experts_only,
 )
 from llmpress.models.keys import KeyMap
 
@@ -21,4 +22,5 @@ __all__ = [
     "fused_experts",
     "linearize_experts",
     "model_class",
+    "routed_experts_only",
 ]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_experts", "linearize_experts"]
+__all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_experts", "linearize_experts", "routed_experts_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,3 +224,18 @@ def calibrating_all_experts(model: nn.Module, enabled: bool = True) -> Iterator[
     finally:
         for module in experts:
             module.calibrate_all = False
+
+
+@contextlib.contextmanager
+def routed_experts_only(module: nn.Module) -> Iterator[None]:
+    """Inside, the experts of ``module`` see only their routed tokens even while calibrating all:
+    for the runs whose outputs feed the next block and nobody observes (a fraction
+    ``top_k / experts`` of the work)."""
+    experts = [m for m in module.modules() if isinstance(m, LinearExperts) and m.calibrate_all]
+    for expert in experts:
+        expert.calibrate_all = False
+    try:
+        yield
+    finally:
+        for expert in experts:
+            expert.calibrate_all = True

@@ -4,19 +4,27 @@
 returns a ``BlockPlan``, or the reason the block cannot go module by module (then it takes two
 passes). The plan says:
 
-* ``groups``: the block's targets (the modules the modifiers watch, and every Linear) in call
-  order, grouped by shared input (q/k/v read the same normed hidden states, as do gate/up): each
-  group is handed to the modifiers in turn;
+* ``groups``: the block's targets (the modules the modifiers watch, and every Linear) by their
+  depth in the block's data flow: a target's depth is one more than the deepest target its input
+  was computed from. q/k/v read the normed hidden states (depth 0), o_proj their attention
+  (1), gate/up its sum (2), down_proj their product (3); the experts of an MoE layer go as one
+  group per depth, not one per expert, and a parallel block's attention and MLP inputs as one.
+  The data flow is traced once through autograd (every submodule's output made a leaf; a
+  target's input traced back to the leaves it came from). Where it cannot be traced (an
+  in-place change of an output, a module computing under ``no_grad``), targets go in call order,
+  grouped by shared input. Each group is handed to the modifiers in turn;
 * which submodules are called exactly once, in order, and what encloses what;
 * ``answers``: a parent whose output is its last target's output (Llama's attention
   returns o_proj's, its MLP down_proj's) can answer from that module's input alone;
 * ``zeros``: submodules whose output can be replaced by zeros where it is never used (its shape
-  follows from its input: the input's leading dimensions, a fixed number of features).
+  follows from its input: the input's leading dimensions, a fixed number of features);
+* ``needs``: for each target, every submodule its input was computed from (traced plans only),
+  so a stage zeroes exactly what its group does not need.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +34,10 @@ from torch import nn
 
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
+from llmpress.pipelines.probe import Probe, Untraceable
 from llmpress.pipelines.stand_ins import ZeroAnswer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ParkedAnswer", "BlockPlan", "kept_bytes", "plan_block", "tokens_per_batch"]
 
@@ -49,18 +60,28 @@ class BlockPlan:
     answers: dict[nn.Module, ParkedAnswer] = field(default_factory=dict)
     zeros: dict[nn.Module, tuple[int, int | None, torch.dtype]] = field(default_factory=dict)
     parked_bytes_per_token: int = 0  # the inputs parked for the parents' answers
+    needs: dict[nn.Module, set[nn.Module]] | None = None  # target -> the submodules its input comes from
 
     def complete(self, done: set[nn.Module]) -> list[nn.Module]:
         """The outermost submodules whose targets are all in ``done``."""
         full = {m for m in self.order if self.targets_in.get(m) and self.targets_in[m] <= done}
         return [m for m in self.order if m in full and not any(a in full for a in self.ancestors[m])]
 
-    def zeroed_after(self, module: nn.Module) -> dict[nn.Module, ZeroAnswer]:
-        """The outermost submodules entered after ``module`` whose outputs can be zeros."""
-        cut = self.order.index(module)
+    def zeroed_for(self, group: list[nn.Module], answered: set[nn.Module]) -> dict[nn.Module, ZeroAnswer]:
+        """The outermost submodules entered after the group's first member whose outputs the
+        group does not need (untraced: those entered after its last member), leaving out the
+        ``answered`` ones and the group's own."""
+        members = set(group)
+        if self.needs is None:
+            start, needed = self.order.index(group[-1]) + 1, set()
+        else:
+            start = min(self.order.index(m) for m in group) + 1
+            needed = set().union(*(self.needs[m] for m in group))
+            needed |= {a for m in group for a in self.ancestors[m]}
         chosen: dict[nn.Module, ZeroAnswer] = {}
-        for later in self.order[cut + 1:]:
-            if later in self.zeros and not any(a in chosen for a in self.ancestors[later]):
+        for later in self.order[start:]:
+            if (later in self.zeros and later not in needed and later not in members and later not in answered
+                    and not any(a in chosen for a in self.ancestors[later])):
                 chosen[later] = ZeroAnswer(*self.zeros[later])
         return chosen
 
@@ -85,10 +106,17 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
                observation: Observation | None = None) -> BlockPlan | str:
     """Probe ``block`` on one batch (``first``: its args and kwargs) and plan the stages for the
     ``targets`` inside it; or say why it cannot go module by module."""
-    record = _Probe(block, set(targets))
     args, kwargs = first
-    with record, (observation.paused() if observation is not None else nullcontext()):
-        block(*args, **kwargs)
+    record = Probe(block, set(targets), trace=True)
+    try:
+        with record, (observation.paused() if observation is not None else nullcontext()):
+            block(*record.leaves(None, args), **{k: record.leaves(None, v) for k, v in kwargs.items()})
+        record.check_traced()
+    except Untraceable as exc:  # the plain probe: call order
+        logger.debug("block %s: data flow not traced (%s); its targets go in call order", type(block).__name__, exc)
+        record = Probe(block, set(targets), trace=False)
+        with record, (observation.paused() if observation is not None else nullcontext()):
+            block(*args, **kwargs)
     if not targets:
         return "it has no module to calibrate"
     counts = sorted({record.calls[m] for m in targets})
@@ -99,7 +127,7 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
         if not isinstance(x, torch.Tensor) or x.shape[:-1].numel() != tokens:
             return f"{type(module).__name__} sees a subset of the batch's tokens (routed experts?)"
     plan = BlockPlan(groups=record.groups(), order=[m for m in record.order if record.calls[m] == 1],
-                     ancestors=_ancestors(block))
+                     ancestors=_ancestors(block), needs=record.needs())
     for module in targets:
         for owner in [module, *plan.ancestors[module]]:
             plan.targets_in.setdefault(owner, set()).add(module)
@@ -109,7 +137,7 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
     return plan
 
 
-def _plan_answers(plan: BlockPlan, record: _Probe) -> None:
+def _plan_answers(plan: BlockPlan, record: Probe) -> None:
     """Parents that return their last target's output as theirs (the outermost such)."""
     rank = {m: i for i, group in enumerate(plan.groups) for m in group}
     for group in plan.groups:
@@ -117,7 +145,7 @@ def _plan_answers(plan: BlockPlan, record: _Probe) -> None:
             continue
         last = group[0]
         for parent in plan.ancestors[last]:  # innermost first: keep the outermost that qualifies
-            answer = _answer_from(last, record.outputs.get(last), record.outputs.get(parent))
+            answer = _answer_from(last, record.outputs.get(last), record.produced.get(parent))
             if answer is None or record.calls[parent] != 1 or any(rank[m] > rank[last] for m in plan.targets_in[parent]):
                 break
             plan.answers = {p: a for p, a in plan.answers.items() if a.last is not last}
@@ -147,64 +175,3 @@ def _ancestors(block: nn.Module) -> dict[nn.Module, list[nn.Module]]:
             up = parents.get(up)
         chains[module] = chain
     return chains
-
-
-class _Probe:
-    """Recording hooks on every submodule of a block for one forward: calls, entry order, the
-    targets' inputs (to group them) and every output (to plan answers and zeros)."""
-
-    def __init__(self, block: nn.Module, targets: set[nn.Module]) -> None:
-        self.block, self.targets = block, targets
-        self.calls: Counter[nn.Module] = Counter()
-        self.order: list[nn.Module] = []
-        self.inputs: dict[nn.Module, Any] = {}
-        self.outputs: dict[nn.Module, Any] = {}
-        self.target_inputs: list[tuple[nn.Module, Any]] = []
-        self.unchanged: list[bool] = []  # per target call: its input equals what the previous one saw
-        self._last: tuple[Any, torch.Tensor | None] = (None, None)
-
-    def __enter__(self) -> _Probe:
-        inner = [m for m in self.block.modules() if m is not self.block]
-        self.handles = [m.register_forward_pre_hook(self._before, with_kwargs=True) for m in inner]
-        self.handles += [m.register_forward_hook(self._after) for m in inner]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.calls[module] += 1
-        self.order.append(module)
-        x = primary_input(args, kwargs)
-        self.inputs.setdefault(module, x)
-        if module in self.targets:
-            previous, snapshot = self._last
-            self.unchanged.append(x is previous and snapshot is not None and torch.equal(x, snapshot))
-            self.target_inputs.append((module, x))
-            self._last = (x, x.clone() if isinstance(x, torch.Tensor) else None)
-
-    def _after(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.outputs.setdefault(module, output)
-
-    def groups(self) -> list[list[nn.Module]]:
-        """Targets in call order; one that reads its predecessor's input, unchanged, joins its group."""
-        groups: list[list[nn.Module]] = []
-        for (module, _), same in zip(self.target_inputs, self.unchanged):
-            if groups and same:
-                groups[-1].append(module)
-            else:
-                groups.append([module])
-        return groups
-
-    def zero_shape(self, module: nn.Module) -> tuple[int, int | None, torch.dtype] | None:
-        """``(features, tuple length or None, dtype)`` when the output can be made from the input's shape."""
-        x, output = self.inputs.get(module), self.outputs.get(module)
-        length = None
-        if isinstance(output, tuple) and output and all(o is None for o in output[1:]):
-            output, length = output[0], len(output)
-        if not (isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor)) or x.dim() == 0 or output.dim() == 0:
-            return None
-        if output.shape[:-1] != x.shape[:-1]:
-            return None
-        return output.shape[-1], length, output.dtype

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmpress.models.experts import routed_experts_only
 from llmpress.pipelines.blocks import CalibrationBlock, hand_on
 from llmpress.session import Session
 
@@ -52,6 +53,7 @@ def run_block(block: CalibrationBlock) -> tuple | None:
     """Replace each batch's input by the block's output, one batch at a time (so only one batch
     of the two is ever alive twice); returns what the block returns besides its hidden states."""
     rest = None
-    for index, (args, kwargs) in enumerate(block.inputs):
-        rest = hand_on(block.inputs, index, block.module(*args, **kwargs))
+    with routed_experts_only(block.module):  # nobody observes: experts take only their tokens
+        for index, (args, kwargs) in enumerate(block.inputs):
+            rest = hand_on(block.inputs, index, block.module(*args, **kwargs))
     return rest

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from torch import nn
 
 from llmpress.errors import UnsupportedModelError
 from llmpress.memory import release_free_memory
+from llmpress.models.experts import LinearExperts, routed_experts_only
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import CalibrationBlock, hand_on
 from llmpress.pipelines.kept import KeptValues
@@ -86,8 +88,15 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
     session.layer_calibrated(block)
     if not outputs_needed:
         return None
-    with observation.paused():
-        return _run(block, _Stage(plan, rows, kept, done, observation), hand_outputs_on=True)
+    last = _Stage(plan, rows, kept, done, observation)
+    # nobody observes: experts take only their routed tokens, unless a stand-in waits inside them
+    routed = routed_experts_only(block.module) if not _inside_experts(last.answers, plan) else nullcontext()
+    with observation.paused(), routed:
+        return _run(block, last, hand_outputs_on=True)
+
+
+def _inside_experts(answers: dict[nn.Module, Any], plan: BlockPlan) -> bool:
+    return any(isinstance(a, LinearExperts) for m in answers for a in plan.ancestors[m])
 
 
 def _run(block: CalibrationBlock, stage: _Stage, hand_outputs_on: bool = False) -> tuple | None:
@@ -120,8 +129,9 @@ class _Stage:
         owner = None
         if group is not None and keep_for_next and len(group) == 1:
             owner = next((p for p, a in plan.answers.items() if a.last is group[0]), None)
-        keep = set() if not keep_for_next else {
-            m for m in plan.complete(done) if not (owner is not None and owner in plan.ancestors[m])}
+        # kept: what is complete now and still outermost once this group is done too (a kept
+        # output inside a parent that is complete next stage would only cost memory)
+        keep = set() if not keep_for_next else set(plan.complete(done)) & set(plan.complete(done | set(group or ())))
         for module, values in previous.outputs.items():
             self.answers[module] = self._kept_answer(module, values)
             if module in keep:
@@ -137,7 +147,7 @@ class _Stage:
             for module in group:
                 zeros = ZeroAnswer(*plan.zeros[module]) if module in plan.zeros else None
                 self.answers[module] = self._member_answer(module, zeros, park)
-            self.answers.update(self._zeroed(m, z) for m, z in plan.zeroed_after(group[-1]).items())
+            self.answers.update(self._zeroed(m, z) for m, z in plan.zeroed_for(group, set(self.answers)).items())
 
     # -- the stand-ins' answers -------------------------------------------------------------
     def _count(self, module: nn.Module) -> int:
