@@ -63,19 +63,35 @@ TRANSFORMERS_CANNOT = {
     "falcon": "transformers' Falcon init fails on packed FalconLinear",
 }
 ENCODERS = {"bert": {"intermediate_size": 256}}
+#: vision-language models: a text stack calibrated on text alone, a vision tower it never runs
+VISION = {
+    "llava": {"text_config": {"model_type": "llama", **SMALL}, "image_token_index": 4000,
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 128, "intermediate_size": 256,
+                                "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32, "patch_size": 8}},
+    "qwen2_vl": {"text_config": {"model_type": "qwen2_vl_text", **SMALL, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+                 "vision_config": {"depth": 2, "embed_dim": 128, "hidden_size": 128, "num_heads": 2, "mlp_ratio": 2,
+                                   "patch_size": 14, "spatial_merge_size": 2},
+                 "image_token_id": 4000, "video_token_id": 4001, "vision_start_token_id": 4002},
+}
 
-ARCHITECTURES = {**DENSE, **{k: {**MOE, **v} for k, v in EXPERTS.items()}, **ENCODERS}
+ARCHITECTURES = {**DENSE, **{k: {**MOE, **v} for k, v in EXPERTS.items()}, **ENCODERS, **VISION}
+
+
+def auto_class(model_type: str):
+    """The Auto class a user loads ``model_type`` with."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModel if model_type in ENCODERS else AutoModelForImageTextToText if model_type in VISION else AutoModelForCausalLM
 
 
 def save_tiny(model_type: str, folder: Path, tokenizer_from: Path | None = None, seed: int = 0) -> Path:
     """Build the tiny model of ``model_type`` and save it (and the tokenizer) to ``folder``."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     torch.manual_seed(seed)
-    fields = {**SMALL, **ARCHITECTURES[model_type]}
+    fields = ARCHITECTURES[model_type] if model_type in VISION else {**SMALL, **ARCHITECTURES[model_type]}
     config = AutoConfig.for_model(model_type, **fields)
-    auto = AutoModel if model_type in ENCODERS else AutoModelForCausalLM
-    model = auto.from_config(config).eval()
+    model = auto_class(model_type).from_config(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() == 3 or "router" in name or name.endswith("mlp.gate.weight"):

@@ -140,6 +140,27 @@ def test_each_module_of_a_stacked_solve_gets_its_own_loss():
     assert both.loss == pytest.approx(sum(alone), rel=1e-3) and alone[1] > 2 * alone[0]
 
 
+def test_a_shared_hessian_is_factored_once_and_its_modules_solved_in_bounded_batches(monkeypatch):
+    """Modules sharing a Hessian (q/k/v; every expert's gate/up in an MoE layer) get one factor
+    and are stacked only up to FUSED_ELEMENTS weights at a time: batches of one module give the
+    weights of one stacked solve."""
+    from llmpress.modifiers.gptq import modifier as gptq_module
+
+    factored = []
+    real = gptq_module.factor_hessian
+    monkeypatch.setattr(gptq_module, "factor_hessian", lambda *a, **k: factored.append(1) or real(*a, **k))
+    results = []
+    for bound in (gptq_module.FUSED_ELEMENTS, 1):
+        monkeypatch.setattr(gptq_module, "FUSED_ELEMENTS", bound)
+        factored.clear()
+        model = llmpress.oneshot(make_tiny_llama(), GPTQModifier(scheme="W4A16", ignore=["lm_head"]), token_batches(4, 32),
+                                 calibration=CalibrationOptions(num_samples=4, seq_len=32))
+        results.append({k: v.clone() for k, v in model.state_dict().items() if k.endswith("weight_scale")})
+        assert len(factored) == 4 * len(find_blocks(model))  # q/k/v, o, gate/up, down: one factor each
+    for name, scale in results[0].items():
+        torch.testing.assert_close(results[1][name], scale, rtol=1e-5, atol=0)
+
+
 def test_each_layer_reports_the_loss_of_each_module(caplog):
     model = make_tiny_llama()
     with caplog.at_level("INFO", logger="llmpress.modifiers.gptq.modifier"):

@@ -19,7 +19,7 @@ from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import expand_to_columns
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
-__all__ = ["GPTQResult", "gptq_quantize", "inverse_hessian_factor"]
+__all__ = ["GPTQResult", "HessianFactor", "factor_hessian", "gptq_quantize", "inverse_hessian_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,37 @@ def _inner_blocks(start: int, end: int, group: int | None) -> list[tuple[int, in
     return list(zip(edges[:-1], edges[1:]))
 
 
+@dataclass
+class HessianFactor:
+    """What GPTQ needs of a Hessian, computed once for every weight that shares it."""
+
+    inverse: torch.Tensor  # upper Cholesky factor of the damped inverse, in update order
+    perm: torch.Tensor | None  # the update's column order (activation ordering), else None
+    dead: torch.Tensor  # columns no input ever reached
+    dampening: float  # the dampening fraction that made the Hessian invertible
+
+
+@torch.no_grad()
+def factor_hessian(hessian: torch.Tensor, dampening_frac: float = 0.01, actorder: bool = False,
+                   overwrite: bool = False) -> HessianFactor:
+    """The factor of the Hessian ``[cols, cols]`` of a weight's inputs (``2/n * X^T X``). With
+    ``actorder`` columns go in order of decreasing diagonal (the inputs with the most energy
+    first). With ``overwrite`` the caller gives ``hessian`` up: the factor is computed in its
+    memory (one Hessian-sized buffer less at the peak)."""
+    H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns (unless given up)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
+    if perm is not None:
+        H = H[perm][:, perm]
+    inverse, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=overwrite or H is not hessian)
+    return HessianFactor(inverse, perm, dead, used_damp)
+
+
 @torch.no_grad()
 def gptq_quantize(
     weight: torch.Tensor | Sequence[torch.Tensor],
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | HessianFactor,
     args: QuantizationArgs,
     *,
     block_size: int = 128,
@@ -109,11 +136,12 @@ def gptq_quantize(
     scale_dtype: torch.dtype = torch.float32,
     overwrite_hessian: bool = False,
 ) -> GPTQResult:
-    """Quantize ``weight`` ``[rows, cols]`` (or the row blocks that stack into it) given the Hessian ``[cols, cols]`` of its inputs
-    (``2/n * X^T X``). With ``actorder`` columns go in order of decreasing Hessian diagonal
-    (the inputs with the most energy first); qparams then come from the unpermuted weight.
-    With ``overwrite_hessian`` the caller gives ``hessian`` up: the inverse factor is computed
-    in its memory (one Hessian-sized buffer less at the peak)."""
+    """Quantize ``weight`` ``[rows, cols]`` (or the row blocks that stack into it) given the
+    Hessian ``[cols, cols]`` of its inputs, or its ``factor_hessian`` (then ``dampening_frac``,
+    ``actorder`` and ``overwrite_hessian`` were the factor's to use). With activation ordering
+    the qparams come from the unpermuted weight."""
+    factor = hessian if isinstance(hessian, HessianFactor) else factor_hessian(
+        hessian, dampening_frac, actorder, overwrite=overwrite_hessian)
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
     rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
     # The update runs on the transpose: each weight column is a contiguous row, so the
@@ -124,19 +152,13 @@ def gptq_quantize(
     for part in parts:
         WT[:, offset : offset + part.shape[0]].copy_(part.detach().t())
         offset += part.shape[0]
-    H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns (unless given up)
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    WT[dead] = 0
+    WT[factor.dead] = 0
 
-    perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
-    fixed_scale, fixed_zp = _upfront_qparams(WT.t(), args, actorder, scale_dtype)
+    perm, Hinv = factor.perm, factor.inverse
+    fixed_scale, fixed_zp = _upfront_qparams(WT.t(), args, perm is not None, scale_dtype)
     col_scale, col_zp = _per_column(fixed_scale, fixed_zp, WT.t(), args, perm)
     if perm is not None:
-        WT, H = WT[perm], H[perm][:, perm]
-    owned = overwrite_hessian or H is not hessian
-    Hinv, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=owned)
-    del H
+        WT = WT[perm]
 
     scale_rows = None if col_scale is None else col_scale.t().contiguous()
     zp_rows = None if col_zp is None else col_zp.t().contiguous()
@@ -197,4 +219,4 @@ def gptq_quantize(
     else:
         scale = torch.cat(group_scales, dim=1)
         zero_point = None if group_zps[0] is None else torch.cat(group_zps, dim=1)
-    return GPTQResult(W, scale, zero_point, float(row_loss.sum()), row_loss, used_damp)
+    return GPTQResult(W, scale, zero_point, float(row_loss.sum()), row_loss, factor.dampening)

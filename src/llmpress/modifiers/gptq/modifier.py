@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
-from llmpress.modifiers.gptq.algorithm import gptq_quantize
+from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
@@ -175,23 +175,17 @@ class GPTQModifier(Modifier):
         modules = [self.pending[n][0] for n in names]
         scheme: QuantizationScheme = self.pending[names[0]][1]
         args = scheme.weights
-        actorder = (self.config.actorder or args.actorder) is not None
         accumulator = self.hessians.of_module[names[0]]
         shared = any(a is accumulator for n, a in self.hessians.of_module.items() if n not in names)
-        hessian = accumulator.result()
+        factor = factor_hessian(accumulator.result(), self.config.dampening_frac,
+                                (self.config.actorder or args.actorder) is not None, overwrite=not shared)
+        if not shared:  # the factor took the Hessian's memory: this group was its last user
+            self.hessians.release(names)
         # row-wise qparams (channel, group) let modules sharing a Hessian quantize as one matrix
-        fuse = args.strategy in ("channel", "group") and len(names) > 1
-        batches = [modules] if fuse else [[m] for m in modules]
-        for index, batch in enumerate(batches):
+        fuse = args.strategy in ("channel", "group")
+        for batch in _row_batches(modules, FUSED_ELEMENTS if fuse else 0):
             weight = [m.weight.data for m in batch]
-            last_use = index == len(batches) - 1 and not shared
-            if last_use:  # the solver may take the Hessian's memory: this group is its last user
-                self.hessians.release(names)
-            result = gptq_quantize(
-                weight, hessian.to(weight[0].device), args,
-                block_size=self.config.block_size, dampening_frac=self.config.dampening_frac, actorder=actorder,
-                scale_dtype=weight[0].dtype, overwrite_hessian=last_use,
-            )
+            result = gptq_quantize(weight, factor, args, block_size=self.config.block_size, scale_dtype=weight[0].dtype)
             del weight
             offset = 0
             for module in batch:  # each module's rows of the stacked result
@@ -203,3 +197,23 @@ class GPTQModifier(Modifier):
                 offset = part.stop
             del result
         self.seconds += time.perf_counter() - start
+
+
+#: modules sharing a Hessian are solved as one stacked matrix of at most this many weights
+#: (256 MB in float32), one factor for all: an MoE layer's 2 x 128 expert projections go in a
+#: few batches, not as one copy of the layer
+FUSED_ELEMENTS = 1 << 26
+
+
+def _row_batches(modules: list[nn.Module], bound: int) -> list[list[nn.Module]]:
+    """``modules`` in order, in batches of at most ``bound`` weights (a larger module alone)."""
+    batches: list[list[nn.Module]] = []
+    size = 0
+    for module in modules:
+        if batches and size + module.weight.numel() <= bound:
+            batches[-1].append(module)
+            size += module.weight.numel()
+        else:
+            batches.append([module])
+            size = module.weight.numel()
+    return batches
