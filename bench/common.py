@@ -13,6 +13,15 @@ PEER_VENV = REPO / ".venv-peers"  # llm-compressor 0.14, apart from our pins
 PEER_PYTHON = PEER_VENV / "bin" / "python"
 
 
+def work_folder(given: str | None, prefix: str) -> Path:
+    """The benchmark's folder for checkpoints: ``given``, else a new temporary one."""
+    import tempfile
+
+    work = Path(given or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def fixture(*parts: str) -> Path:
     """A shared fixture, else the bundled copy in assets/."""
     shared = SHARED.joinpath(*parts)

@@ -21,12 +21,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import PEER_PYTHON, PEER_VENV, REPO, fixture, median_run, save_random_llama
+from common import PEER_PYTHON, PEER_VENV, REPO, fixture, median_run, save_random_llama, work_folder
 
 
 def ensure_peer_venv() -> None:
@@ -45,6 +44,15 @@ def compile_sources() -> None:
     import compileall
 
     compileall.compile_dir(str(REPO / "src" / "llmpress"), quiet=1)
+
+
+def prepare_peer_runs() -> None:
+    """Offline, llmpress importable from this checkout, the peers' environment made, both
+    packages' bytecode compiled: what every run against llm-compressor needs first."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(REPO / "src"))
+    ensure_peer_venv()
+    compile_sources()
 
 
 def make_random_llama(folder: Path, tokenizer_dir: Path) -> Path:
@@ -119,17 +127,13 @@ def main() -> None:
     parser.add_argument("--repeat-large", type=int, default=1, help="runs per tool on the 1024-hidden model (the median is shown)")
     parser.add_argument("--api", action="store_true", help="run llmpress from Python (llmpress.oneshot), not as its command")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(REPO / "src"))
-    ensure_peer_venv()
-    compile_sources()
+    prepare_peer_runs()
 
     from transformers import AutoTokenizer
 
     from llmpress.evaluation import evaluation_windows
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="llmpress-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work, "llmpress-bench-")
     tiny = fixture("tiny-llama")
     models = {"tiny": tiny}
     if "random-1024" in args.models:

@@ -26,11 +26,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from common import PEER_PYTHON, REPO, fixture, median_run, save_random_llama
+from common import PEER_PYTHON, REPO, fixture, median_run, save_random_llama, work_folder
 
 
 def make_random_llama(folder: Path) -> Path:
@@ -108,8 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(REPO / "src"))
-    work = Path(args.work or tempfile.mkdtemp(prefix="llmpress-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work, "llmpress-bench-")
     sources = {"tiny": fixture("tiny-llama"), "random-2048": work / "random-2048"}
     rows = []
     for name in args.models:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from common import PEER_PYTHON, REPO, fixture, median_run
-from gptq import calibration_tokens, compile_sources, ensure_peer_venv, run_worker
+from common import PEER_PYTHON, fixture, median_run, work_folder
+from gptq import calibration_tokens, prepare_peer_runs, run_worker
 
 
 def make_qwen3_moe(folder: Path, tokenizer_dir: Path, *, hidden: int, experts: int, layers: int) -> Path:
@@ -93,17 +91,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="calibration samples of 256 tokens")
     parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(REPO / "src"))
-    ensure_peer_venv()
-    compile_sources()
+    prepare_peer_runs()
 
     from transformers import AutoTokenizer
 
     from llmpress.evaluation import evaluation_windows
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="llmpress-bench-moe-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder(args.work, "llmpress-bench-moe-")
     tiny = fixture("tiny-llama")
     name = f"qwen3moe-{args.hidden}-e{args.experts}-l{args.layers}"
     model = make_qwen3_moe(work / name, tiny, hidden=args.hidden, experts=args.experts, layers=args.layers)
