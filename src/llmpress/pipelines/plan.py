@@ -34,7 +34,7 @@ from torch import nn
 
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
-from llmpress.pipelines.probe import Probe, Untraceable
+from llmpress.pipelines.probe import Probe
 from llmpress.pipelines.stand_ins import ZeroAnswer
 
 logger = logging.getLogger(__name__)
@@ -108,12 +108,10 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
     ``targets`` inside it; or say why it cannot go module by module."""
     args, kwargs = first
     record = Probe(block, set(targets), trace=True)
-    try:
-        with record, (observation.paused() if observation is not None else nullcontext()):
-            block(*record.leaves(None, args), **{k: record.leaves(None, v) for k, v in kwargs.items()})
-        record.check_traced()
-    except Untraceable as exc:  # the plain probe: call order
-        logger.debug("block %s: data flow not traced (%s); its targets go in call order", type(block).__name__, exc)
+    with record, (observation.paused() if observation is not None else nullcontext()):
+        block(*record.leaves(None, args), **{k: record.leaves(None, v) for k, v in kwargs.items()})
+    if record.untraced is not None:  # the plain probe: call order
+        logger.debug("block %s: data flow not traced (%s); its targets go in call order", type(block).__name__, record.untraced)
         record = Probe(block, set(targets), trace=False)
         with record, (observation.paused() if observation is not None else nullcontext()):
             block(*args, **kwargs)

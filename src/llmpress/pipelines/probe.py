@@ -6,7 +6,7 @@ learns who feeds whom: every floating-point output (and the block's own inputs) 
 fresh autograd leaf, and each output's and target input's graph is walked back to the leaves it
 reached. The graph is built for its edges only (nothing is saved for a backward). Anything that
 hides an edge from autograd (a module computing under ``no_grad``, an in-place change of an
-output) raises ``Untraceable``, and the block is probed again untraced.
+output) leaves the probe ``untraced`` (with the reason), and the block is probed again untraced.
 """
 
 from __future__ import annotations
@@ -20,11 +20,7 @@ from torch import nn
 
 from llmpress.observation import primary_input
 
-__all__ = ["Probe", "Untraceable"]
-
-
-class Untraceable(Exception):
-    """The block's data flow cannot be traced through autograd."""
+__all__ = ["Probe"]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -77,7 +73,8 @@ class Probe:
         for handle in self.handles:
             handle.remove()
         if self.trace and isinstance(exc, RuntimeError):  # e.g. an in-place change of a leaf
-            raise Untraceable(str(exc).splitlines()[0]) from exc
+            self._untraced.append(str(exc).splitlines()[0])
+            return True  # the forward is given up: the block is probed again, untraced
         return False
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -149,9 +146,10 @@ class Probe:
                     stack.append(following)
         return found
 
-    def check_traced(self) -> None:
-        if self.trace and self._untraced:
-            raise Untraceable(self._untraced[0])
+    @property
+    def untraced(self) -> str | None:
+        """Why the traced forward cannot be trusted, or None."""
+        return self._untraced[0] if self.trace and self._untraced else None
 
     def needs(self) -> dict[nn.Module, set[nn.Module]] | None:
         """Each target's upstream: every submodule its input was computed from, transitively."""
