@@ -213,29 +213,27 @@ def linearize_experts(model: nn.Module, only: list[str] | None = None) -> list[s
 
 
 @contextlib.contextmanager
-def calibrating_all_experts(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, every expert of ``model`` sees every token (for its statistics); the
-    layers' outputs still use only the routed experts."""
-    experts = [m for m in model.modules() if isinstance(m, LinearExperts)] if enabled else []
-    for module in experts:
-        module.calibrate_all = True
+def _all_experts_calibrating(module: nn.Module, value: bool) -> Iterator[None]:
+    """Inside, every ``LinearExperts`` of ``module`` has ``calibrate_all = value``; those changed
+    get their own value back afterwards."""
+    changed = [m for m in module.modules() if isinstance(m, LinearExperts) and m.calibrate_all != value]
+    for experts in changed:
+        experts.calibrate_all = value
     try:
         yield
     finally:
-        for module in experts:
-            module.calibrate_all = False
+        for experts in changed:
+            experts.calibrate_all = not value
 
 
-@contextlib.contextmanager
-def routed_experts_only(module: nn.Module) -> Iterator[None]:
-    """Inside, the experts of ``module`` see only their routed tokens even while calibrating all:
+def calibrating_all_experts(model: nn.Module, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within, every expert of ``model`` sees every token (for its statistics); the layers'
+    outputs still use only the routed experts."""
+    return _all_experts_calibrating(model, True) if enabled else contextlib.nullcontext()
+
+
+def routed_experts_only(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Within, the experts of ``module`` see only their routed tokens even while calibrating all:
     for the runs whose outputs feed the next block and nobody observes (a fraction
     ``top_k / experts`` of the work)."""
-    experts = [m for m in module.modules() if isinstance(m, LinearExperts) and m.calibrate_all]
-    for expert in experts:
-        expert.calibrate_all = False
-    try:
-        yield
-    finally:
-        for expert in experts:
-            expert.calibrate_all = True
+    return _all_experts_calibrating(module, False)

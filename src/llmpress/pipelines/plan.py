@@ -124,8 +124,9 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
     for module, x in record.target_inputs:
         if not isinstance(x, torch.Tensor) or x.shape[:-1].numel() != tokens:
             return f"{type(module).__name__} sees a subset of the batch's tokens (routed experts?)"
-    plan = BlockPlan(groups=record.groups(), order=[m for m in record.order if record.calls[m] == 1],
-                     ancestors=_ancestors(block), needs=record.needs())
+    needs = record.needs()
+    plan = BlockPlan(groups=record.groups(needs), order=[m for m in record.order if record.calls[m] == 1],
+                     ancestors=_ancestors(block), needs=needs)
     for module in targets:
         for owner in [module, *plan.ancestors[module]]:
             plan.targets_in.setdefault(owner, set()).add(module)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -57,19 +58,16 @@ class Probe:
         inner = [m for m in self.block.modules() if m is not self.block]
         self.handles = [m.register_forward_pre_hook(self._before, with_kwargs=True) for m in inner]
         self.handles += [m.register_forward_hook(self._after) for m in inner]
-        self._contexts = []
+        self._tracing = ExitStack()
         if self.trace:  # a graph for its edges only: nothing saved for a backward that never comes
-            self._contexts = [torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda t: None),
-                              warnings.catch_warnings()]  # the model's "requires_grad" warnings: this run only
-        for context in self._contexts:
-            context.__enter__()
-        if self.trace:
-            warnings.simplefilter("ignore", UserWarning)
+            self._tracing.enter_context(torch.enable_grad())
+            self._tracing.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda t: None))
+            self._tracing.enter_context(warnings.catch_warnings())  # the model's "requires_grad" warnings:
+            warnings.simplefilter("ignore", UserWarning)  # this run only
         return self
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
-        for context in reversed(self._contexts):
-            context.__exit__(None, None, None)
+        self._tracing.close()
         for handle in self.handles:
             handle.remove()
         if self.trace and isinstance(exc, RuntimeError):  # e.g. an in-place change of a leaf
@@ -83,14 +81,15 @@ class Probe:
         x = primary_input(args, kwargs)
         self.inputs.setdefault(module, x)
         if module in self.targets:
-            previous, snapshot = self._last
-            self.unchanged.append(x is previous and snapshot is not None and torch.equal(x, snapshot))
             self.target_inputs.append((module, x))
-            self._last = (x, x.detach().clone() if isinstance(x, torch.Tensor) else None)
             if self.trace:
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad:
                     self._untraced.append(f"{type(module).__name__}'s input has no graph")
                 self._input_sources.setdefault(module, self._walk(x))
+            else:  # call order groups by an input seen again unchanged: a snapshot to compare with
+                previous, snapshot = self._last
+                self.unchanged.append(x is previous and snapshot is not None and torch.equal(x, snapshot))
+                self._last = (x, x.detach().clone() if isinstance(x, torch.Tensor) else None)
 
     def _after(self, module: nn.Module, args: tuple, output: Any) -> Any:
         self.produced.setdefault(module, output)
@@ -171,10 +170,10 @@ class Probe:
             needs[target] = set(sources).union(*(upstream(s) for s in sources)) if sources else set()
         return needs
 
-    def groups(self) -> list[list[nn.Module]]:
-        """Traced: targets by depth (see the module's docstring), in call order within one. Else
-        in call order; one that reads its predecessor's input, unchanged, joins its group."""
-        needs = self.needs()
+    def groups(self, needs: dict[nn.Module, set[nn.Module]] | None) -> list[list[nn.Module]]:
+        """Traced (``needs`` given): targets by depth (see the module's docstring), in call order
+        within one. Else in call order; one that reads its predecessor's input, unchanged, joins
+        its group."""
         if needs is not None:
             depth: dict[nn.Module, int] = {}
             for module, _ in self.target_inputs:

@@ -177,7 +177,8 @@ class GPTQModifier(Modifier):
         args = scheme.weights
         accumulator = self.hessians.of_module[names[0]]
         shared = any(a is accumulator for n, a in self.hessians.of_module.items() if n not in names)
-        factor = factor_hessian(accumulator.result(), self.config.dampening_frac,
+        hessian = accumulator.result().to(modules[0].weight.device)  # offloaded Hessians come back for the solve
+        factor = factor_hessian(hessian, self.config.dampening_frac,
                                 (self.config.actorder or args.actorder) is not None, overwrite=not shared)
         if not shared:  # the factor took the Hessian's memory: this group was its last user
             self.hessians.release(names)
