@@ -55,6 +55,16 @@ def sparsity_record(folder: Path) -> dict:
     return config["llmpress_sparsity"]
 
 
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint's shards, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in Path(folder).glob("*.safetensors"):
+        out.update(load_file(str(file)))
+    return out
+
+
 def token_batches(count: int = 4, length: int = 32, vocab: int = 512, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]

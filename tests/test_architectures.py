@@ -15,8 +15,7 @@ import re
 import pytest
 import torch
 from architectures import ARCHITECTURES, TRANSFORMERS_CANNOT, auto_class, save_tiny
-from conftest import text_path, trained_model_dir
-from safetensors import safe_open
+from conftest import checkpoint_tensors, text_path, trained_model_dir
 
 import llmpress
 from llmpress.cli import main
@@ -44,14 +43,6 @@ def _params():
         yield pytest.param(name, marks=marks, id=name)
 
 
-def _tensors(folder):
-    out = {}
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_slice(k) for k in f.keys()})
-    return out
-
-
 def _outputs(model, ids):
     with torch.no_grad():
         result = model(ids)
@@ -75,8 +66,8 @@ def test_architecture_compresses_and_loads_everywhere(model_type, tmp_path):
             args += ["--dataset", str(text_path("calibration.txt")), "--num-samples", "4", "--seq-len", "32"]
         assert main(args) == 0
 
-        tensors = _tensors(out)
-        dense = [k for k, t in tensors.items() if len(t.get_shape()) >= 2 and not DENSE_ALLOWED.search(k)
+        tensors = checkpoint_tensors(out)
+        dense = [k for k, t in tensors.items() if t.dim() >= 2 and not DENSE_ALLOWED.search(k)
                  and not k.endswith(("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"))]
         assert not dense, f"{model_type}: targeted weights stored dense: {dense[:4]}"
         experts = [k for k in tensors if re.search(r"\.experts\.\d+\.", k)]

@@ -12,8 +12,7 @@ import textwrap
 import pytest
 import torch
 import yaml
-from conftest import REPO, make_tiny_llama, token_batches
-from safetensors import safe_open
+from conftest import REPO, checkpoint_tensors, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.errors import CheckpointError
@@ -34,14 +33,6 @@ def compress(preset, output_dir, **kwargs):
     return llmpress.oneshot(model, preset, token_batches(), output_dir=output_dir)
 
 
-def tensors_of(folder):
-    out = {}
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 def logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -56,7 +47,7 @@ def test_every_preset_round_trips(preset, tmp_path):
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == fmt
     assert config["ignore"] == ["lm_head"]
-    tensors = tensors_of(out)
+    tensors = checkpoint_tensors(out)
     name = "model.layers.0.mlp.down_proj"  # 200 columns: a shorter last group of 128
     for suffix, dtype in dtypes.items():
         assert tensors[f"{name}.{suffix}"].dtype == dtype, suffix
@@ -77,7 +68,7 @@ def test_weights_on_disk_are_smaller(tmp_path):
 def test_bias_tied_embeddings_and_bf16(tmp_path):
     model = make_tiny_llama(tie=True, bias=True).to(torch.bfloat16)
     llmpress.oneshot(model, "W4A16_ASYM", output_dir=tmp_path / "out")
-    tensors = tensors_of(tmp_path / "out")
+    tensors = checkpoint_tensors(tmp_path / "out")
     assert "model.layers.0.self_attn.q_proj.bias" in tensors
     assert "lm_head.weight" not in tensors  # tied: stored once
     assert tensors["model.layers.0.self_attn.q_proj.weight_scale"].dtype == torch.bfloat16
@@ -93,7 +84,7 @@ def test_sharded_checkpoint_has_an_index_and_loads(tmp_path):
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 2 and all((tmp_path / "many" / s).exists() for s in shards)
-    assert set(index["weight_map"]) == set(tensors_of(tmp_path / "one"))
+    assert set(index["weight_map"]) == set(checkpoint_tensors(tmp_path / "one"))
     ids = torch.tensor(token_batches(1, 16))
     torch.testing.assert_close(logits(llmpress.load_checkpoint(tmp_path / "many"), ids), logits(model, ids))
 
@@ -117,7 +108,7 @@ def test_save_pretrained_goes_through_the_one_save_path(tmp_path):
     model = compress("W4A16", None)
     model.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "recipe.yaml").exists()
-    assert "model.layers.0.self_attn.q_proj.weight_packed" in tensors_of(tmp_path / "out")
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in checkpoint_tensors(tmp_path / "out")
 
 
 def test_tokenizer_and_remote_code_are_saved(tmp_path):
