@@ -40,6 +40,8 @@ DENSE = {
     "olmo2": {},
     "cohere": {},
     "granite": {},
+    "gpt2": {"n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 256},
+    "openai-gpt": {"n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 256},
 }
 EXPERTS = {
     "mixtral": {"num_local_experts": 4},
@@ -61,6 +63,12 @@ TRANSFORMERS_CANNOT = {
     # FalconPreTrainedModel._init_weights reads FalconLinear.weight, which compressed-tensors'
     # packed module no longer has
     "falcon": "transformers' Falcon init fails on packed FalconLinear",
+}
+#: where transformers reads a compressed checkpoint only with ``CompressedTensorsConfig(dequantize=True)``
+TRANSFORMERS_DEQUANTIZES = {
+    # compressed-tensors' compressed route initializes nn.Linear only; Conv1D keeps its own layout
+    "gpt2": "Conv1D: read with dequantize=True (transformers >= 5.24)",
+    "openai-gpt": "Conv1D: read with dequantize=True (transformers >= 5.24)",
 }
 ENCODERS = {"bert": {"intermediate_size": 256}}
 #: vision-language models: a text stack calibrated on text alone, a vision tower it never runs

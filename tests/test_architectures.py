@@ -4,7 +4,7 @@ and by ``llmpress.load``.
 
 For each: every Linear the recipe targets is stored packed (each expert's projections included),
 transformers' logits equal ``llmpress.load(..., dequantize=True)``'s, and llmpress's CPU kernels
-agree with both. Two families run in the default fast set; ``-m slow`` runs all of them.
+agree with both. Three families (a dense decoder, an MoE, GPT-2's Conv1D) run in the default fast set; ``-m slow`` runs all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, TRANSFORMERS_CANNOT, auto_class, save_tiny
+from architectures import ARCHITECTURES, TRANSFORMERS_CANNOT, TRANSFORMERS_DEQUANTIZES, auto_class, save_tiny
 from conftest import checkpoint_tensors, text_path, trained_model_dir
 
 import llmpress
@@ -34,7 +34,7 @@ quant_stage:
 #: text, and the recipe leaves the vision side dense, as llm-compressor's examples do
 DENSE_ALLOWED = re.compile(r"(embed|wte|wpe|lm_head|embed_out|router|\.gate\.|shared_expert_gate|position|token_type"
                            r"|vision_tower|visual|multi_modal_projector)")
-FAST = {"llama", "qwen3_moe"}
+FAST = {"llama", "qwen3_moe", "gpt2"}
 
 
 def _params():
@@ -50,7 +50,12 @@ def _outputs(model, ids):
 
 
 def _transformers_model(folder, model_type):
-    return auto_class(model_type).from_pretrained(str(folder), dtype=torch.float32).eval()
+    extra = {}
+    if model_type in TRANSFORMERS_DEQUANTIZES:
+        from transformers import CompressedTensorsConfig
+
+        extra["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    return auto_class(model_type).from_pretrained(str(folder), dtype=torch.float32, **extra).eval()
 
 
 @pytest.mark.parametrize("model_type", list(_params()))

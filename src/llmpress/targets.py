@@ -6,25 +6,35 @@ with ``re:`` matched against the module name (``re:.*q_proj$``) — the grammar 
 and compressed-tensors, so their recipes and configs mean the same thing here. When several
 entries match one module, the most specific wins as in compressed-tensors: an exact name, then a
 regular expression, then a class name.
+
+Recipes match with ``linear_alias``: their ``Linear`` also names transformers' ``Conv1D``, the
+transposed linear of GPT-2 (see ``llmpress.models.linear``). A checkpoint's config is matched
+without it, as compressed-tensors matches it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
-__all__ = ["matches", "match_priority", "assign_by_targets"]
+from llmpress.models.linear import input_major
+
+__all__ = ["matches", "match_priority", "assign_by_targets", "name_conv1d_targets"]
 
 EXACT, REGEX, CLASS = 0, 1, 2
 
 
-def _class_names(module: nn.Module) -> set[str]:
-    return {cls.__name__ for cls in type(module).__mro__}
+def _class_names(module: nn.Module, linear_alias: bool) -> set[str]:
+    names = {cls.__name__ for cls in type(module).__mro__}
+    if linear_alias and input_major(module):
+        names.add("Linear")
+    return names
 
 
-def match_priority(name: str, module: nn.Module, patterns: Iterable[str]) -> int | None:
+def match_priority(name: str, module: nn.Module, patterns: Iterable[str], linear_alias: bool = False) -> int | None:
     """How specifically ``patterns`` match the module (``EXACT`` < ``REGEX`` < ``CLASS``), or None."""
     best = None
     classes = None
@@ -34,32 +44,44 @@ def match_priority(name: str, module: nn.Module, patterns: Iterable[str]) -> int
         elif pattern == name:
             found = EXACT
         else:
-            classes = classes if classes is not None else _class_names(module)
+            classes = classes if classes is not None else _class_names(module, linear_alias)
             found = CLASS if pattern in classes else None
         if found is not None and (best is None or found < best):
             best = found
     return best
 
 
-def matches(name: str, module: nn.Module, patterns: Iterable[str]) -> bool:
-    return match_priority(name, module, patterns) is not None
+def matches(name: str, module: nn.Module, patterns: Iterable[str], linear_alias: bool = False) -> bool:
+    return match_priority(name, module, patterns, linear_alias) is not None
 
 
 def assign_by_targets(
-    model: nn.Module, entries: list[tuple[list[str], object]], ignore: Iterable[str] = ()
+    model: nn.Module, entries: list[tuple[list[str], object]], ignore: Iterable[str] = (), linear_alias: bool = False,
 ) -> dict[str, tuple[nn.Module, object]]:
     """For each module matched by some entry's targets (and not ignored), the entry's value that
     matches it most specifically; among equally specific entries the first wins."""
     ignore = list(ignore)
     chosen: dict[str, tuple[nn.Module, object]] = {}
     for name, module in model.named_modules():
-        if not name or matches(name, module, ignore):
+        if not name or matches(name, module, ignore, linear_alias):
             continue
         best = None
         for targets, value in entries:
-            priority = match_priority(name, module, targets)
+            priority = match_priority(name, module, targets, linear_alias)
             if priority is not None and (best is None or priority < best[0]):
                 best = (priority, value)
         if best is not None:
             chosen[name] = (module, best[1])
+    return chosen
+
+
+def name_conv1d_targets(chosen: dict[str, tuple[nn.Module, Any]]) -> dict[str, tuple[nn.Module, Any]]:
+    """Each Conv1D that only the ``Linear`` alias matched gets its scheme with ``Conv1D`` among
+    the targets (one copy per scheme), so a saved config names it as compressed-tensors matches."""
+    copies: dict[int, Any] = {}
+    for name, (module, scheme) in chosen.items():
+        if input_major(module) and not matches(name, module, scheme.targets):
+            if id(scheme) not in copies:
+                copies[id(scheme)] = scheme.model_copy(update={"targets": [*scheme.targets, "Conv1D"]})
+            chosen[name] = (module, copies[id(scheme)])
     return chosen

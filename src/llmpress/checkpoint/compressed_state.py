@@ -16,6 +16,7 @@ from torch import nn
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
 from llmpress.memory import release_free_memory
+from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.attach import quantized_modules
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.scheme import QuantizationScheme
@@ -41,8 +42,10 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to write: quantized modules compressed by their scheme's format."""
     state = unique_state_dict(model)
-    uneven = []
+    uneven, transposed = [], []
     for name, module, scheme in quantized_modules(model):
+        if input_major(module) and scheme.weights is not None and save_compressed:
+            transposed.append(name)
         prefix = f"{name}."
         if hasattr(module, "compressed_state"):  # a runtime module: already compressed
             local = module.compressed_state()
@@ -87,6 +90,12 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
             "llmpress reads them, but compressed-tensors (transformers, vLLM) may refuse to load them",
             len(uneven), ", ".join(uneven[:4]) + (" ..." if len(uneven) > 4 else ""),
         )
+    if transposed:
+        logger.warning(
+            "%d Conv1D module(s) are stored in their own [in, out] layout (%s): llmpress reads them, and transformers "
+            "does with CompressedTensorsConfig(dequantize=True) (5.24 and later); its default compressed route "
+            "initializes only nn.Linear modules and cannot", len(transposed), transposed[0] + (" ..." if len(transposed) > 1 else ""),
+        )
     return state
 
 
@@ -110,7 +119,7 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> d
         group["format"] = format_for(scheme) if save_compressed else "dense"
     formats = {g["format"] for g in groups.values()}
     quantized = {id(m) for _, m, _ in modules}
-    ignore = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in quantized]
+    ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
     return {
         "quant_method": "compressed-tensors",
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",

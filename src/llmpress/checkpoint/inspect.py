@@ -11,6 +11,7 @@ from torch import nn
 
 from llmpress.checkpoint.sparsity import SPARSITY_KEY
 from llmpress.errors import CheckpointError, UnsupportedModelError
+from llmpress.models.linear import is_linear
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -48,7 +49,7 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
         parts = [describe_args(scheme.weights, "weights"), describe_args(scheme.input_activations, "inputs")]
         count = None
         if assigned is not None:
-            count = sum(isinstance(m, nn.Linear) and g == name for m, g in assigned.values())
+            count = sum(is_linear(m) and g == name for m, g in assigned.values())
         groups.append({"name": name, "summary": ", ".join(p for p in parts if p), "targets": scheme.targets, "modules": count, "format": group.get("format") or qcfg.get("format")})
     recipe_path = folder / "recipe.yaml"
     return {

@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from llmpress.models.linear import is_linear, linear_weight
+
 __all__ = ["SPARSITY_ATTR", "SPARSITY_KEY", "mark_sparse_modules", "sparsity_config_for", "sparsity_of", "structure_of"]
 
 # attribute on a pruned module: "unstructured" or "N:M"
@@ -21,10 +23,11 @@ SPARSITY_KEY = "llmpress_sparsity"
 
 
 def _weight(module: nn.Module):
+    """The weight as ``[out, in]`` (N:M runs along the inputs), or None."""
     weight = getattr(module, "weight", None)
     if weight is None and hasattr(module, "dequantized_weight"):  # a runtime QuantizedLinear
         weight = module.dequantized_weight()
-    return weight
+    return None if weight is None else linear_weight(weight, module)
 
 
 def sparsity_of(module: nn.Module) -> float:
@@ -74,7 +77,7 @@ def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     total = sum(keep.numel() for keep in keeps)
     zeros = total - sum(int(keep.sum()) for keep in keeps)
     names = {n for n, _ in pruned}
-    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linear = [n for n, m in model.named_modules() if is_linear(m)]
     return {
         "format": "dense",
         "sparsity_structure": structures.pop() if len(structures) == 1 else "unstructured",

@@ -1,7 +1,8 @@
 """Loading compressed-tensors checkpoints (llmpress's and llm-compressor's).
 
-Each targeted ``nn.Linear`` of the skeleton becomes a ``QuantizedLinear`` (or, with
-``dequantize=True``, stays an ``nn.Linear`` that receives dense on-grid weights). A module's
+Each targeted ``nn.Linear`` (or ``Conv1D``, in its own layout) of the skeleton becomes a
+``QuantizedLinear`` (or, with ``dequantize=True``, stays a dense module that receives on-grid
+weights). Targets are matched as compressed-tensors matches them: ``Linear`` is ``nn.Linear``. A module's
 stored tensors are gathered as they stream in and converted as soon as the last one arrives, so
 at most a few modules' tensors wait at any time.
 """
@@ -19,6 +20,7 @@ from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod
 from llmpress.loading.dense import dense_linear
 from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
+from llmpress.models.linear import features, input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.targets import assign_by_targets
@@ -29,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 class _Target:
-    __slots__ = ("scheme", "fmt", "in_features", "out_features", "dtype", "expected", "pending", "done")
+    __slots__ = ("scheme", "fmt", "in_features", "out_features", "input_major", "dtype", "expected", "pending", "done")
 
-    def __init__(self, linear: nn.Linear, scheme: QuantizationScheme, fmt: str, expected: set[str]) -> None:
+    def __init__(self, linear: nn.Module, scheme: QuantizationScheme, fmt: str, expected: set[str]) -> None:
         self.scheme, self.fmt, self.expected = scheme, fmt, expected
-        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, linear.weight.dtype
+        (self.in_features, self.out_features), self.dtype = features(linear), linear.weight.dtype
+        self.input_major = input_major(linear)
         self.pending: dict[str, torch.Tensor] = {}
         self.done = False
 
@@ -64,7 +67,7 @@ class CompressedTensorsQuantizer(Quantizer):
             by_module.setdefault(owner, set()).add(local)
         self.targets: dict[str, _Target] = {}
         for name, (module, scheme) in assign_by_targets(model, [(s.targets, s) for s in schemes], self.config.ignore).items():
-            if not isinstance(module, nn.Linear):
+            if not is_linear(module):
                 continue
             fmt = scheme.format if compressed and scheme.format else "dense"
             self.targets[name] = _Target(module, scheme, fmt, by_module.get(name, set()))
@@ -90,7 +93,8 @@ class CompressedTensorsQuantizer(Quantizer):
             if self.config.dequantize or target.scheme.weights is None:
                 # activation-only schemes keep their stored weights as they are ("dense")
                 fmt = target.fmt if target.scheme.weights is not None else "dense"
-                model.set_submodule(name, dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype))
+                model.set_submodule(name, dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype,
+                                                         target.input_major))
             else:
                 model.get_submodule(name).load_compressed(state, target.fmt)
         except KeyError as exc:

@@ -13,10 +13,11 @@ from llmpress.errors import CheckpointError
 from llmpress.loading.config import LlmpressConfig, QuantizationMethod
 from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
+from llmpress.models.linear import is_linear
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import quantize
 from llmpress.runtime import QuantizedLinear
-from llmpress.targets import assign_by_targets
+from llmpress.targets import assign_by_targets, name_conv1d_targets
 
 __all__ = ["LlmpressQuantizer", "quantize_weight_into"]
 
@@ -60,11 +61,13 @@ class LlmpressQuantizer(Quantizer):
 
     def _process_model_before_weight_loading(self, model: nn.Module) -> None:
         scheme = self.config.scheme()
-        chosen = assign_by_targets(model, [(scheme.targets, scheme)], self.config.ignore)
+        # llmpress's own config: its Linear means every linear layer, Conv1D included
+        chosen = assign_by_targets(model, [(scheme.targets, scheme)], self.config.ignore, linear_alias=True)
+        chosen = name_conv1d_targets({n: (m, s) for n, (m, s) in chosen.items() if is_linear(m)})
         self.quantized_modules = []
-        for name, (module, _) in chosen.items():
-            if isinstance(module, nn.Linear):
-                model.set_submodule(name, QuantizedLinear.like(module, scheme))
+        for name, (module, module_scheme) in chosen.items():
+            if is_linear(module):
+                model.set_submodule(name, QuantizedLinear.like(module, module_scheme))
                 self.quantized_modules.append(name)
         self._targets = set(self.quantized_modules)
 
@@ -75,11 +78,12 @@ class LlmpressQuantizer(Quantizer):
     def create_quantized_param(self, model: nn.Module, param_name: str, tensor: torch.Tensor, device: torch.device) -> None:
         owner = param_name.rpartition(".")[0]
         module = model.get_submodule(owner)
-        if tuple(tensor.shape) != (module.out_features, module.in_features):
+        expected = (module.in_features, module.out_features) if module.input_major else (module.out_features, module.in_features)
+        if tuple(tensor.shape) != expected:
             raise CheckpointError(
                 f"tensor {param_name!r} has the wrong shape for the model",
                 got=tuple(tensor.shape),
-                expected=(module.out_features, module.in_features),
+                expected=expected,
             )
         quantize_weight_into(module, tensor.to(device), self.dtype)
 

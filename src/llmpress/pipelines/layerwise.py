@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.memory import release_free_memory
+from llmpress.models.linear import is_linear
 from llmpress.observation import primary_input
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated
@@ -101,9 +102,9 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
     for index, module in enumerate(bar):
         block = CalibrationBlock(index, module, inputs, session.observation)
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
-        # the watched modules and every Linear: each Linear is handed over (modules_calibrated) in
+        # the watched modules and every linear: each one is handed over (modules_calibrated) in
         # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
-        targets = [m for m in module.modules() if m in watched or isinstance(m, nn.Linear)]
+        targets = [m for m in module.modules() if m in watched or is_linear(m)]
         plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
         if plan is None:
             rest = calibrate_block_reference(block, session, [targets], outputs_needed)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.models.linear import features, is_linear
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
 from llmpress.pipelines.probe import Probe
@@ -132,7 +133,7 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
             plan.targets_in.setdefault(owner, set()).add(module)
     plan.zeros = {m: shape for m in plan.order if (shape := record.zero_shape(m)) is not None}
     _plan_answers(plan, record)
-    plan.parked_bytes_per_token = sum(a.last.in_features * a.last.weight.element_size() for a in plan.answers.values())
+    plan.parked_bytes_per_token = sum(features(a.last)[0] * a.last.weight.element_size() for a in plan.answers.values())
     return plan
 
 
@@ -140,7 +141,7 @@ def _plan_answers(plan: BlockPlan, record: Probe) -> None:
     """Parents that return their last target's output as theirs (the outermost such)."""
     rank = {m: i for i, group in enumerate(plan.groups) for m in group}
     for group in plan.groups:
-        if len(group) != 1 or not isinstance(group[0], nn.Linear):
+        if len(group) != 1 or not is_linear(group[0]):
             continue
         last = group[0]
         for parent in plan.ancestors[last]:  # innermost first: keep the outermost that qualifies

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpress.models.linear import input_major
 from llmpress.quant.attach import set_weight_qparams
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import fake_quantize
@@ -52,11 +53,12 @@ def qat_weight(module: nn.Module) -> torch.Tensor:
     return weight + (quantized - weight).detach()
 
 
-def _qat_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, qat_weight(self), self.bias)
+def _qat_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = qat_weight(self)
+    return F.linear(x, weight.t() if input_major(self) else weight, self.bias)
 
 
-def enable_qat(module: nn.Linear) -> None:
+def enable_qat(module: nn.Module) -> None:
     module.forward = types.MethodType(_qat_forward, module)
     setattr(module, QAT_ATTR, True)
 

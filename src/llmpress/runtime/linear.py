@@ -8,6 +8,10 @@ fastest kernel that applies:
 - ``dequant``: anything else (fp8, other widths or group sizes) keeps the stored tensors and
   decompresses them on the fly for each forward.
 
+``input_major`` modules stand for transformers' ``Conv1D`` (GPT-2): their tensors are stored
+``[in, out]``, with qparams along the output features of each input feature, which no CPU kernel
+takes yet; they run on ``dequant``.
+
 Kernels compute in bf16; the result matches the dequantized fp32 reference within the bf16
 rounding of activations and scales (relative L2 error about 3e-3 per layer, tested). The buffers
 are in the runtime layout (``state_dict()`` shows it, and transformers' loader leaves persistent
@@ -22,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmpress.formats import FORMATS, format_for
+from llmpress.models.linear import features, input_major
 from llmpress.quant.packing import bytewise, unpack_from_int32
 from llmpress.quant.qdq import dequantize, fake_quantize_activation
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
@@ -42,28 +47,32 @@ class QuantizedLinear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        input_major: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.input_major = input_major
         self.quantization_scheme = scheme
         self.format = format_for(scheme)
         self.kernel = "empty"
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
-    def like(cls, linear: nn.Linear, scheme: QuantizationScheme) -> QuantizedLinear:
-        """An empty module with ``linear``'s shape (on its device: ``meta`` while loading)."""
+    def like(cls, linear: nn.Module, scheme: QuantizationScheme) -> QuantizedLinear:
+        """An empty module with ``linear``'s shape and layout (``nn.Linear`` or ``Conv1D``; on
+        its device: ``meta`` while loading)."""
+        n_in, n_out = features(linear)
         return cls(
-            linear.in_features, linear.out_features, scheme,
-            bias=linear.bias is not None, dtype=linear.weight.dtype, device=linear.weight.device,
+            n_in, n_out, scheme, bias=linear.bias is not None, dtype=linear.weight.dtype,
+            device=linear.weight.device, input_major=input_major(linear),
         )
 
     def extra_repr(self) -> str:
         w = self.quantization_scheme.weights
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"weights={w.type}{w.num_bits}/{w.strategy}, kernel={self.kernel}"
+            f"weights={w.type}{w.num_bits}/{w.strategy}, kernel={self.kernel}" + (", input_major" if self.input_major else "")
         )
 
     # -- loading -----------------------------------------------------------------------------
@@ -134,7 +143,7 @@ class QuantizedLinear(nn.Module):
 
     def _choose_kernel(self, fmt: str) -> str:
         args = self.quantization_scheme.weights
-        if args.is_float:  # any format's unpack() gives integer schemes their integers
+        if args.is_float or self.input_major:  # any format's unpack() gives integer schemes their integers
             return "dequant"
         if args.num_bits == 4 and args.strategy == QuantizationStrategy.GROUP:
             if kernels.int4_supported(self.out_features, self.in_features, args.group_size):
@@ -198,7 +207,8 @@ class QuantizedLinear(nn.Module):
         elif self.kernel == "int8":
             out = kernels.int8_matmul(x, self.int8_weight, self.int8_scale, self.int8_zero_correction)
         elif self.kernel == "dequant":
-            out = F.linear(x, self.dequantized_weight(x.dtype))
+            weight = self.dequantized_weight(x.dtype)
+            out = F.linear(x, weight.t() if self.input_major else weight)
         else:
             raise RuntimeError("QuantizedLinear has no weight yet: call load_compressed() first")
         if self.bias is not None:

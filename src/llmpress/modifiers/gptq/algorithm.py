@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GPTQResult:
-    weight: torch.Tensor  # on the quantization grid, float32, [rows, cols] (possibly a transposed view)
+    weight: torch.Tensor  # on the quantization grid, float32, as given: [rows, cols] or input-major (possibly a view)
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     loss: float  # sum over entries of (w - q)^2 / d^2: GPTQ's own error measure
@@ -135,34 +135,47 @@ def gptq_quantize(
     actorder: bool = False,
     scale_dtype: torch.dtype = torch.float32,
     overwrite_hessian: bool = False,
+    input_major: bool = False,
 ) -> GPTQResult:
     """Quantize ``weight`` ``[rows, cols]`` (or the row blocks that stack into it) given the
     Hessian ``[cols, cols]`` of its inputs, or its ``factor_hessian`` (then ``dampening_frac``,
     ``actorder`` and ``overwrite_hessian`` were the factor's to use). With activation ordering
-    the qparams come from the unpermuted weight."""
+    the qparams come from the unpermuted weight.
+
+    ``input_major``: the weight is stored ``[cols, rows]`` (GPT-2's Conv1D) and quantized in that
+    layout, as compressed-tensors reads it: each column's qparams (channel: one; group: one per
+    group of rows) come from the column itself at its turn, after every earlier column's update,
+    and the result (weight, scales) is in the stored layout. One weight at a time."""
     factor = hessian if isinstance(hessian, HessianFactor) else factor_hessian(
         hessian, dampening_frac, actorder, overwrite=overwrite_hessian)
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
-    rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    if input_major:
+        assert len(parts) == 1, "input-major weights are quantized one at a time"
+        rows, cols = parts[0].shape[1], parts[0].shape[0]
+    else:
+        rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[1]
     # The update runs on the transpose: each weight column is a contiguous row, so the
     # per-column work (rounding, rank-1 updates) reads and writes contiguous memory. Row
     # blocks (modules sharing the Hessian) are copied in side by side: no concatenated copy.
+    # An input-major weight is that transpose already.
     WT = torch.empty(cols, rows, dtype=torch.float32, device=parts[0].device)
     offset = 0
     for part in parts:
-        WT[:, offset : offset + part.shape[0]].copy_(part.detach().t())
-        offset += part.shape[0]
+        width = rows if input_major else part.shape[0]
+        WT[:, offset : offset + width].copy_(part.detach() if input_major else part.detach().t())
+        offset += width
     WT[factor.dead] = 0
 
     perm, Hinv = factor.perm, factor.inverse
-    fixed_scale, fixed_zp = _upfront_qparams(WT.t(), args, perm is not None, scale_dtype)
+    by_column = input_major and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
+    fixed_scale, fixed_zp = (None, None) if by_column else _upfront_qparams(WT.t(), args, perm is not None, scale_dtype)
     col_scale, col_zp = _per_column(fixed_scale, fixed_zp, WT.t(), args, perm)
     if perm is not None:
         WT = WT[perm]
 
     scale_rows = None if col_scale is None else col_scale.t().contiguous()
     zp_rows = None if col_zp is None else col_zp.t().contiguous()
-    group = args.group_size if args.strategy == QuantizationStrategy.GROUP else None
+    group = args.group_size if args.strategy == QuantizationStrategy.GROUP and not by_column else None
     group_scales, group_zps = [], []
     channel = _channel_args(args)
     row_loss = torch.zeros(rows, dtype=torch.float64, device=WT.device)
@@ -188,6 +201,12 @@ def gptq_quantize(
                 col = start + i
                 if scale_rows is not None:
                     scale, zp = scale_rows[col], None if zp_rows is None else zp_rows[col]
+                elif by_column:  # this column's own qparams, over groups of rows
+                    g_scale, g_zp = _qparams(WT[col : col + 1], args, scale_dtype)
+                    group_scales.append(g_scale)
+                    group_zps.append(g_zp)
+                    scale = expand_to_columns(g_scale, rows, args)[0]
+                    zp = None if g_zp is None else expand_to_columns(g_zp, rows, args)[0].float()
                 elif col % group == 0:  # a new group: qparams from its (already updated) columns
                     g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype)
                     group_scales.append(g_scale)
@@ -195,7 +214,10 @@ def gptq_quantize(
                     scale = g_scale[:, 0]
                     zp = None if g_zp is None else g_zp[:, 0].float()
                 w, err = w_rows[i], err_rows[i]
-                torch.sub(w, rounding(w, scale, zp), out=err)
+                q = rounding(w, scale, zp)
+                torch.sub(w, q, out=err)
+                if by_column:  # its qparams are its own: onto the grid now
+                    w.copy_(q)
                 if i + 1 < b:
                     inner.addr_(upper[i - a], err, alpha=-1)
             # a column is not changed after its turn, so the inner block goes onto the grid at
@@ -203,7 +225,8 @@ def gptq_quantize(
             if scale_rows is not None:
                 scale = scale_rows[inner_start:inner_end]
                 zp = None if zp_rows is None else zp_rows[inner_start:inner_end]
-            inner.copy_(rounding(inner, scale, zp))
+            if not by_column:
+                inner.copy_(rounding(inner, scale, zp))
             Err1[a:b].mul_(inv_diag[a:b, None])  # GPTQ's error: (w - q) / d
             if inner_end < end:
                 WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)
@@ -211,11 +234,21 @@ def gptq_quantize(
         if end < cols:
             WT[end:].addmm_(Hinv[start:end, end:].t(), Err1, alpha=-1)
 
-    W = WT.t()  # a view: callers copy the rows they need
-    if perm is not None:
-        W = W[:, torch.argsort(perm)]
+    unperm = None if perm is None else torch.argsort(perm)
+    if input_major:
+        W = WT if unperm is None else WT[unperm]
+    else:
+        W = WT.t()  # a view: callers copy the rows they need
+        if unperm is not None:
+            W = W[:, unperm]
     if fixed_scale is not None:
         scale, zero_point = fixed_scale, fixed_zp
+    elif by_column:  # one row of qparams per column, in the update's order
+        scale = torch.cat(group_scales, dim=0)
+        zero_point = None if group_zps[0] is None else torch.cat(group_zps, dim=0)
+        if unperm is not None:
+            scale = scale[unperm]
+            zero_point = None if zero_point is None else zero_point[unperm]
     else:
         scale = torch.cat(group_scales, dim=1)
         zero_point = None if group_zps[0] is None else torch.cat(group_zps, dim=1)

@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError
+from llmpress.models.linear import input_major
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
@@ -159,7 +160,8 @@ class GPTQModifier(Modifier):
             _, scheme = self.pending[name]
             if accumulator is None or scheme.weights is None:
                 continue
-            groups.setdefault((id(accumulator), scheme.weights.model_dump_json()), []).append(name)
+            key = (id(accumulator), scheme.weights.model_dump_json(), input_major(self.pending[name][0]))
+            groups.setdefault(key, []).append(name)
         bar = tqdm(groups.values(), desc=f"GPTQ {where}", leave=False, disable=True if len(groups) < 2 else None)
         for members in bar:
             self._quantize_group(members)
@@ -182,12 +184,20 @@ class GPTQModifier(Modifier):
                                 (self.config.actorder or args.actorder) is not None, overwrite=not shared)
         if not shared:  # the factor took the Hessian's memory: this group was its last user
             self.hessians.release(names)
-        # row-wise qparams (channel, group) let modules sharing a Hessian quantize as one matrix
-        fuse = args.strategy in ("channel", "group")
+        # row-wise qparams (channel, group) let modules sharing a Hessian quantize as one matrix;
+        # an input-major weight's (Conv1D's) qparams run along its columns: it goes alone
+        transposed = input_major(modules[0])
+        fuse = args.strategy in ("channel", "group") and not transposed
         for batch in _row_batches(modules, FUSED_ELEMENTS if fuse else 0):
             weight = [m.weight.data for m in batch]
-            result = gptq_quantize(weight, factor, args, block_size=self.config.block_size, scale_dtype=weight[0].dtype)
+            result = gptq_quantize(weight, factor, args, block_size=self.config.block_size, scale_dtype=weight[0].dtype,
+                                   input_major=transposed)
             del weight
+            if len(batch) == 1:  # the whole result is the module's, in its own layout
+                set_weight_qparams(batch[0], result.weight, result.scale, result.zero_point)
+                self.losses[names[modules.index(batch[0])]] = result.loss
+                del result
+                continue
             offset = 0
             for module in batch:  # each module's rows of the stacked result
                 part = slice(offset, offset + module.weight.shape[0])

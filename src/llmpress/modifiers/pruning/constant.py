@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.sparsity import sparsity_of, structure_of
+from llmpress.models.linear import linear_weight
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
@@ -36,7 +37,7 @@ class ConstantPruningModifier(Modifier):
             mask = module.weight.detach() != 0
             if not bool(mask.all()):  # only modules that are sparse have zeros to keep
                 self.masks[name] = (module, mask)
-                setattr(module, SPARSITY_ATTR, structure_of(mask))
+                setattr(module, SPARSITY_ATTR, structure_of(linear_weight(mask, module)))
 
     def on_optim_post_step(self, state: State) -> None:
         self.apply()

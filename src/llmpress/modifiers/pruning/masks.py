@@ -13,6 +13,7 @@ from torch import nn
 
 from llmpress.checkpoint.sparsity import SPARSITY_ATTR
 from llmpress.errors import RecipeError, UnsupportedModelError
+from llmpress.models.linear import features, is_linear
 
 __all__ = [
     "SPARSITY_ATTR",
@@ -43,7 +44,7 @@ def magnitude_mask(weight: torch.Tensor, sparsity: float, structure: tuple[int, 
     schedule that ends at 1 - N/M ends exactly N:M."""
     score = weight.detach().abs().float()
     count = round(sparsity * score.numel())
-    keep = torch.ones_like(score, dtype=torch.bool)
+    keep = torch.ones(score.shape, dtype=torch.bool, device=score.device)  # contiguous, even for a transposed view
     if count <= 0:
         return keep
     if structure is not None:
@@ -61,10 +62,11 @@ def magnitude_mask(weight: torch.Tensor, sparsity: float, structure: tuple[int, 
 def prunable_modules(
     model: nn.Module, targets: list[str], ignore: list[str], modifier: str, structure: tuple[int, int] | None = None
 ) -> dict[str, nn.Module]:
-    """The Linear modules ``targets`` match, checked against the mask structure."""
+    """The linear modules ``targets`` match (``Linear`` covers Conv1D), checked against the mask
+    structure."""
     from llmpress.targets import assign_by_targets
 
-    chosen = {n: m for n, (m, _) in assign_by_targets(model, [(targets, None)], ignore).items() if isinstance(m, nn.Linear)}
+    chosen = {n: m for n, (m, _) in assign_by_targets(model, [(targets, None)], ignore, linear_alias=True).items() if is_linear(m)}
     if not chosen:
         raise UnsupportedModelError(
             f"{modifier} matched no Linear module",
@@ -72,7 +74,7 @@ def prunable_modules(
             expected="targets that match Linear modules, e.g. [Linear] or ['re:.*proj$']",
         )
     if structure is not None:
-        uneven = [n for n, m in chosen.items() if m.weight.shape[-1] % structure[1]]
+        uneven = [n for n, m in chosen.items() if features(m)[0] % structure[1]]
         if uneven:
             raise UnsupportedModelError(
                 f"{modifier}: {len(uneven)} module(s) have an input size that is not a multiple of {structure[1]}",

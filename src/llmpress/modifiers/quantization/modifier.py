@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError, UnsupportedModelError
+from llmpress.models.linear import is_linear
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
@@ -40,7 +41,7 @@ from llmpress.quant.attach import (
 )
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
-from llmpress.targets import assign_by_targets, matches
+from llmpress.targets import assign_by_targets, matches, name_conv1d_targets
 
 if TYPE_CHECKING:
     from llmpress.pipelines.blocks import CalibrationBlock
@@ -53,27 +54,31 @@ logger = logging.getLogger(__name__)
 def assign_schemes(
     model: nn.Module, schemes: list[QuantizationScheme], ignore: list[str], modifier: str
 ) -> dict[str, tuple[nn.Module, QuantizationScheme]]:
-    """Attach to each targeted Linear the scheme whose targets match it most specifically.
+    """Attach to each targeted linear module the scheme whose targets match it most specifically.
 
-    Matched modules that are not ``nn.Linear`` are skipped and reported once; a Linear whose
-    weight is shared with another module (tied embeddings) is untied first, so quantizing it
-    leaves the other module intact. Raises ``UnsupportedModelError`` when nothing matches."""
-    chosen = assign_by_targets(model, [(s.targets, s) for s in schemes], ignore)
-    skipped = [f"{n} ({type(m).__name__})" for n, (m, _) in chosen.items() if not isinstance(m, nn.Linear)]
-    chosen = {n: (m, s) for n, (m, s) in chosen.items() if isinstance(m, nn.Linear)}
+    ``Linear`` targets cover GPT-2's ``Conv1D`` too; a Conv1D matched only that way carries the
+    scheme with ``Conv1D`` added to its targets, so the saved config names it as
+    compressed-tensors matches it. Matched modules that are not linear are skipped and reported
+    once; a module whose weight is shared with another (tied embeddings) is untied first, so
+    quantizing it leaves the other module intact. Raises ``UnsupportedModelError`` when nothing
+    matches."""
+    chosen = assign_by_targets(model, [(s.targets, s) for s in schemes], ignore, linear_alias=True)
+    skipped = [f"{n} ({type(m).__name__})" for n, (m, _) in chosen.items() if not is_linear(m)]
+    chosen = {n: (m, s) for n, (m, s) in chosen.items() if is_linear(m)}
     if skipped:
-        logger.warning("%s: skipped %d non-Linear module(s): %s", modifier, len(skipped), ", ".join(skipped[:8]))
+        logger.warning("%s: skipped %d non-linear module(s): %s", modifier, len(skipped), ", ".join(skipped[:8]))
     unused = [s for s in schemes if not any(s is used for _, used in chosen.values())]
     if unused and chosen:
         logger.warning("%s: %d scheme(s) matched no module: targets %s", modifier, len(unused), [s.targets for s in unused])
     if not chosen:
-        examples = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:5]
+        examples = [n for n, m in model.named_modules() if is_linear(m)][:5]
         raise UnsupportedModelError(
             f"{modifier} matched no Linear module",
             got=f"targets={[t for s in schemes for t in s.targets]}, ignore={ignore}",
             expected=f"targets that match Linear modules, such as {examples}",
             fix="use targets: [Linear] or module-name patterns like 're:.*proj$'",
         )
+    chosen = name_conv1d_targets(chosen)
     if any("Linear" in s.targets for s in schemes):
         _warn_uncovered_weights(model, chosen, ignore, modifier)
     untie_shared_weights(model, [m for m, _ in chosen.values()])
@@ -91,11 +96,11 @@ UNCOVERED_SHARE = 0.01  # of all parameters: below this, leftover matrices (rout
 def _warn_uncovered_weights(model: nn.Module, chosen: dict, ignore: list[str], modifier: str) -> None:
     """Say so when a recipe meant for every Linear leaves a real share of the model's weights in
     full precision because they live in other modules: fused mixture-of-experts blocks (transformers
-    5 keeps Mixtral's or Qwen3-MoE's experts as 3-D parameters), GPT-2's Conv1D."""
+    5 keeps fused experts that llmpress cannot split as 3-D parameters), say."""
     total = sum(p.numel() for p in model.parameters())
     found: dict[str, tuple[str, int]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) or name in chosen or matches(name, module, ignore):
+        if is_linear(module) or isinstance(module, nn.Embedding) or name in chosen or matches(name, module, ignore):
             continue
         size = sum(p.numel() for p in module.parameters(recurse=False) if p.dim() >= 2)
         if size:
@@ -104,7 +109,7 @@ def _warn_uncovered_weights(model: nn.Module, chosen: dict, ignore: list[str], m
     if share >= UNCOVERED_SHARE:
         examples = ", ".join(f"{n} ({kind})" for n, (kind, _) in list(found.items())[:4])
         logger.warning(
-            "%s: %.0f%% of the model's weights are in modules that are not nn.Linear and stay in full precision: %s%s",
+            "%s: %.0f%% of the model's weights are in modules that are not linear layers and stay in full precision: %s%s",
             modifier, 100 * share, examples, " ..." if len(found) > 4 else "",
         )
 

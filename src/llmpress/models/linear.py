@@ -1,0 +1,52 @@
+"""The modules llmpress quantizes: ``nn.Linear`` and transformers' ``Conv1D``.
+
+``Conv1D`` (GPT-2, OpenAI GPT, ImageGPT, ...) is a linear layer that stores its weight
+input-major: ``[in, out]``, computing ``x @ W + b``. llmpress quantizes it as the linear it is
+(GPTQ's Hessian is over its inputs, as for any linear) but keeps its own layout on the grid and
+in the checkpoint: compressed-tensors takes a weight's qparams from the stored tensor's shape,
+so a Conv1D's groups (or channels) run along its last stored dimension, the output features of
+one input feature. That is the layout transformers + compressed-tensors read back.
+
+A recipe's ``Linear`` target covers Conv1D (``linear_alias``): the user means "every linear
+layer". A checkpoint's config is read as compressed-tensors reads it, where ``Linear`` names
+``nn.Linear`` only, so llmpress saves quantized Conv1D modules under the ``Conv1D`` target too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+__all__ = ["Conv1D", "LINEAR_TYPES", "features", "input_major", "is_linear", "linear_weight", "stored_shape"]
+
+LINEAR_TYPES = (nn.Linear, Conv1D)
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, LINEAR_TYPES)
+
+
+def input_major(module: nn.Module) -> bool:
+    """True when the module stores its weight ``[in, out]``: a Conv1D, or a runtime module
+    standing for one."""
+    return isinstance(module, Conv1D) or getattr(module, "input_major", False) is True
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a linear module."""
+    if isinstance(module, Conv1D):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def linear_weight(weight: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``module``'s ``weight`` as ``[out, in]``: a transposed view for an input-major module (what
+    per-input structure, such as N:M sparsity, is read along)."""
+    return weight.t() if input_major(module) else weight
+
+
+def stored_shape(module: nn.Module) -> tuple[int, int]:
+    """The shape its weight is stored in: ``[out, in]``, or ``[in, out]`` input-major."""
+    n_in, n_out = features(module)
+    return (n_in, n_out) if input_major(module) else (n_out, n_in)
