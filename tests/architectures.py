@@ -8,6 +8,7 @@ the command line can calibrate on text.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,8 @@ SMALL = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=4096, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=128)
+MOE = dict(num_experts_per_tok=2)
+EXPERT_MLP = dict(moe_intermediate_size=128)  # for the families whose config has that field
 MLA = dict(kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, num_key_value_heads=4)
 
 DENSE = {
@@ -45,12 +47,12 @@ DENSE = {
 }
 EXPERTS = {
     "mixtral": {"num_local_experts": 4},
-    "qwen2_moe": {"num_experts": 4, "shared_expert_intermediate_size": 128},
-    "qwen3_moe": {"num_experts": 4},
+    "qwen2_moe": {"num_experts": 4, "shared_expert_intermediate_size": 128, **EXPERT_MLP},
+    "qwen3_moe": {"num_experts": 4, **EXPERT_MLP},
     "olmoe": {"num_experts": 4, "intermediate_size": 128},
     "phimoe": {"num_local_experts": 4},
-    "deepseek_v3": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MLA},
-    "glm4_moe": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MLA, **EXPERT_MLP},
+    "glm4_moe": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **EXPERT_MLP},
     "gpt_oss": {"num_local_experts": 4, "intermediate_size": 128, "head_dim": 32},
     "granitemoe": {"num_local_experts": 4, "intermediate_size": 128},
 }
@@ -84,6 +86,21 @@ VISION = {
 
 ARCHITECTURES = {**DENSE, **{k: {**MOE, **v} for k, v in EXPERTS.items()}, **ENCODERS, **VISION}
 
+
+RECIPE = """
+quant_stage:
+  quant_modifiers:
+    {modifier}:
+      scheme: W4A16
+      targets: [Linear]
+      ignore: [lm_head, "re:.*mlp\\\\.gate$", "re:.*router$", "re:.*shared_expert_gate$", "re:.*vision_tower.*", "re:.*visual.*",
+               "re:.*multi_modal_projector.*"]
+"""
+#: matrices a W4A16 recipe leaves dense: embeddings, the head, routers (not Linear in transformers 5)
+#: and a vision-language model's vision tower and projector: its text stack is calibrated on
+#: text, and the recipe leaves the vision side dense, as llm-compressor's examples do
+DENSE_ALLOWED = re.compile(r"(embed|wte|wpe|lm_head|embed_out|router|\.gate\.|shared_expert_gate|position|token_type"
+                           r"|vision_tower|visual|multi_modal_projector)")
 
 def auto_class(model_type: str):
     """The Auto class a user loads ``model_type`` with."""

@@ -14,26 +14,20 @@ import re
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, TRANSFORMERS_CANNOT, TRANSFORMERS_DEQUANTIZES, auto_class, save_tiny
+from architectures import (
+    ARCHITECTURES,
+    DENSE_ALLOWED,
+    RECIPE,
+    TRANSFORMERS_CANNOT,
+    TRANSFORMERS_DEQUANTIZES,
+    auto_class,
+    save_tiny,
+)
 from conftest import checkpoint_tensors, text_path, trained_model_dir
 
 import llmpress
 from llmpress.cli import main
 
-RECIPE = """
-quant_stage:
-  quant_modifiers:
-    {modifier}:
-      scheme: W4A16
-      targets: [Linear]
-      ignore: [lm_head, "re:.*mlp\\\\.gate$", "re:.*router$", "re:.*shared_expert_gate$", "re:.*vision_tower.*", "re:.*visual.*",
-               "re:.*multi_modal_projector.*"]
-"""
-#: matrices a W4A16 recipe leaves dense: embeddings, the head, routers (not Linear in transformers 5)
-#: and a vision-language model's vision tower and projector: its text stack is calibrated on
-#: text, and the recipe leaves the vision side dense, as llm-compressor's examples do
-DENSE_ALLOWED = re.compile(r"(embed|wte|wpe|lm_head|embed_out|router|\.gate\.|shared_expert_gate|position|token_type"
-                           r"|vision_tower|visual|multi_modal_projector)")
 FAST = {"llama", "qwen3_moe", "gpt2"}
 
 
