@@ -6,6 +6,8 @@ compressed-tensors checkpoint.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -13,16 +15,36 @@ from llmpress.errors import CheckpointError
 from llmpress.loading.config import LlmpressConfig, QuantizationMethod
 from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
-from llmpress.models.linear import is_linear
+from llmpress.models.linear import features, input_major, is_linear
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import quantize
-from llmpress.runtime import QuantizedLinear
+from llmpress.quant.scheme import QuantizationScheme
+from llmpress.runtime import QuantizedLinear, kernels
 from llmpress.targets import assign_by_targets, name_conv1d_targets
 
 __all__ = ["LlmpressQuantizer", "quantize_weight_into"]
 
+logger = logging.getLogger(__name__)
+
 
 _ROWS_PER_CHUNK = 512  # rows quantized at once: bounds the float temporaries to a slice of the weight
+
+
+def _kernel_group_scheme(name: str, module: nn.Module, scheme: QuantizationScheme) -> QuantizationScheme:
+    """``scheme``, or for a 4-bit module whose columns its group does not divide, the scheme in
+    the largest smaller group that divides them and the int4 kernel takes (targeting this module
+    by name), so it loads and saves as whole groups and runs on the kernel."""
+    args = scheme.weights
+    if args.num_bits != 4 or args.strategy != "group" or input_major(module):
+        return scheme
+    columns, rows = features(module)
+    if columns % args.group_size == 0:
+        return scheme
+    fits = [g for g in kernels.INT4_GROUP_SIZES if g < args.group_size and kernels.int4_supported(rows, columns, g)]
+    if not fits:
+        return scheme
+    weights = args.model_copy(update={"group_size": max(fits)})
+    return scheme.model_copy(update={"targets": [name], "weights": weights})
 
 
 def quantize_weight_into(module: QuantizedLinear, weight: torch.Tensor, scale_dtype: torch.dtype) -> None:
@@ -65,11 +87,20 @@ class LlmpressQuantizer(Quantizer):
         chosen = assign_by_targets(model, [(scheme.targets, scheme)], self.config.ignore, linear_alias=True)
         chosen = name_conv1d_targets({n: (m, s) for n, (m, s) in chosen.items() if is_linear(m)})
         self.quantized_modules = []
+        regrouped: dict[tuple[int, int], list[str]] = {}
         for name, (module, module_scheme) in chosen.items():
-            if is_linear(module):
-                model.set_submodule(name, QuantizedLinear.like(module, module_scheme))
-                self.quantized_modules.append(name)
+            fitted = _kernel_group_scheme(name, module, module_scheme)
+            if fitted is not module_scheme:
+                regrouped.setdefault((features(module)[0], fitted.weights.group_size), []).append(name)
+            model.set_submodule(name, QuantizedLinear.like(module, fitted))
+            self.quantized_modules.append(name)
         self._targets = set(self.quantized_modules)
+        for (columns, group), names in regrouped.items():
+            logger.warning(
+                "quantize-on-load: %d module(s) have %d input columns, not a multiple of group %d (%s ...): quantized in "
+                "groups of %d instead, which divide them and the int4 kernel takes", len(names), columns,
+                scheme.weights.group_size, names[0], group,
+            )
 
     def param_needs_quantization(self, model: nn.Module, param_name: str) -> bool:
         owner, _, local = param_name.rpartition(".")

@@ -20,8 +20,10 @@ import torch
 __all__ = [
     "COMPUTE_DTYPE",
     "INT4_GROUP_SIZES",
+    "int4_group",
     "int4_matmul",
     "int4_pack",
+    "int4_qparams",
     "int4_supported",
     "int4_unpack",
     "int8_matmul",
@@ -49,6 +51,31 @@ def int4_supported(out_features: int, in_features: int, group_size: int | None) 
         and in_features % (2 * _INNER_K_TILES) == 0
         and out_features % 16 == 0
     )
+
+
+def int4_group(out_features: int, in_features: int, strategy: str, group_size: int | None) -> int | None:
+    """The kernel group size that holds a 4-bit grid exactly, or None. A group grid keeps its
+    own group where the kernel takes it; otherwise the largest kernel group dividing both the
+    stored group and the columns does (each stored group becomes several with its scale, and a
+    shorter last group fits: groups of 128 over 576 columns run as 9 groups of 64). A channel
+    or tensor grid takes the largest kernel group dividing the columns."""
+    for group in reversed(INT4_GROUP_SIZES):
+        if strategy == "group" and (not group_size or group_size % group):
+            continue
+        if int4_supported(out_features, in_features, group):
+            return group
+    return None
+
+
+def int4_qparams(qparam: torch.Tensor, group_size: int | None, kernel_group: int, out_features: int, in_features: int) -> torch.Tensor:
+    """A stored scale or zero point (``[out, groups]``, ``[out, 1]`` or ``[1]``) as one per
+    kernel group ``[out, in / kernel_group]``."""
+    groups = in_features // kernel_group
+    if qparam.shape[-1] == groups and qparam.dim() == 2:
+        return qparam
+    if qparam.numel() == 1 or qparam.shape[-1] == 1:
+        return qparam.reshape(-1, 1).expand(out_features, groups)
+    return qparam.repeat_interleave(group_size // kernel_group, dim=1)[:, :groups]
 
 
 def int8_supported() -> bool:

@@ -3,7 +3,10 @@
 It takes one module's compressed-tensors tensors (any format) and keeps them in the layout of the
 fastest kernel that applies:
 
-- ``int4``: 4-bit integer groups of 32..256 → ``_weight_int4pack_mm_for_cpu``;
+- ``int4``: 4-bit integer weights → ``_weight_int4pack_mm_for_cpu`` in groups of 32..256. A grid
+  the kernel does not take as it is goes in smaller groups where that is exact
+  (``kernels.int4_group``): groups of 128 over 576 columns as groups of 64, per-channel scales
+  repeated per group;
 - ``int8``: 8-bit integer per-channel (or per-tensor) weights → ``_weight_int8pack_mm``;
 - ``dequant``: anything else (fp8, other widths or group sizes) keeps the stored tensors and
   decompresses them on the fly for each forward.
@@ -56,6 +59,7 @@ class QuantizedLinear(nn.Module):
         self.quantization_scheme = scheme
         self.format = format_for(scheme)
         self.kernel = "empty"
+        self.int4_group: int | None = None  # the kernel's group size (may be smaller than the scheme's)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -97,7 +101,7 @@ class QuantizedLinear(nn.Module):
             scale, zero_point = state["weight_scale"], state.get("weight_zero_point")
             if zero_point is not None:  # packed along the output dimension
                 zero_point = unpack_from_int32(zero_point, 4, (self.out_features, scale.shape[-1]), dim=0)
-            self._set_int4(*kernels.int4_pack_words(state["weight_packed"], scale, zero_point), scale, zero_point)
+            self._set_int4(*kernels.int4_pack_words(state["weight_packed"], *self._kernel_qparams(scale, zero_point)), scale, zero_point)
             return
         unpacked = FORMATS.get(fmt).unpack(state, self.quantization_scheme)
         self._load_values(kernel, unpacked["weight"], unpacked["weight_scale"], unpacked.get("weight_zero_point"))
@@ -115,6 +119,15 @@ class QuantizedLinear(nn.Module):
             state["weight_zero_point"] = zero_point
         self.load_compressed(FORMATS.get(self.format).compress(state, self.quantization_scheme))
 
+    def _kernel_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale and zero point per kernel group (the stored ones stay as they are, for saving)."""
+        group = self.quantization_scheme.weights.group_size
+
+        def spread(qparam: torch.Tensor) -> torch.Tensor:
+            return kernels.int4_qparams(qparam, group, self.int4_group, self.out_features, self.in_features)
+
+        return spread(scale), None if zero_point is None else spread(zero_point)
+
     def _set_int4(self, packed: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
@@ -124,7 +137,7 @@ class QuantizedLinear(nn.Module):
 
     def _load_values(self, kernel: str, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
         if kernel == "int4":
-            self._set_int4(*kernels.int4_pack(q, scale, zero_point), scale, zero_point)
+            self._set_int4(*kernels.int4_pack(q, *self._kernel_qparams(scale, zero_point)), scale, zero_point)
             return
         # the scale (and zero point) as stored, for an exact compressed_state()
         self.register_buffer("weight_scale", scale)
@@ -145,8 +158,9 @@ class QuantizedLinear(nn.Module):
         args = self.quantization_scheme.weights
         if args.is_float or self.input_major:  # any format's unpack() gives integer schemes their integers
             return "dequant"
-        if args.num_bits == 4 and args.strategy == QuantizationStrategy.GROUP:
-            if kernels.int4_supported(self.out_features, self.in_features, args.group_size):
+        if args.num_bits == 4 and args.strategy != QuantizationStrategy.TOKEN:
+            self.int4_group = kernels.int4_group(self.out_features, self.in_features, args.strategy, args.group_size)
+            if self.int4_group is not None:
                 return "int4"
         if args.num_bits == 8 and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR):
             if kernels.int8_supported():
@@ -157,8 +171,7 @@ class QuantizedLinear(nn.Module):
     def quantized_values(self) -> torch.Tensor:
         """The integer weight ``[out, in]`` (int8 holding ``num_bits`` values)."""
         if self.kernel == "int4":
-            group = self.quantization_scheme.weights.group_size
-            return kernels.int4_unpack(self.int4_weight, group, self.int4_table, self.in_features)
+            return kernels.int4_unpack(self.int4_weight, self.int4_group, self.int4_table, self.in_features)
         if self.kernel == "int8":
             return self.int8_weight
         raise RuntimeError(f"QuantizedLinear.quantized_values() needs an integer kernel, not {self.kernel!r}")
@@ -203,7 +216,7 @@ class QuantizedLinear(nn.Module):
         if inputs is not None:
             x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None))
         if self.kernel == "int4":
-            out = kernels.int4_matmul(x, self.int4_weight, self.quantization_scheme.weights.group_size, self.int4_table)
+            out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
         elif self.kernel == "int8":
             out = kernels.int8_matmul(x, self.int8_weight, self.int8_scale, self.int8_zero_correction)
         elif self.kernel == "dequant":
