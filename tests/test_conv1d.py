@@ -73,11 +73,12 @@ def test_input_major_tensor_scale_is_the_linear_solve_transposed():
     torch.testing.assert_close(stored.scale, linear.scale)
 
 
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
 @pytest.mark.parametrize("modifier", [QuantizationModifier, GPTQModifier])
-def test_linear_targets_quantize_conv1d_and_the_checkpoint_names_it(modifier, tmp_path):
+def test_linear_targets_quantize_conv1d_and_the_checkpoint_names_it(modifier, scheme, tmp_path):
     model = tiny_gpt2()
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    llmpress.oneshot(model, modifier(scheme="W4A16", targets=["Linear"], ignore=["lm_head"]),
+    llmpress.oneshot(model, modifier(scheme=scheme, targets=["Linear"], ignore=["lm_head"]),
                      dataset=[ids[0].tolist(), ids[1].tolist()], output_dir=tmp_path)
     block = model.transformer.h[0]
     assert isinstance(block.attn.c_attn, Conv1D) and block.attn.c_attn.weight.shape == (128, 384)
@@ -156,3 +157,12 @@ def test_quantize_on_load_takes_conv1d_in_its_layout(tmp_path):
     ids = torch.randint(0, 512, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, loaded(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_conv1d_target_wins_over_the_linear_alias_whatever_the_order():
+    from llmpress.targets import assign_by_targets
+
+    model = tiny_gpt2()
+    for entries in ([(["Linear"], "alias"), (["Conv1D"], "own")], [(["Conv1D"], "own"), (["Linear"], "alias")]):
+        chosen = assign_by_targets(model, entries, ["lm_head"], linear_alias=True)
+        assert chosen["transformer.h.0.attn.c_attn"][1] == "own"

@@ -29,6 +29,9 @@ def rel(a, b):
         (dict(num_bits=4, group_size=256), 384, 128),
         (dict(num_bits=4, strategy="channel"), 576, 64),
         (dict(num_bits=4, strategy="tensor"), 512, 256),
+        (dict(num_bits=4, strategy="channel", symmetric=False), 576, 64),  # zero points packed
+        (dict(num_bits=4, strategy="tensor", symmetric=False), 512, 256),  # a per-tensor zero point is stored unpacked
+        (dict(num_bits=4, group_size=512), 768, 256),
         (dict(num_bits=4, group_size=128), 512, 128),  # fits as it is
     ],
 )

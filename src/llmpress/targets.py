@@ -24,18 +24,15 @@ from llmpress.models.linear import input_major
 
 __all__ = ["matches", "match_priority", "assign_by_targets", "name_conv1d_targets"]
 
-EXACT, REGEX, CLASS = 0, 1, 2
+EXACT, REGEX, CLASS, ALIAS = 0, 1, 2, 3  # ALIAS: a recipe's Linear naming a Conv1D, below its own class name
 
 
-def _class_names(module: nn.Module, linear_alias: bool) -> set[str]:
-    names = {cls.__name__ for cls in type(module).__mro__}
-    if linear_alias and input_major(module):
-        names.add("Linear")
-    return names
+def _class_names(module: nn.Module) -> set[str]:
+    return {cls.__name__ for cls in type(module).__mro__}
 
 
 def match_priority(name: str, module: nn.Module, patterns: Iterable[str], linear_alias: bool = False) -> int | None:
-    """How specifically ``patterns`` match the module (``EXACT`` < ``REGEX`` < ``CLASS``), or None."""
+    """How specifically ``patterns`` match the module (``EXACT`` < ``REGEX`` < ``CLASS`` < ``ALIAS``), or None."""
     best = None
     classes = None
     for pattern in patterns:
@@ -44,8 +41,10 @@ def match_priority(name: str, module: nn.Module, patterns: Iterable[str], linear
         elif pattern == name:
             found = EXACT
         else:
-            classes = classes if classes is not None else _class_names(module, linear_alias)
+            classes = classes if classes is not None else _class_names(module)
             found = CLASS if pattern in classes else None
+            if found is None and linear_alias and pattern == "Linear" and input_major(module):
+                found = ALIAS
         if found is not None and (best is None or found < best):
             best = found
     return best
@@ -77,7 +76,8 @@ def assign_by_targets(
 
 def name_conv1d_targets(chosen: dict[str, tuple[nn.Module, Any]]) -> dict[str, tuple[nn.Module, Any]]:
     """Each Conv1D that only the ``Linear`` alias matched gets its scheme with ``Conv1D`` among
-    the targets (one copy per scheme), so a saved config names it as compressed-tensors matches."""
+    the targets (one copy per scheme), so a saved config names it as compressed-tensors matches.
+    Changes ``chosen`` in place and returns it."""
     copies: dict[int, Any] = {}
     for name, (module, scheme) in chosen.items():
         if input_major(module) and not matches(name, module, scheme.targets):

@@ -14,7 +14,7 @@ from llmpress.quant.packing import pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, quantize
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
 
-_PACKED_ZP_STRATEGIES = (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
+PACKED_ZERO_POINT_STRATEGIES = (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
 
 
 @FORMATS.register("pack-quantized")
@@ -30,7 +30,7 @@ class PackQuantizedFormat:
         q = quantize(weight, out["weight_scale"], zero_point, args)
         out["weight_packed"] = pack_to_int32(q, args.num_bits)
         out["weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
-        if zero_point is not None and args.strategy in _PACKED_ZP_STRATEGIES:
+        if zero_point is not None and args.strategy in PACKED_ZERO_POINT_STRATEGIES:
             out["weight_zero_point"] = pack_to_int32(zero_point.to(torch.int8), args.num_bits, dim=0)
         return out
 
@@ -41,7 +41,7 @@ class PackQuantizedFormat:
         packed = out.pop("weight_packed")
         shape = tuple(int(v) for v in out.pop("weight_shape").tolist())
         zero_point = out.get("weight_zero_point")
-        if zero_point is not None and args.strategy in _PACKED_ZP_STRATEGIES:
+        if zero_point is not None and args.strategy in PACKED_ZERO_POINT_STRATEGIES:
             zp_shape = (shape[0], out["weight_scale"].shape[-1])
             out["weight_zero_point"] = unpack_from_int32(zero_point, args.num_bits, zp_shape, dim=0)
         out["weight"] = unpack_from_int32(packed, args.num_bits, shape)

@@ -8,7 +8,8 @@ so a Conv1D's groups (or channels) run along its last stored dimension, the outp
 one input feature. That is the layout transformers + compressed-tensors read back.
 
 A recipe's ``Linear`` target covers Conv1D (``linear_alias``): the user means "every linear
-layer". A checkpoint's config is read as compressed-tensors reads it, where ``Linear`` names
+layer". Conv1D is recognised by its class (transformers' own); a remote-code copy of it is
+not. A checkpoint's config is read as compressed-tensors reads it, where ``Linear`` names
 ``nn.Linear`` only, so llmpress saves quantized Conv1D modules under the ``Conv1D`` target too.
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-__all__ = ["Conv1D", "LINEAR_TYPES", "features", "input_major", "is_linear", "linear_weight", "stored_shape"]
+__all__ = ["Conv1D", "LINEAR_TYPES", "features", "input_major", "is_linear", "linear_weight"]
 
 LINEAR_TYPES = (nn.Linear, Conv1D)
 
@@ -44,9 +45,3 @@ def linear_weight(weight: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``module``'s ``weight`` as ``[out, in]``: a transposed view for an input-major module (what
     per-input structure, such as N:M sparsity, is read along)."""
     return weight.t() if input_major(module) else weight
-
-
-def stored_shape(module: nn.Module) -> tuple[int, int]:
-    """The shape its weight is stored in: ``[out, in]``, or ``[in, out]`` input-major."""
-    n_in, n_out = features(module)
-    return (n_in, n_out) if input_major(module) else (n_out, n_in)

@@ -71,11 +71,12 @@ def int4_qparams(qparam: torch.Tensor, group_size: int | None, kernel_group: int
     """A stored scale or zero point (``[out, groups]``, ``[out, 1]`` or ``[1]``) as one per
     kernel group ``[out, in / kernel_group]``."""
     groups = in_features // kernel_group
-    if qparam.shape[-1] == groups and qparam.dim() == 2:
-        return qparam
-    if qparam.numel() == 1 or qparam.shape[-1] == 1:
-        return qparam.reshape(-1, 1).expand(out_features, groups)
-    return qparam.repeat_interleave(group_size // kernel_group, dim=1)[:, :groups]
+    rows = qparam.reshape(1, 1) if qparam.numel() == 1 else qparam.reshape(out_features, -1)
+    if rows.shape[1] == groups:
+        return rows.expand(out_features, groups)
+    if rows.shape[1] == 1:  # per channel or per tensor
+        return rows.expand(out_features, groups)
+    return rows.repeat_interleave(group_size // kernel_group, dim=1)[:, :groups]
 
 
 def int8_supported() -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmpress.formats import FORMATS, format_for
+from llmpress.formats.pack_quantized import PACKED_ZERO_POINT_STRATEGIES
 from llmpress.models.linear import features, input_major
 from llmpress.quant.packing import bytewise, unpack_from_int32
 from llmpress.quant.qdq import dequantize, fake_quantize_activation
@@ -99,7 +100,8 @@ class QuantizedLinear(nn.Module):
             return
         if kernel == "int4" and fmt == "pack-quantized" and bytewise(4, self.in_features):
             scale, zero_point = state["weight_scale"], state.get("weight_zero_point")
-            if zero_point is not None:  # packed along the output dimension
+            if zero_point is not None and self.quantization_scheme.weights.strategy in PACKED_ZERO_POINT_STRATEGIES:
+                # packed along the output dimension (a per-tensor zero point is stored as it is)
                 zero_point = unpack_from_int32(zero_point, 4, (self.out_features, scale.shape[-1]), dim=0)
             self._set_int4(*kernels.int4_pack_words(state["weight_packed"], *self._kernel_qparams(scale, zero_point)), scale, zero_point)
             return
@@ -155,6 +157,7 @@ class QuantizedLinear(nn.Module):
         self.kernel = kernel
 
     def _choose_kernel(self, fmt: str) -> str:
+        """The kernel for this module's scheme (and, for ``int4``, ``self.int4_group``)."""
         args = self.quantization_scheme.weights
         if args.is_float or self.input_major:  # any format's unpack() gives integer schemes their integers
             return "dequant"

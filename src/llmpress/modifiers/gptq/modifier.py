@@ -154,7 +154,7 @@ class GPTQModifier(Modifier):
     def quantize(self, names: list[str], where: str) -> None:
         """GPTQ on ``names``; modules that share a Hessian and a scheme go as one matrix."""
         self.hessians.end_of_first_pass()
-        groups: dict[tuple[int, str], list[str]] = {}
+        groups: dict[tuple[int, str, bool], list[str]] = {}
         for name in names:
             accumulator = self.hessians.of_module.get(name)
             _, scheme = self.pending[name]

@@ -96,7 +96,7 @@ UNCOVERED_SHARE = 0.01  # of all parameters: below this, leftover matrices (rout
 def _warn_uncovered_weights(model: nn.Module, chosen: dict, ignore: list[str], modifier: str) -> None:
     """Say so when a recipe meant for every Linear leaves a real share of the model's weights in
     full precision because they live in other modules: fused mixture-of-experts blocks (transformers
-    5 keeps fused experts that llmpress cannot split as 3-D parameters), say."""
+    5 keeps as 3-D parameters the fused experts llmpress cannot split), for example."""
     total = sum(p.numel() for p in model.parameters())
     found: dict[str, tuple[str, int]] = {}
     for name, module in model.named_modules():
