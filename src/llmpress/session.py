@@ -43,7 +43,7 @@ _NEXT: dict[str, tuple[str, ...]] = {
     "batch": ("loss_calculated", "optim_pre_step", "batch_end"),
     "optimizer": ("optim_post_step",),
     "stepped": ("loss_calculated", "batch_end"),
-    "calibration": ("modules_calibrated", "layer_calibrated", "calibration_end"),
+    "calibration": ("block_start", "modules_calibrated", "layer_calibrated", "calibration_end"),
 }
 _AFTER: dict[str, str] = {
     "batch_start": "batch",
@@ -312,6 +312,11 @@ class Session:
     def calibration_start(self) -> None:
         self.event("calibration_start")
 
+    def block_start(self, block: CalibrationBlock) -> None:
+        """``block`` is next, its inputs ready, nothing of it observed or compressed yet: the
+        modifiers that transform a block before it is quantized (smoothing scales) act now."""
+        self.event("block_start", block=block)
+
     def modules_calibrated(self, block: CalibrationBlock, modules: list[nn.Module]) -> None:
         """``modules`` of ``block`` have seen all their calibration inputs: the modifiers
         compress them now, before later modules of the block are calibrated on their outputs."""
@@ -331,8 +336,9 @@ class Session:
 
     @property
     def needs_calibration_forward(self) -> bool:
-        """Whether any modifier observes calibration inputs (so batches must flow)."""
-        return any(m.calibration_targets() for m in self.modifiers)
+        """Whether any modifier observes calibration inputs or transforms blocks on them (so
+        batches must flow)."""
+        return any(m.calibration_targets() or "block_start" in m.events for m in self.modifiers)
 
     @property
     def calibrates_by_module(self) -> bool:

@@ -6,6 +6,7 @@ from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
 from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
+from llmpress.modifiers.smoothing import SmoothQuantModifier
 
 __all__ = [
     "MODIFIERS",
@@ -18,6 +19,7 @@ __all__ = [
     "OneShotFields",
     "OutputDistillationModifier",
     "QuantizationModifier",
+    "SmoothQuantModifier",
     "Window",
     "WindowFields",
 ]

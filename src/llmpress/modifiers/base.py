@@ -54,7 +54,7 @@ __all__ = [
 MODIFIERS: Registry[type[Modifier]] = Registry("modifier", error=RecipeError)
 
 TRAINING_EVENTS = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
-ONESHOT_EVENTS = ("calibration_start", "modules_calibrated", "layer_calibrated", "calibration_end")
+ONESHOT_EVENTS = ("calibration_start", "block_start", "modules_calibrated", "layer_calibrated", "calibration_end")
 EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
 LIFECYCLE_HOOKS = ("initialize", "finalize", "window_start", "window_end")
 

@@ -101,6 +101,7 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
     bar = tqdm(blocks, desc="Calibrating layers", unit="layer")
     for index, module in enumerate(bar):
         block = CalibrationBlock(index, module, inputs, session.observation)
+        session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
         # the watched modules and every linear: each one is handed over (modules_calibrated) in
         # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages

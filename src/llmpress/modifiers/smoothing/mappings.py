@@ -1,0 +1,187 @@
+"""Smoothing mappings: a layer whose output channels can absorb ``1/s`` and the Linears that read
+that output, whose input columns take ``s`` (SmoothQuant, AWQ).
+
+llm-compressor keeps a table of mappings per architecture and fails on models it lacks. Here they
+are read from the block itself, with no table:
+
+- **by data flow**: one forward of the block records which module produced each tensor and which
+  Linears read it; a norm (a module with a per-channel ``weight``) or a Linear whose output is
+  the very input of some Linears is a candidate with those Linears (``input_layernorm`` → q/k/v);
+- **through the attention or the gated MLP**: with ``linear_sources``, a Linear whose output
+  width is another Linear's input width, where that input came from no recorded module
+  (``v_proj`` → ``o_proj`` without grouped KV heads, ``up_proj`` → ``down_proj``);
+- **checked by running**: every candidate is applied with random positive scales, the block run
+  once more and compared with its output, and the weights put back exactly. A mapping that
+  changes the block's function (Gemma's ``1 + weight`` norm, ``gate_proj`` → ``down_proj``
+  through the activation, a norm output that also feeds the residual) is dropped and said why.
+
+A recipe's mappings, in llm-compressor's syntax (``[[balance patterns], smooth pattern]``), are
+resolved inside each block and checked the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpress.targets import matches
+
+__all__ = ["Mapping", "apply_scales", "find_mappings", "resolve_mappings"]
+
+
+@dataclass
+class Mapping:
+    smooth_name: str
+    smooth: nn.Module
+    balance_names: list[str]
+    balance: list[nn.Linear] = field(repr=False)
+
+    def describe(self) -> str:
+        inner = [n.rsplit(".", 1)[-1] for n in self.balance_names]
+        return f"{self.smooth_name.rsplit('.', 1)[-1]} -> {', '.join(inner)}"
+
+
+def _per_channel_weight(module: nn.Module, width: int) -> bool:
+    """Whether the module's output channels can be divided by ``s``: a Linear (its rows), or a
+    module with a 1-D ``weight`` of the output's width (a norm)."""
+    if isinstance(module, nn.Linear):
+        return module.out_features == width
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() == width
+
+
+@torch.no_grad()
+def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
+    """Fold ``scales`` into the mapping: the smooth layer's output channels divided by them, the
+    balance layers' input columns multiplied (the function is unchanged)."""
+    smooth = mapping.smooth
+    s = scales.to(torch.float32)
+    column = s.view(-1, 1) if isinstance(smooth, nn.Linear) else s
+    smooth.weight.copy_((smooth.weight.float() / column.to(smooth.weight.device)).to(smooth.weight.dtype))
+    bias = getattr(smooth, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias.copy_((bias.float() / s.to(bias.device)).to(bias.dtype))
+    for linear in mapping.balance:
+        linear.weight.copy_((linear.weight.float() * s.to(linear.weight.device)).to(linear.weight.dtype))
+
+
+def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+    """One forward of the block on its first batch: the innermost module that produced each
+    output tensor (by id), and each Linear's input."""
+    produced: dict[int, tuple[str, nn.Module]] = {}
+    keep: dict[int, torch.Tensor] = {}  # the tensors, so their ids stay theirs during the pass
+    inputs: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in block.module.named_modules():
+        def after(mod, args, output, name=name):
+            if isinstance(output, torch.Tensor) and id(output) not in produced:
+                produced[id(output)] = (name, mod)  # children's hooks fire first: the innermost wins
+                keep[id(output)] = output
+            if isinstance(mod, nn.Linear) and args and isinstance(args[0], torch.Tensor):
+                inputs[name] = args[0]
+                keep[id(args[0])] = args[0]
+
+        handles.append(module.register_forward_hook(after))
+    try:
+        block.run(block.module, block.inputs[:1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return produced, inputs, keep
+
+
+def _candidates(block: Any, linear_sources: bool) -> list[Mapping]:
+    produced, inputs, _ = _record_flow(block)
+    modules = dict(block.module.named_modules())
+    readers: dict[int, list[str]] = {}
+    for name, x in inputs.items():
+        readers.setdefault(id(x), []).append(name)
+    found: list[Mapping] = []
+    for tensor_id, names in readers.items():
+        source = produced.get(tensor_id)
+        if source is None:
+            continue
+        smooth_name, smooth = source
+        width = inputs[names[0]].shape[-1]
+        if isinstance(smooth, nn.Linear) and not linear_sources:
+            continue
+        if _per_channel_weight(smooth, width) and smooth_name not in names:
+            found.append(Mapping(smooth_name, smooth, names, [modules[n] for n in names]))
+    if linear_sources:  # through attention or a gated product: no module produced the input
+        linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
+        for reader, x in inputs.items():
+            if id(x) in produced:
+                continue
+            for name, linear in linears:
+                if name != reader and linear.out_features == x.shape[-1] and linears.index((name, linear)) < linears.index((reader, modules[reader])):
+                    found.append(Mapping(name, linear, [reader], [modules[reader]]))
+    return found
+
+
+def _output(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+@torch.no_grad()
+def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor) -> bool:
+    """Apply random positive scales, run the block on its first batch, put the weights back:
+    whether the output stayed the same (the mapping is safe to fold)."""
+    touched = [mapping.smooth, *mapping.balance]
+    saved = [{k: v.detach().clone() for k, v in m.named_parameters(recurse=False)} for m in touched]
+    width = mapping.balance[0].in_features
+    scales = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
+    try:
+        apply_scales(mapping, scales)
+        out = _output(block.run(block.module, block.inputs[:1])[0]).float()
+    finally:
+        for module, params in zip(touched, saved):
+            for name, value in params.items():
+                getattr(module, name).data.copy_(value)
+    tolerance = 1e-4 if reference.dtype == torch.float32 else 3e-2
+    return bool((out - reference).norm() <= tolerance * reference.norm().clamp(min=1e-12))
+
+
+def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: str) -> tuple[list[Mapping], list[str]]:
+    reference = _output(block.run(block.module, block.inputs[:1])[0])
+    kept, skipped = [], []
+    for mapping in candidates:
+        full = [f"{prefix}{n}" for n in [mapping.smooth_name, *mapping.balance_names]]
+        modules = [mapping.smooth, *mapping.balance]
+        if any(matches(n, m, ignore) for n, m in zip(full, modules)):
+            continue
+        if keeps_function(block, mapping, reference.float()):
+            kept.append(Mapping(full[0], mapping.smooth, full[1:], mapping.balance))
+        else:
+            skipped.append(f"{mapping.describe()} (scaling it changes the block's output)")
+    return kept, skipped
+
+
+def find_mappings(block: Any, prefix: str, ignore: list[str], linear_sources: bool = False) -> tuple[list[Mapping], list[str]]:
+    """The block's mappings found by data flow and checked by running, with full names
+    (``prefix`` + the name inside the block), and the candidates dropped (why)."""
+    return _checked(block, _candidates(block, linear_sources), ignore, prefix)
+
+
+def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], str]], ignore: list[str]) -> tuple[list[Mapping], list[str]]:
+    """A recipe's mappings ``[[balance patterns], smooth pattern]`` in this block: each smooth
+    layer the pattern matches, with the Linears matching the balance patterns under its closest
+    ancestor that has any; checked by running as found ones are."""
+    named = {n: m for n, m in block.module.named_modules() if n}
+    candidates = []
+    for balance_patterns, smooth_pattern in patterns:
+        for smooth_name, smooth in named.items():
+            if not matches(prefix + smooth_name, smooth, [smooth_pattern]):
+                continue
+            scope = smooth_name
+            while True:
+                scope = scope.rpartition(".")[0]
+                under = {n: m for n, m in named.items() if isinstance(m, nn.Linear) and (not scope or n.startswith(scope + "."))
+                         and any(matches(prefix + n, m, [p]) for p in balance_patterns)}
+                if under or not scope:
+                    break
+            if under:
+                candidates.append(Mapping(smooth_name, smooth, list(under), list(under.values())))
+    return _checked(block, candidates, ignore, prefix)

@@ -1,0 +1,144 @@
+"""Smoothing: mappings read from the block and checked by running, and SmoothQuant folded into the
+weights (the function kept, activation outliers moved into the weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama, text_path, token_batches, trained_model_dir
+
+import llmpress
+from llmpress.modifiers import GPTQModifier, QuantizationModifier, SmoothQuantModifier
+from llmpress.modifiers.smoothing import find_mappings, resolve_mappings
+from llmpress.pipelines.blocks import CalibrationBlock
+
+
+def first_block(model, layers, batches):
+    """A CalibrationBlock for ``layers[0]`` with the inputs the model gives it."""
+    inputs = []
+    handle = layers[0].register_forward_pre_hook(lambda m, a, k: inputs.append((a, k)), with_kwargs=True)
+    with torch.no_grad():
+        for batch in batches:
+            model(torch.tensor([batch]), use_cache=False)
+    handle.remove()
+    return CalibrationBlock(0, layers[0], inputs)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_mappings_follow_the_data_flow_and_are_checked_by_running():
+    model = make_tiny_llama(intermediate=256)
+    model.config.num_key_value_heads = 4
+    model = type(model)(model.config).eval()  # no grouped KV heads: v_proj -> o_proj is a mapping too
+    block = first_block(model, model.model.layers, token_batches(2, 16))
+    mappings, skipped = find_mappings(block, "model.layers.0.", [], linear_sources=True)
+    found = {m.describe() for m in mappings}
+    assert found == {"input_layernorm -> q_proj, k_proj, v_proj", "post_attention_layernorm -> gate_proj, up_proj",
+                     "v_proj -> o_proj", "up_proj -> down_proj"}
+    assert any(s.startswith("gate_proj -> down_proj") for s in skipped)  # through the activation: dropped
+    assert mappings[0].smooth_name.startswith("model.layers.0.")
+    # a recipe's patterns, resolved in the block
+    given, _ = resolve_mappings(block, "model.layers.0.", [(["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm")], [])
+    assert [m.describe() for m in given] == ["post_attention_layernorm -> gate_proj, up_proj"]
+    # ignored modules take their mapping out
+    kept, _ = find_mappings(block, "model.layers.0.", ["re:.*input_layernorm"])
+    assert {m.describe() for m in kept} == {"post_attention_layernorm -> gate_proj, up_proj"}
+
+
+def test_a_norm_that_does_not_scale_its_output_is_not_a_mapping():
+    """Gemma's RMSNorm multiplies by ``1 + weight``: dividing its weight does not divide the
+    output, and running the block says so."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    config = GemmaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    model = GemmaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_()
+            layer.post_attention_layernorm.weight.normal_()
+    block = first_block(model, model.model.layers, token_batches(1, 16))
+    mappings, skipped = find_mappings(block, "", [])
+    assert not mappings and len(skipped) == 2
+
+
+def outlier_model():
+    """The trained tiny model with activation outliers: a few channels of each norm ×50 and the
+    Linears reading them ÷50 (the same function, as in models with massive activations)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
+    channels = torch.tensor([3, 17, 40, 77])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm, readers in ((layer.input_layernorm, ("q_proj", "k_proj", "v_proj")),
+                                  (layer.post_attention_layernorm, ("gate_proj", "up_proj"))):
+                norm.weight[channels] *= 50
+                for name in readers:
+                    owner = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj")) else layer.mlp
+                    getattr(owner, name).weight[:, channels] /= 50
+    return model
+
+
+@pytest.fixture(scope="module")
+def calibration_and_eval():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
+    ids = tokenizer(text_path("calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
+    held_out = tokenizer(text_path("evaluation.txt").read_text()[:20000], add_special_tokens=False)["input_ids"]
+    return [ids[i * 128 : (i + 1) * 128] for i in range(16)], torch.tensor([held_out[i * 128 : (i + 1) * 128] for i in range(4)])
+
+
+def test_smoothquant_keeps_the_function_and_flattens_the_activations(calibration_and_eval):
+    batches, ids = calibration_and_eval
+    model = outlier_model()
+    reference = logits(model, ids)
+    norm = model.model.layers[0].input_layernorm.weight
+    before = float(norm.abs().max() / norm.abs().median())
+    llmpress.oneshot(model, SmoothQuantModifier(smoothing_strength=0.8), batches)
+    after = float(norm.abs().max() / norm.abs().median())
+    assert rel(logits(model, ids), reference) < 1e-4
+    assert after < before / 5
+
+
+def test_smoothquant_makes_int8_activations_accurate_on_outliers(calibration_and_eval):
+    """W8A8 (int8 weights per channel, int8 activations per token) on a model with outlier
+    channels: SmoothQuant (0.8) first cuts the output error several times."""
+    batches, ids = calibration_and_eval
+    reference = logits(outlier_model(), ids)
+    plain = llmpress.oneshot(outlier_model(), QuantizationModifier(scheme="W8A8", ignore=["lm_head"]), batches)
+    smoothed = llmpress.oneshot(outlier_model(), [SmoothQuantModifier(smoothing_strength=0.8),
+                                                  QuantizationModifier(scheme="W8A8", ignore=["lm_head"])], batches)
+    assert rel(logits(smoothed, ids), reference) < 0.5 * rel(logits(plain, ids), reference)
+
+
+def test_llm_compressor_smoothquant_gptq_recipe_runs_unchanged(calibration_and_eval, tmp_path):
+    """SmoothQuant then GPTQ W8A8 in one stage: GPTQ's Hessians are of the smoothed inputs."""
+    batches, ids = calibration_and_eval
+    recipe = """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.8
+      mappings:
+        - [["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"]
+        - [["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"]
+    GPTQModifier:
+      ignore: [lm_head]
+      scheme: W8A8
+      targets: [Linear]
+"""
+    given = llmpress.oneshot(outlier_model(), recipe, batches, output_dir=tmp_path)
+    found = llmpress.oneshot(outlier_model(), [SmoothQuantModifier(smoothing_strength=0.8),
+                                               GPTQModifier(scheme="W8A8", ignore=["lm_head"])], batches)
+    torch.testing.assert_close(logits(given, ids), logits(found, ids))  # the same mappings, found or given
+    assert "SmoothQuantModifier" in (tmp_path / "recipe.yaml").read_text()
