@@ -8,7 +8,7 @@ import torch
 from conftest import make_tiny_llama, text_path, token_batches, trained_model_dir
 
 import llmpress
-from llmpress.modifiers import GPTQModifier, QuantizationModifier, SmoothQuantModifier
+from llmpress.modifiers import AWQModifier, GPTQModifier, QuantizationModifier, SmoothQuantModifier
 from llmpress.modifiers.smoothing import find_mappings, resolve_mappings
 from llmpress.pipelines.blocks import CalibrationBlock
 
@@ -142,3 +142,75 @@ quant_stage:
                                                GPTQModifier(scheme="W8A8", ignore=["lm_head"])], batches)
     torch.testing.assert_close(logits(given, ids), logits(found, ids))  # the same mappings, found or given
     assert "SmoothQuantModifier" in (tmp_path / "recipe.yaml").read_text()
+
+
+# -- AWQ ---------------------------------------------------------------------------------------
+def w3_groups():
+    return {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "symmetric": True,
+                                                     "strategy": "group", "group_size": 128}}}
+
+
+@pytest.fixture(scope="module")
+def trained_windows():
+    from transformers import AutoTokenizer
+
+    from llmpress.evaluation import evaluation_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
+    return evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 40)
+
+
+def trained():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
+
+
+def test_awq_lowers_the_perplexity_of_round_to_nearest(calibration_and_eval, trained_windows, caplog):
+    from llmpress.evaluation import perplexity
+
+    batches, _ = calibration_and_eval
+    rtn = llmpress.oneshot(trained(), QuantizationModifier(config_groups=w3_groups(), ignore=["lm_head"]), batches)
+    with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.base"):
+        awq = llmpress.oneshot(trained(), [AWQModifier(), QuantizationModifier(config_groups=w3_groups(), ignore=["lm_head"])], batches)
+    # the mappings it found: grouped KV heads leave v_proj -> o_proj out
+    assert "input_layernorm -> q_proj, k_proj, v_proj; post_attention_layernorm -> gate_proj, up_proj; up_proj -> down_proj" in caplog.text
+    assert perplexity(awq, trained_windows, progress=False).perplexity < perplexity(rtn, trained_windows, progress=False).perplexity
+
+
+def test_awq_with_gptq_and_llm_compressors_mapping_syntax(calibration_and_eval):
+    batches, ids = calibration_and_eval
+    recipe = """
+quant_stage:
+  quant_modifiers:
+    AWQModifier:
+      duo_scaling: both
+      n_grid: 6
+      mappings:
+        - smooth_layer: "re:.*post_attention_layernorm$"
+          balance_layers: ["re:.*gate_proj$", "re:.*up_proj$"]
+    GPTQModifier:
+      targets: [Linear]
+      ignore: [lm_head]
+      scheme: W4A16
+"""
+    model = llmpress.oneshot(trained(), recipe, batches[:4])
+    reference = logits(trained(), ids)
+    assert rel(logits(model, ids), reference) < 0.1
+    awq = next(m for m in llmpress.Recipe.from_any(recipe).stages[0].modifiers if isinstance(m, AWQModifier))
+    assert awq.config.mappings == [(["re:.*gate_proj$", "re:.*up_proj$"], "re:.*post_attention_layernorm$")]
+
+
+def test_awq_needs_a_quantizer_after_it():
+    from llmpress.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="QuantizationModifier or GPTQModifier after AWQModifier"):
+        llmpress.oneshot(make_tiny_llama(), AWQModifier(), token_batches(2, 16))
+
+
+def test_awq_grid_is_llm_compressors():
+    from llmpress.modifiers.smoothing.awq import grid
+
+    assert grid(20, True)[0] == (0.0, False) and len(grid(20, True)) == 20 and grid(20, True)[-1] == (1.0, True)
+    assert grid(20, False) == [(i / 19, False) for i in range(20)]
+    assert len(grid(20, "both")) == 20 and {duo for _, duo in grid(20, "both")} == {False, True}

@@ -6,10 +6,11 @@ from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
 from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
-from llmpress.modifiers.smoothing import SmoothQuantModifier
+from llmpress.modifiers.smoothing import AWQModifier, SmoothQuantModifier
 
 __all__ = [
     "MODIFIERS",
+    "AWQModifier",
     "ConstantPruningModifier",
     "GPTQModifier",
     "LearningRateModifier",

@@ -1,7 +1,8 @@
 """Smoothing transforms: per-channel scales moved between a layer and the Linears reading its
-output, folded into the weights (SmoothQuant)."""
+output, folded into the weights (SmoothQuant, AWQ)."""
 
+from llmpress.modifiers.smoothing.awq import AWQModifier
 from llmpress.modifiers.smoothing.mappings import Mapping, find_mappings, resolve_mappings
 from llmpress.modifiers.smoothing.smoothquant import SmoothQuantModifier
 
-__all__ = ["Mapping", "SmoothQuantModifier", "find_mappings", "resolve_mappings"]
+__all__ = ["AWQModifier", "Mapping", "SmoothQuantModifier", "find_mappings", "resolve_mappings"]

@@ -29,7 +29,7 @@ from torch import nn
 
 from llmpress.targets import matches
 
-__all__ = ["Mapping", "apply_scales", "find_mappings", "resolve_mappings"]
+__all__ = ["Mapping", "apply_scales", "channel_statistics", "find_mappings", "resolve_mappings"]
 
 
 @dataclass
@@ -185,3 +185,34 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
             if under:
                 candidates.append(Mapping(smooth_name, smooth, list(under), list(under.values())))
     return _checked(block, candidates, ignore, prefix)
+
+
+@torch.no_grad()
+def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Per input channel of each mapping, over the block's calibration tokens (the first
+    ``batches`` batches, default all): ``min``, ``max`` and ``abs_mean`` (mean of ``|x|``), by
+    smooth layer name. One run of the block."""
+    stats: dict[str, dict[str, torch.Tensor]] = {}
+    counts: dict[str, int] = {}
+    handles = []
+    for mapping in mappings:
+        def seen(module: nn.Module, args: tuple, name: str = mapping.smooth_name) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            found = stats.get(name)
+            if found is None:
+                stats[name] = {"min": x.amin(0), "max": x.amax(0), "abs_mean": x.abs().sum(0)}
+            else:
+                torch.minimum(found["min"], x.amin(0), out=found["min"])
+                torch.maximum(found["max"], x.amax(0), out=found["max"])
+                found["abs_mean"] += x.abs().sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        handles.append(mapping.balance[0].register_forward_pre_hook(seen))
+    try:
+        block.run(block.module, block.inputs[:batches])
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, found in stats.items():
+        found["abs_mean"] /= max(counts[name], 1)
+    return stats

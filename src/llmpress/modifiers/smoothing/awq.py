@@ -1,0 +1,238 @@
+"""``AWQModifier``: activation-aware weight scaling (Lin et al., 2023), searched against the
+scheme of the quantizer that follows it.
+
+Example recipe (llm-compressor's, unchanged)::
+
+    quant_stage:
+      quant_modifiers:
+        AWQModifier:
+          duo_scaling: true
+          n_grid: 20
+          ignore: [lm_head]
+        QuantizationModifier:                # or GPTQModifier: it gives the scheme
+          targets: [Linear]
+          ignore: [lm_head]
+          scheme: W4A16
+
+At the start of each block, for each mapping (a norm or Linear and the Linears reading its
+output: ``mappings.py``), with ``x`` the mean ``|input|`` of each channel over the calibration
+tokens and ``w`` the mean of each weight column's magnitude relative to its quantization group,
+the candidates ``s = x^r / w^(1-r)`` (``duo_scaling``; ``x^r`` without it) for ``r`` on a grid of
+``n_grid`` points in [0, 1] are normalised (``sqrt(max * min) = 1``). Each is scored by the
+output of the smallest module holding the balance layers (the attention for q/k/v, the MLP for
+gate/up, the layer itself for a single one), run on the block's cached inputs to it with the
+balance weights ``Q(W * s) / s`` (min-max grid of the quantizer's scheme), against its
+full-precision output (mean squared error). The best scales are folded into the model: the
+quantizer then quantizes ``W * s`` and the smooth layer computes ``x / s``. ``s = 1`` is always a
+candidate, so AWQ never scores worse than plain rounding on the calibration tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from pydantic import field_validator
+from torch import nn
+from tqdm.auto import tqdm
+
+from llmpress.errors import RecipeError
+from llmpress.modifiers.base import MODIFIERS
+from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
+from llmpress.modifiers.smoothing.mappings import Mapping, apply_scales, channel_statistics
+from llmpress.quant.observers import weight_qparams
+from llmpress.quant.qdq import fake_quantize
+from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
+
+if TYPE_CHECKING:
+    from llmpress.pipelines.blocks import CalibrationBlock
+
+__all__ = ["AWQModifier", "AWQModifierConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+class AWQModifierConfig(SmoothingConfig):
+    duo_scaling: bool | Literal["both"] = True
+    n_grid: int = 20
+    offload_device: Any = None  # accepted for llm-compressor's recipes; llmpress keeps one block's inputs as they are
+
+    @field_validator("n_grid")
+    @classmethod
+    def _grid(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(f"n_grid must be at least 2, got {value}")
+        return value
+
+
+def grid(n_grid: int, duo_scaling: bool | str) -> list[tuple[float, bool]]:
+    """The ``(ratio, duo)`` candidates, as llm-compressor sweeps them: with duo scaling the ratio
+    0 without it first (the identity), ``both`` half the points each way."""
+    if duo_scaling == "both":
+        half = max(n_grid // 2, 2)
+        return [(i / (half - 1), duo) for i in range(half) for duo in (False, True)]
+    if duo_scaling:
+        return [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
+    return [(i / (n_grid - 1), False) for i in range(n_grid)]
+
+
+def column_means(layers: list[nn.Linear], args: QuantizationArgs) -> torch.Tensor:
+    """Mean over all rows of the balance layers of ``|W|`` relative to the largest ``|W|`` of its
+    quantization group (row for channel, the whole weight for tensor), per input column."""
+    total, rows = 0, 0
+    for layer in layers:
+        w = layer.weight.detach().abs().float()
+        out, cols = w.shape
+        if args.strategy == QuantizationStrategy.GROUP and cols % args.group_size == 0:
+            w = w.reshape(out, cols // args.group_size, args.group_size)
+            w = (w / (w.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out, cols)
+        elif args.strategy == QuantizationStrategy.TENSOR:
+            w = w / (w.max() + 1e-6)
+        else:  # channel (or a group that does not divide the columns: per row)
+            w = w / (w.amax(dim=-1, keepdim=True) + 1e-6)
+        total = total + w.sum(dim=0)
+        rows += out
+    return total / rows
+
+
+def _owner(block: CalibrationBlock, balance_names: list[str], prefix: str) -> nn.Module:
+    """The smallest module of the block holding every balance layer (the layer itself for one)."""
+    local = [n.removeprefix(prefix).split(".") for n in balance_names]
+    common = os.path.commonprefix(local) if len(local) > 1 else local[0]
+    return block.module.get_submodule(".".join(common)) if common else block.module
+
+
+def _merged(inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """The batches' ``(args, kwargs)`` as one batch where they stack (every tensor the same
+    shape in every batch, joined along the batch dimension; everything else equal): one forward
+    per candidate instead of one per batch. Otherwise as they are."""
+    if len(inputs) < 2:
+        return inputs
+
+    def join(values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, torch.Tensor):
+            if first.dim() == 0 or any(not isinstance(v, torch.Tensor) or v.shape != first.shape for v in values):
+                raise ValueError
+            if first.shape[0] == 1 and all(v is first for v in values):
+                return first  # shared by every batch and broadcast over it (rotary cos / sin)
+            return torch.cat(values, dim=0)
+        if isinstance(first, (tuple, list)) and all(isinstance(v, type(first)) and len(v) == len(first) for v in values):
+            return type(first)(join(list(parts)) for parts in zip(*values))
+        if any(v is not first and v != first for v in values):
+            raise ValueError
+        return first
+
+    try:
+        args = join([a for a, _ in inputs])
+        keys = inputs[0][1].keys()
+        if any(k.keys() != keys for _, k in inputs):
+            return inputs
+        kwargs = {key: join([k[key] for _, k in inputs]) for key in keys}
+    except (ValueError, RuntimeError):
+        return inputs
+    return [(args, kwargs)]
+
+
+def _output(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+@MODIFIERS.register("AWQModifier")
+class AWQModifier(SmoothingModifier):
+    Config = AWQModifierConfig
+    linear_sources = True
+
+    def on_initialize(self, state) -> None:
+        super().on_initialize(state)
+        self.errors: list[tuple[str, float, float]] = []  # (smooth layer, error at s = 1, best error)
+        self._note = ""
+
+    def usable(self, mappings: list[Mapping], skipped: list[str]) -> list[Mapping]:
+        if mappings and not any(getattr(m, "quantization_scheme", None) is not None for mp in mappings for m in mp.balance):
+            raise RecipeError(
+                "AWQModifier searches its scales against the weight scheme of the quantizer after it, and no module "
+                "of its mappings has one",
+                got=f"mappings {'; '.join(m.describe() for m in mappings)} without a quantization scheme",
+                expected="a QuantizationModifier or GPTQModifier after AWQModifier in the same stage, targeting those Linears",
+                fix="add e.g. QuantizationModifier: {scheme: W4A16, targets: [Linear], ignore: [lm_head]} after AWQModifier",
+            )
+        kept = []
+        for mapping in mappings:
+            schemes = [getattr(m, "quantization_scheme", None) for m in mapping.balance]
+            weights = {None if s is None or s.weights is None else s.weights.model_dump_json() for s in schemes}
+            if None in weights or len(weights) != 1:
+                skipped.append(f"{mapping.describe()} (its layers are not all quantized with one weight scheme by a "
+                               "modifier after AWQ in this stage)")
+            else:
+                kept.append(mapping)
+        return kept
+
+    def smooth(self, block: CalibrationBlock, mappings: list[Mapping]) -> None:
+        means = channel_statistics(block, mappings)
+        prefix = self.prefix_of.get(block.module, "")
+        start = len(self.errors)
+        bar = tqdm(mappings, desc=f"AWQ layer {block.index}", leave=False, disable=True if len(mappings) < 2 else None)
+        for mapping in bar:
+            scales = self._search(block, mapping, means[mapping.smooth_name]["abs_mean"], prefix)
+            apply_scales(mapping, scales)
+        ratios = [best / first for _, first, best in self.errors[start:] if first > 0]
+        self._note = f"AWQ error x{sum(ratios) / len(ratios):.2f}" if ratios else ""
+
+    @torch.no_grad()
+    def _search(self, block: CalibrationBlock, mapping: Mapping, x_mean: torch.Tensor, prefix: str) -> torch.Tensor:
+        owner = _owner(block, mapping.balance_names, prefix)
+        inputs, reference = self._owner_inputs(block, owner)
+        args = mapping.balance[0].quantization_scheme.weights.model_copy(update={"observer": "minmax", "observer_kwargs": {}})
+        originals = [layer.weight.detach().clone() for layer in mapping.balance]
+        w_mean = column_means(mapping.balance, args) if self.config.duo_scaling else None
+        best, best_error, first_error = None, float("inf"), None
+        try:
+            for ratio, duo in grid(self.config.n_grid, self.config.duo_scaling):
+                scales = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4) if duo else x_mean.pow(ratio)
+                scales = scales.clamp(min=1e-4)
+                scales = scales / (scales.max() * scales.min()).sqrt()
+                scales = torch.nan_to_num(scales, nan=1.0, posinf=1.0)
+                for layer, weight in zip(mapping.balance, originals):
+                    scaled = weight.float() * scales
+                    on_grid = fake_quantize(scaled, *weight_qparams(scaled, args), args)
+                    layer.weight.copy_((on_grid / scales).to(weight.dtype))
+                error = self._error(reference, block.run(owner, inputs))
+                first_error = error if first_error is None else first_error
+                if error < best_error:
+                    best, best_error = scales.clone(), error
+        finally:
+            for layer, weight in zip(mapping.balance, originals):
+                layer.weight.copy_(weight)
+        self.errors.append((mapping.smooth_name, first_error, best_error))
+        logger.debug("AWQ %s: output error %.3e at s = 1, %.3e at the best scales", mapping.smooth_name, first_error, best_error)
+        if best is None:  # every candidate gave a non-finite output
+            logger.warning("AWQ %s: no candidate scale gave a finite output; left unscaled", mapping.smooth_name)
+            return torch.ones_like(x_mean)
+        return best
+
+    @staticmethod
+    def _owner_inputs(block: CalibrationBlock, owner: nn.Module) -> tuple[list[tuple[tuple, dict]], torch.Tensor]:
+        """The owner's inputs (as one batch where that gives the same outputs) and its
+        full-precision output over all batches."""
+        inputs = block.inputs_to(owner)
+        reference = torch.cat([_output(out).float() for out in block.run(owner, inputs)])
+        merged = _merged(inputs)
+        if merged is not inputs:
+            try:
+                joined = _output(block.run(owner, merged)[0]).float()
+            except RuntimeError:
+                return inputs, reference
+            if joined.shape == reference.shape and torch.allclose(joined, reference, rtol=1e-4, atol=1e-5):
+                return merged, reference
+        return inputs, reference
+
+    @staticmethod
+    def _error(reference: torch.Tensor, outputs: list[Any]) -> float:
+        output = torch.cat([_output(out).float() for out in outputs])
+        return float((output - reference).square().mean()) if torch.isfinite(output).all() else float("inf")
+
+    def step_note(self) -> str:
+        return self._note

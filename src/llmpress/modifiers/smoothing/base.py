@@ -1,0 +1,91 @@
+"""What SmoothQuant and AWQ share: the mappings of each block (given or found), logged when they
+change, and a clear error for a model without blocks."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import field_validator
+
+from llmpress.errors import UnsupportedModelError
+from llmpress.modifiers.base import Modifier, ModifierConfig, OneShotFields, State
+from llmpress.modifiers.smoothing.mappings import Mapping, find_mappings, resolve_mappings
+
+if TYPE_CHECKING:
+    from llmpress.pipelines.blocks import CalibrationBlock
+
+__all__ = ["SmoothingConfig", "SmoothingModifier"]
+
+logger = logging.getLogger(__name__)
+
+
+class SmoothingConfig(ModifierConfig, OneShotFields):
+    #: ``[[balance patterns], smooth pattern]`` (SmoothQuant's form) or ``{smooth_layer, balance_layers}``
+    #: (AWQ's); found from each block when absent
+    mappings: list[tuple[list[str], str]] | None = None
+    ignore: list[str] = []
+
+    @field_validator("mappings", mode="before")
+    @classmethod
+    def _awq_form(cls, value):
+        if not isinstance(value, list):
+            return value
+        return [(item["balance_layers"], item["smooth_layer"]) if isinstance(item, dict) else item for item in value]
+
+    @field_validator("ignore", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value):
+        return [] if value is None else value
+
+
+class SmoothingModifier(Modifier):
+    """Scales folded into each block at ``block_start``; subclasses say how (``smooth``)."""
+
+    #: found mappings include Linear -> Linear ones (v_proj -> o_proj, up_proj -> down_proj)
+    linear_sources: ClassVar[bool] = False
+
+    def required_state(self) -> tuple[str, ...]:
+        return ("model", "calibration_data")
+
+    def on_initialize(self, state: State) -> None:
+        self.prefix_of = {m: f"{n}." for n, m in state.model.named_modules()}
+        self.smoothed: list[str] = []  # one line per mapping applied
+        self.blocks = 0
+        self._last_found = ""
+
+    def on_block_start(self, state: State, block: CalibrationBlock) -> None:
+        self.blocks += 1
+        prefix = self.prefix_of.get(block.module, "")
+        if self.config.mappings:
+            mappings, skipped = resolve_mappings(block, prefix, self.config.mappings, self.config.ignore)
+        else:
+            mappings, skipped = find_mappings(block, prefix, self.config.ignore, self.linear_sources)
+        mappings = self.usable(mappings, skipped)
+        found = "; ".join(m.describe() for m in mappings)
+        if found != self._last_found or skipped:
+            logger.info("%s, block %d: %s%s", type(self).__name__, block.index, found or "no mapping",
+                        f" (skipped: {'; '.join(skipped)})" if skipped else "")
+            self._last_found = found
+        if mappings:
+            self.smooth(block, mappings)
+            self.smoothed += [f"{m.smooth_name} -> {', '.join(m.balance_names)}" for m in mappings]
+
+    def usable(self, mappings: list[Mapping], skipped: list[str]) -> list[Mapping]:
+        """The mappings this algorithm can use (the rest added to ``skipped``, with why)."""
+        return mappings
+
+    def smooth(self, block: CalibrationBlock, mappings: list[Mapping]) -> None:
+        raise NotImplementedError
+
+    def on_calibration_end(self, state: State) -> None:
+        if self.blocks == 0:
+            raise UnsupportedModelError(
+                f"{type(self).__name__} smooths a model block by block and found no repeated blocks in it",
+                got=type(state.model).__name__,
+                expected="a model with a list of repeated layers (decoder or encoder blocks)",
+            )
+        if not self.smoothed:
+            logger.warning("%s: no mapping found or kept in any block: nothing was smoothed", type(self).__name__)
+        else:
+            logger.info("%s: %d mappings smoothed", type(self).__name__, len(self.smoothed))
