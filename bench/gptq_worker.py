@@ -1,4 +1,4 @@
-"""One GPTQ run in its own process, for bench/gptq.py: llmpress or llm-compressor.
+"""One compression run in its own process, for bench/gptq.py, moe.py and awq.py: llmpress or llm-compressor.
 
     python bench/gptq_worker.py TOOL RECIPE_YAML MODEL_DIR TOKENS_JSONL OUTPUT_DIR
 
@@ -58,6 +58,12 @@ def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> 
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if "AWQModifier" in open(recipe, encoding="utf-8").read():
+        # llm-compressor's AWQ pins host memory for GPU copies, which fails without a GPU: a
+        # transfer detail, not the algorithm (no GPU here, nothing to copy to)
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     samples = read_tokens(tokens)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -214,3 +214,51 @@ def test_awq_grid_is_llm_compressors():
     assert grid(20, True)[0] == (0.0, False) and len(grid(20, True)) == 20 and grid(20, True)[-1] == (1.0, True)
     assert grid(20, False) == [(i / 19, False) for i in range(20)]
     assert len(grid(20, "both")) == 20 and {duo for _, duo in grid(20, "both")} == {False, True}
+
+
+def test_a_single_linear_is_scored_exactly_from_its_gram_matrix():
+    from llmpress.modifiers.smoothing.awq import _LinearScore, _RunScore
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 32)
+    block = CalibrationBlock(0, torch.nn.Sequential(layer), [((torch.randn(2, 5, 16),), {}) for _ in range(3)])
+    original = layer.weight.detach().clone()
+    by_gram, by_run = _LinearScore(block, layer, original), _RunScore(block, layer)
+    with torch.no_grad():
+        layer.weight.add_(0.01 * torch.randn_like(layer.weight))
+    assert by_gram() == pytest.approx(by_run(), rel=1e-4)
+
+
+LLM_COMPRESSOR_SAVED_AWQ = """
+quant_stage:
+  quant_modifiers:
+    AWQModifier:
+      requires_calibration_data: true
+      mappings:
+      - smooth_layer: re:.*input_layernorm$
+        balance_layers: ['re:.*q_proj$', 're:.*k_proj$', 're:.*v_proj$']
+        activation_hook_target: null
+      - smooth_layer: re:.*v_proj$
+        balance_layers: ['re:.*o_proj$']
+        activation_hook_target: null
+      duo_scaling: true
+      n_grid: 4
+    QuantizationModifier:
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, group_size: 128, strategy: group, observer: memoryless_minmax}
+      targets: [Linear]
+      ignore: [lm_head]
+      bypass_divisibility_checks: false
+      requires_calibration_data: false
+"""
+
+
+def test_the_recipe_llm_compressor_saves_after_awq_runs(calibration_and_eval, caplog):
+    """As llm-compressor 0.14 writes it (every field spelled out); on grouped KV heads its
+    v_proj -> o_proj mapping does not fit and is skipped, with the reason."""
+    batches, _ = calibration_and_eval
+    with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.base"):
+        llmpress.oneshot(trained(), LLM_COMPRESSOR_SAVED_AWQ, batches[:2])
+    assert "v_proj -> o_proj (its output width is not the balance layers' input width)" in caplog.text

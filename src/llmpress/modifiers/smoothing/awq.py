@@ -20,9 +20,10 @@ tokens and ``w`` the mean of each weight column's magnitude relative to its quan
 the candidates ``s = x^r / w^(1-r)`` (``duo_scaling``; ``x^r`` without it) for ``r`` on a grid of
 ``n_grid`` points in [0, 1] are normalised (``sqrt(max * min) = 1``). Each is scored by the
 output of the smallest module holding the balance layers (the attention for q/k/v, the MLP for
-gate/up, the layer itself for a single one), run on the block's cached inputs to it with the
-balance weights ``Q(W * s) / s`` (min-max grid of the quantizer's scheme), against its
-full-precision output (mean squared error). The best scales are folded into the model: the
+gate/up, the layer itself for a single one), with the balance weights ``Q(W * s) / s`` (min-max
+grid of the quantizer's scheme), against its full-precision output (mean squared error): run on
+its cached inputs (``search_tokens`` of them, default 4096, spread over the set), or for a single
+Linear computed exactly over every token from its inputs' Gram matrix. The best scales are folded into the model: the
 quantizer then quantizes ``W * s`` and the smooth layer computes ``x / s``. ``s = 1`` is always a
 candidate, so AWQ never scores worse than plain rounding on the calibration tokens.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -42,6 +44,7 @@ from llmpress.errors import RecipeError
 from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.mappings import Mapping, apply_scales, channel_statistics
+from llmpress.observation import primary_input
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import fake_quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
@@ -58,6 +61,11 @@ class AWQModifierConfig(SmoothingConfig):
     duo_scaling: bool | Literal["both"] = True
     n_grid: int = 20
     offload_device: Any = None  # accepted for llm-compressor's recipes; llmpress keeps one block's inputs as they are
+    #: calibration tokens a candidate is scored on where that means running layers (batches spread
+    #: over the set; None: all, as llm-compressor does). The activation statistics use every token,
+    #: and a single-Linear owner is scored on all of them (from its inputs' Gram matrix) whatever
+    #: this says. On the tiny model 4096 of 16384 tokens moved perplexity by at most 0.03, 4x faster.
+    search_tokens: int | None = 4096
 
     @field_validator("n_grid")
     @classmethod
@@ -140,6 +148,61 @@ def _output(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def _spread(inputs: list[tuple[tuple, dict]], tokens: int | None) -> list[tuple[tuple, dict]]:
+    """Batches spread evenly over the calibration set holding about ``tokens`` tokens (at least
+    one batch; all of them for None or when they hold no more)."""
+    sizes = []
+    for args, kwargs in inputs:
+        x = primary_input(args, kwargs)
+        sizes.append(x.shape[:-1].numel() if isinstance(x, torch.Tensor) else 0)
+    if tokens is None or sum(sizes) <= tokens or not inputs:
+        return inputs
+    count = max(1, round(len(inputs) * tokens / sum(sizes)))
+    return [inputs[round(i * len(inputs) / count)] for i in range(count)]
+
+
+class _RunScore:
+    """Mean squared error of the owner's output against its full-precision output, the owner run
+    on its cached inputs (as one batch where that gives the same output)."""
+
+    def __init__(self, block: CalibrationBlock, owner: nn.Module) -> None:
+        self.block, self.owner = block, owner
+        self.inputs = block.inputs_to(owner)
+        self.reference = torch.cat([_output(out).float() for out in block.run(owner, self.inputs)])
+        merged = _merged(self.inputs)
+        if merged is not self.inputs:
+            try:
+                joined = _output(block.run(owner, merged)[0]).float()
+            except RuntimeError:
+                return
+            if joined.shape == self.reference.shape and torch.allclose(joined, self.reference, rtol=1e-4, atol=1e-5):
+                self.inputs = merged
+
+    def __call__(self) -> float:
+        output = torch.cat([_output(out).float() for out in self.block.run(self.owner, self.inputs)])
+        return float((output - self.reference).square().mean()) if torch.isfinite(output).all() else float("inf")
+
+
+class _LinearScore:
+    """The same error for a single Linear owner, from the Gram matrix of its inputs: the output
+    error ``X (W' - W)^T`` has squared norm ``sum((E H) * E)`` with ``E = W' - W`` and ``H = X^T X``,
+    so each candidate costs one ``out x in x in`` product instead of a run over every token."""
+
+    def __init__(self, block: CalibrationBlock, owner: nn.Linear, original: torch.Tensor) -> None:
+        self.owner, self.original = owner, original.float()
+        self.gram = torch.zeros(owner.in_features, owner.in_features)
+        self.elements = 0
+        for args, _ in block.inputs_to(owner):
+            x = args[0].detach().reshape(-1, owner.in_features).float()
+            self.gram.addmm_(x.t(), x)
+            self.elements += x.shape[0] * owner.out_features
+
+    def __call__(self) -> float:
+        error = self.owner.weight.float() - self.original
+        value = float(((error @ self.gram) * error).sum()) / max(self.elements, 1)
+        return value if value == value else float("inf")  # NaN: not a candidate
+
+
 @MODIFIERS.register("AWQModifier")
 class AWQModifier(SmoothingModifier):
     Config = AWQModifierConfig
@@ -184,9 +247,12 @@ class AWQModifier(SmoothingModifier):
     @torch.no_grad()
     def _search(self, block: CalibrationBlock, mapping: Mapping, x_mean: torch.Tensor, prefix: str) -> torch.Tensor:
         owner = _owner(block, mapping.balance_names, prefix)
-        inputs, reference = self._owner_inputs(block, owner)
-        args = mapping.balance[0].quantization_scheme.weights.model_copy(update={"observer": "minmax", "observer_kwargs": {}})
         originals = [layer.weight.detach().clone() for layer in mapping.balance]
+        if owner is mapping.balance[0] and len(mapping.balance) == 1:
+            score = _LinearScore(block, owner, originals[0])
+        else:
+            score = _RunScore(replace(block, inputs=_spread(block.inputs, self.config.search_tokens)), owner)
+        args = mapping.balance[0].quantization_scheme.weights.model_copy(update={"observer": "minmax", "observer_kwargs": {}})
         w_mean = column_means(mapping.balance, args) if self.config.duo_scaling else None
         best, best_error, first_error = None, float("inf"), None
         try:
@@ -199,7 +265,7 @@ class AWQModifier(SmoothingModifier):
                     scaled = weight.float() * scales
                     on_grid = fake_quantize(scaled, *weight_qparams(scaled, args), args)
                     layer.weight.copy_((on_grid / scales).to(weight.dtype))
-                error = self._error(reference, block.run(owner, inputs))
+                error = score()
                 first_error = error if first_error is None else first_error
                 if error < best_error:
                     best, best_error = scales.clone(), error
@@ -212,27 +278,6 @@ class AWQModifier(SmoothingModifier):
             logger.warning("AWQ %s: no candidate scale gave a finite output; left unscaled", mapping.smooth_name)
             return torch.ones_like(x_mean)
         return best
-
-    @staticmethod
-    def _owner_inputs(block: CalibrationBlock, owner: nn.Module) -> tuple[list[tuple[tuple, dict]], torch.Tensor]:
-        """The owner's inputs (as one batch where that gives the same outputs) and its
-        full-precision output over all batches."""
-        inputs = block.inputs_to(owner)
-        reference = torch.cat([_output(out).float() for out in block.run(owner, inputs)])
-        merged = _merged(inputs)
-        if merged is not inputs:
-            try:
-                joined = _output(block.run(owner, merged)[0]).float()
-            except RuntimeError:
-                return inputs, reference
-            if joined.shape == reference.shape and torch.allclose(joined, reference, rtol=1e-4, atol=1e-5):
-                return merged, reference
-        return inputs, reference
-
-    @staticmethod
-    def _error(reference: torch.Tensor, outputs: list[Any]) -> float:
-        output = torch.cat([_output(out).float() for out in outputs])
-        return float((output - reference).square().mean()) if torch.isfinite(output).all() else float("inf")
 
     def step_note(self) -> str:
         return self._note

@@ -4,7 +4,7 @@ change, and a clear error for a model without blocks."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import field_validator
 
@@ -25,6 +25,8 @@ class SmoothingConfig(ModifierConfig, OneShotFields):
     #: (AWQ's); found from each block when absent
     mappings: list[tuple[list[str], str]] | None = None
     ignore: list[str] = []
+    # accepted so that recipes saved by llm-compressor run unchanged (it writes the field out)
+    requires_calibration_data: Literal[True] = True
 
     @field_validator("mappings", mode="before")
     @classmethod

@@ -152,7 +152,10 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
         modules = [mapping.smooth, *mapping.balance]
         if any(matches(n, m, ignore) for n, m in zip(full, modules)):
             continue
-        if keeps_function(block, mapping, reference.float()):
+        widths = {m.in_features for m in mapping.balance}
+        if len(widths) != 1 or not _per_channel_weight(mapping.smooth, widths.pop()):
+            skipped.append(f"{mapping.describe()} (its output width is not the balance layers' input width)")
+        elif keeps_function(block, mapping, reference.float()):
             kept.append(Mapping(full[0], mapping.smooth, full[1:], mapping.balance))
         else:
             skipped.append(f"{mapping.describe()} (scaling it changes the block's output)")

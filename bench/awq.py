@@ -1,0 +1,121 @@
+"""AWQ against llm-compressor 0.14: same recipe file, same tokens, separate processes, one run.
+
+    python bench/awq.py [--models tiny random-1024] [--configs w4 w3 w3-asym] [--repeat 1] [--work DIR]
+
+The recipe is llm-compressor's AWQ example: ``AWQModifier`` (duo scaling, a grid of 20) followed by
+a ``QuantizationModifier`` giving the scheme (int weights in groups of 128, lm_head dense). On the
+trained tiny model each checkpoint's perplexity is read back through its exact dense view
+(``llmpress.load(..., dequantize=True)``), beside plain RTN with the same scheme; on the random
+hidden-1024 Llama only time and memory mean anything. Ratios are llmpress / llm-compressor,
+medians over pairs of runs made back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from common import PEER_PYTHON, fixture, median_run, work_folder
+from gptq import calibration_tokens, make_random_llama, prepare_peer_runs, run_worker
+
+CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
+
+
+def awq_recipe(path: Path, bits: int, symmetric: bool) -> Path:
+    path.write_text(f"""quant_stage:
+  quant_modifiers:
+    AWQModifier:
+      duo_scaling: true
+      n_grid: 20
+    QuantizationModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {{num_bits: {bits}, type: int, symmetric: {str(symmetric).lower()}, strategy: group, group_size: 128}}
+""")
+    return path
+
+
+def read_back_perplexity(checkpoint: Path, windows) -> float:
+    """Through ``llmpress.load(..., dequantize=True)``: the exact dense view, equal to
+    transformers + compressed-tensors where those read the checkpoint (they do not read packed
+    asymmetric zero points, an upstream mismatch)."""
+    import llmpress
+    from llmpress.evaluation import perplexity
+
+    return perplexity(llmpress.load(checkpoint, dequantize=True, dtype=torch.float32), windows, progress=False).perplexity
+
+
+def rtn_perplexity(model_dir: Path, bits: int, symmetric: bool, windows) -> float:
+    import llmpress
+    from llmpress.evaluation import perplexity
+    from llmpress.modifiers import QuantizationModifier
+
+    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "symmetric": symmetric, "group_size": 128}}}
+    model = llmpress.oneshot(model_dir, QuantizationModifier(ignore=["lm_head"], config_groups=groups))
+    return perplexity(model, windows, progress=False).perplexity
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "random-1024"], choices=["tiny", "random-1024"])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
+    parser.add_argument("--work", default=None)
+    args = parser.parse_args()
+    prepare_peer_runs()
+
+    from transformers import AutoTokenizer
+
+    from llmpress.evaluation import evaluation_windows
+
+    work = work_folder(args.work, "llmpress-awq-")
+    tiny = fixture("tiny-llama")
+    models = {"tiny": tiny}
+    if "random-1024" in args.models:
+        models["random-1024"] = make_random_llama(work / "random-1024", tiny)
+    tokens = calibration_tokens(work / "tokens.jsonl", tiny)
+    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"),
+                                 AutoTokenizer.from_pretrained(str(tiny)), 256, 200)
+    fp32 = read_back_perplexity(tiny, windows)  # a plain checkpoint loads as it is
+    rows = []
+    for name in args.models:
+        for config in args.configs if name == "tiny" else args.configs[:1]:
+            bits, symmetric = CONFIGS[config]
+            recipe = awq_recipe(work / f"awq-{config}.yaml", bits, symmetric)
+            ours_runs, peer_runs = [], []
+            for _ in range(args.repeat):
+                ours_runs.append(run_worker(Path(sys.executable), "llmpress", recipe, models[name], tokens, work / f"{name}-{config}-llmpress"))
+                peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, models[name], tokens, work / f"{name}-{config}-llmcompressor"))
+            ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours_runs[0]}
+            row = {"model": name, "config": config, "ours": median_run(ours_runs), "peer": median_run(peer_runs), "ratios": ratios}
+            if name == "tiny":
+                row["ppl_ours"] = read_back_perplexity(work / f"{name}-{config}-llmpress", windows)
+                row["ppl_peer"] = read_back_perplexity(work / f"{name}-{config}-llmcompressor", windows)
+                row["ppl_rtn"] = rtn_perplexity(tiny, bits, symmetric, windows)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    print(f"\nAWQ + RTN, 64 x 256 calibration tokens, group 128; fp32 perplexity of tiny-llama {fp32:.3f}")
+    header = (f"{'model':<12} {'config':>8} {'in-process s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6}"
+              f" {'ppl llmpress':>12} {'ppl llm-c':>9} {'ppl RTN':>8}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        o, p, q = r["ours"], r["peer"], r["ratios"]
+        line = (f"{r['model']:<12} {r['config']:>8} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
+                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}")
+        if "ppl_ours" in r:
+            line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f}"
+        print(line)
+    print("\nin-process: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
+          "\nperplexities of the saved checkpoints through llmpress.load(dequantize=True) (200 windows of 256 tokens).")
+
+
+if __name__ == "__main__":
+    main()
