@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 from pathlib import Path
 
 import torch
-from common import PEER_PYTHON, fixture, median_run, work_folder
-from gptq import calibration_tokens, make_random_llama, prepare_peer_runs, run_worker
+from common import work_folder
+from gptq import bench_inputs, prepare_peer_runs, run_pairs
 
 CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
 
@@ -69,31 +67,16 @@ def main() -> None:
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     prepare_peer_runs()
-
-    from transformers import AutoTokenizer
-
-    from llmpress.evaluation import evaluation_windows
-
     work = work_folder(args.work, "llmpress-awq-")
-    tiny = fixture("tiny-llama")
-    models = {"tiny": tiny}
-    if "random-1024" in args.models:
-        models["random-1024"] = make_random_llama(work / "random-1024", tiny)
-    tokens = calibration_tokens(work / "tokens.jsonl", tiny)
-    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"),
-                                 AutoTokenizer.from_pretrained(str(tiny)), 256, 200)
+    models, tokens, windows = bench_inputs(work, args.models)
+    tiny = models["tiny"]
     fp32 = read_back_perplexity(tiny, windows)  # a plain checkpoint loads as it is
     rows = []
     for name in args.models:
         for config in args.configs if name == "tiny" else args.configs[:1]:
             bits, symmetric = CONFIGS[config]
             recipe = awq_recipe(work / f"awq-{config}.yaml", bits, symmetric)
-            ours_runs, peer_runs = [], []
-            for _ in range(args.repeat):
-                ours_runs.append(run_worker(Path(sys.executable), "llmpress", recipe, models[name], tokens, work / f"{name}-{config}-llmpress"))
-                peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, models[name], tokens, work / f"{name}-{config}-llmcompressor"))
-            ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours_runs[0]}
-            row = {"model": name, "config": config, "ours": median_run(ours_runs), "peer": median_run(peer_runs), "ratios": ratios}
+            row = {"model": name, "config": config, **run_pairs("llmpress", recipe, models[name], tokens, work / f"{name}-{config}", args.repeat)}
             if name == "tiny":
                 row["ppl_ours"] = read_back_perplexity(work / f"{name}-{config}-llmpress", windows)
                 row["ppl_peer"] = read_back_perplexity(work / f"{name}-{config}-llmcompressor", windows)

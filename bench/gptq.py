@@ -55,6 +55,23 @@ def prepare_peer_runs() -> None:
     compile_sources()
 
 
+def bench_inputs(work: Path, names: list[str]) -> tuple[dict[str, Path], Path, torch.Tensor]:
+    """What the GPTQ and AWQ benches run on: the models (the trained tiny one; the random
+    hidden-1024 Llama when ``names`` has it), the calibration tokens and the evaluation windows."""
+    from transformers import AutoTokenizer
+
+    from llmpress.evaluation import evaluation_windows
+
+    tiny = fixture("tiny-llama")
+    models = {"tiny": tiny}
+    if "random-1024" in names:
+        models["random-1024"] = make_random_llama(work / "random-1024", tiny)
+    tokens = calibration_tokens(work / "tokens.jsonl", tiny)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"), tokenizer, 256, 200)
+    return models, tokens, windows
+
+
 def make_random_llama(folder: Path, tokenizer_dir: Path) -> Path:
     """A randomly initialised Llama, hidden 1024, 8 layers, saved as fp32 safetensors."""
     return save_random_llama(folder, tokenizer_dir, vocab_size=4096, hidden_size=1024, intermediate_size=2816,
@@ -99,6 +116,19 @@ def run_worker(python: Path, tool: str, recipe: Path, model: Path, tokens: Path,
     return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
 
 
+def run_pairs(ours_tool: str, recipe: Path, model: Path, tokens: Path, output: Path, runs: int) -> dict:
+    """``runs`` pairs of compressions, llmpress then llm-compressor back to back (into
+    ``output``-llmpress and ``output``-llmcompressor): per-figure medians of each tool and the
+    median of the pairs' ratios (a pair sees the machine in one state)."""
+    ours_runs, peer_runs = [], []
+    for _ in range(runs):
+        ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, model, tokens, Path(f"{output}-llmpress")))
+        peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, model, tokens, Path(f"{output}-llmcompressor")))
+    ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours_runs[0]}
+    return {"ours": median_run(ours_runs), "peer": median_run(peer_runs), "ratios": ratios,
+            "runs": {"ours": ours_runs, "peer": peer_runs}}
+
+
 def transformers_perplexity(checkpoint: Path, windows: torch.Tensor) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -128,20 +158,10 @@ def main() -> None:
     parser.add_argument("--api", action="store_true", help="run llmpress from Python (llmpress.oneshot), not as its command")
     args = parser.parse_args()
     prepare_peer_runs()
-
-    from transformers import AutoTokenizer
-
-    from llmpress.evaluation import evaluation_windows
-
     work = work_folder(args.work, "llmpress-bench-")
-    tiny = fixture("tiny-llama")
-    models = {"tiny": tiny}
-    if "random-1024" in args.models:
-        models["random-1024"] = make_random_llama(work / "random-1024", tiny)
-    tokens = calibration_tokens(work / "tokens.jsonl", tiny)
+    models, tokens, windows = bench_inputs(work, args.models)
+    tiny = models["tiny"]
     ours_tool = "llmpress-api" if args.api else "llmpress"
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
-    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"), tokenizer, 256, 200)
     fp32 = transformers_perplexity(tiny, windows)
 
     rows = []
@@ -149,15 +169,7 @@ def main() -> None:
         for bits in args.bits if name == "tiny" else args.bits[:1]:  # the large model: first width only
             runs = args.repeat if name == "tiny" else args.repeat_large  # alternating runs, medians
             recipe = gptq_recipe(work / f"gptq-w{bits}.yaml", bits)
-            ours_runs, peer_runs = [], []
-            for _ in range(runs):
-                ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, models[name], tokens, work / f"{name}-w{bits}-llmpress"))
-                peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, models[name], tokens, work / f"{name}-w{bits}-llmcompressor"))
-            ours, peer = median_run(ours_runs), median_run(peer_runs)
-            # each pair ran back to back: its ratio sees the machine in one state
-            ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours}
-            row = {"model": name, "bits": bits, "ours": ours, "peer": peer, "ratios": ratios,
-                   "runs": {"ours": ours_runs, "peer": peer_runs}}
+            row = {"model": name, "bits": bits, **run_pairs(ours_tool, recipe, models[name], tokens, work / f"{name}-w{bits}", runs)}
             if name == "tiny":
                 row["ppl_ours"] = transformers_perplexity(work / f"{name}-w{bits}-llmpress", windows)
                 row["ppl_peer"] = transformers_perplexity(work / f"{name}-w{bits}-llmcompressor", windows)

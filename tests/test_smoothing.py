@@ -262,3 +262,22 @@ def test_the_recipe_llm_compressor_saves_after_awq_runs(calibration_and_eval, ca
     with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.base"):
         llmpress.oneshot(trained(), LLM_COMPRESSOR_SAVED_AWQ, batches[:2])
     assert "v_proj -> o_proj (its output width is not the balance layers' input width)" in caplog.text
+
+
+def test_the_older_single_awq_modifier_with_a_scheme_is_split_in_two(caplog):
+    recipe = """
+quant_stage:
+  quant_modifiers:
+    AWQModifier:
+      scheme: W4A16_ASYM
+      targets: [Linear]
+      ignore: [lm_head]
+      n_grid: 4
+"""
+    with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.awq"):
+        stage = llmpress.Recipe.from_any(recipe).stages[0]
+    awq, quantizer = stage.modifiers
+    assert isinstance(awq, AWQModifier) and awq.config.n_grid == 4 and awq.config.ignore == ["lm_head"]
+    assert isinstance(quantizer, QuantizationModifier) and quantizer.config.scheme == "W4A16_ASYM"
+    assert quantizer.config.ignore == ["lm_head"] and "older form" in caplog.text
+    llmpress.oneshot(make_tiny_llama(intermediate=256), recipe, token_batches(2, 16))

@@ -219,6 +219,12 @@ class Modifier:
         self.initialized = False
         self.finalized = False
 
+    @classmethod
+    def from_recipe(cls, fields: dict[str, Any]) -> list[Modifier]:
+        """The modifiers a recipe entry of this class stands for: itself, unless an older form
+        of the entry means several (AWQ with its own scheme)."""
+        return [cls(**fields)]
+
     # -- what the session and the pipelines read ------------------------------------------------
     def required_state(self) -> tuple[str, ...]:
         """State fields this modifier needs at ``initialize`` (the session adds

@@ -268,7 +268,7 @@ def _parse_group(where: str, body: Any) -> list[Modifier]:
         cls = MODIFIERS.get(modifier_name)  # unknown names list the known ones
         if args is not None and not isinstance(args, dict):
             raise RecipeError(f"{where}.{modifier_name} must be a mapping of fields", got=repr(args))
-        modifiers.append(cls(**(args or {})))
+        modifiers.extend(cls.from_recipe(args or {}))
     return modifiers
 
 

@@ -57,6 +57,10 @@ __all__ = ["AWQModifier", "AWQModifierConfig"]
 logger = logging.getLogger(__name__)
 
 
+#: the fields of llm-compressor's older AWQModifier that described the scheme it quantized with
+SCHEME_FIELDS = ("scheme", "targets", "config_groups", "kv_cache_scheme")
+
+
 class AWQModifierConfig(SmoothingConfig):
     duo_scaling: bool | Literal["both"] = True
     n_grid: int = 20
@@ -207,6 +211,22 @@ class _LinearScore:
 class AWQModifier(SmoothingModifier):
     Config = AWQModifierConfig
     linear_sources = True
+
+    @classmethod
+    def from_recipe(cls, fields: dict[str, Any]) -> list:
+        """llm-compressor's older single ``AWQModifier`` with its own ``scheme`` / ``config_groups``
+        / ``targets``: the transform, then a ``QuantizationModifier`` with that scheme (and AWQ's
+        ``ignore``), as recipes write it since llm-compressor 0.11."""
+        own = {key: fields[key] for key in SCHEME_FIELDS if key in fields}
+        if not own:
+            return [cls(**fields)]
+        from llmpress.modifiers.quantization import QuantizationModifier
+
+        logger.info("AWQModifier with its own scheme (llm-compressor's older form): read as AWQModifier followed by "
+                    "QuantizationModifier(%s)", ", ".join(f"{k}={v!r}" for k, v in own.items()))
+        rest = {key: value for key, value in fields.items() if key not in SCHEME_FIELDS}
+        quantizer = QuantizationModifier(**own, **({"ignore": fields["ignore"]} if "ignore" in fields else {}))
+        return [cls(**rest), quantizer]
 
     def on_initialize(self, state) -> None:
         super().on_initialize(state)
