@@ -23,13 +23,14 @@ from gptq import bench_inputs, prepare_peer_runs, run_pairs
 CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
 
 
-def awq_recipe(path: Path, bits: int, symmetric: bool) -> Path:
+def awq_recipe(path: Path, bits: int, symmetric: bool, clip: bool = False) -> Path:
+    extra = "      apply_clip: true\n" if clip else ""  # llmpress's addition: llm-compressor has no such field
     path.write_text(f"""quant_stage:
   quant_modifiers:
     AWQModifier:
       duo_scaling: true
       n_grid: 20
-    QuantizationModifier:
+{extra}    QuantizationModifier:
       ignore: ["lm_head"]
       config_groups:
         group_0:
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
     parser.add_argument("--work", default=None)
+    parser.add_argument("--clip", action="store_true", help="llmpress with apply_clip: true (its clipping search); llm-compressor as before")
     args = parser.parse_args()
     prepare_peer_runs()
     work = work_folder(args.work, "llmpress-awq-")
@@ -76,7 +78,9 @@ def main() -> None:
         for config in args.configs if name == "tiny" else args.configs[:1]:
             bits, symmetric = CONFIGS[config]
             recipe = awq_recipe(work / f"awq-{config}.yaml", bits, symmetric)
-            row = {"model": name, "config": config, **run_pairs("llmpress", recipe, models[name], tokens, work / f"{name}-{config}", args.repeat)}
+            ours_recipe = awq_recipe(work / f"awq-{config}-clip.yaml", bits, symmetric, clip=True) if args.clip else recipe
+            row = {"model": name, "config": config + ("+clip" if args.clip else ""),
+                   **run_pairs("llmpress", ours_recipe, models[name], tokens, work / f"{name}-{config}", args.repeat, peer_recipe=recipe)}
             if name == "tiny":
                 row["ppl_ours"] = read_back_perplexity(work / f"{name}-{config}-llmpress", windows)
                 row["ppl_peer"] = read_back_perplexity(work / f"{name}-{config}-llmcompressor", windows)

@@ -116,14 +116,16 @@ def run_worker(python: Path, tool: str, recipe: Path, model: Path, tokens: Path,
     return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
 
 
-def run_pairs(ours_tool: str, recipe: Path, model: Path, tokens: Path, output: Path, runs: int) -> dict:
+def run_pairs(ours_tool: str, recipe: Path, model: Path, tokens: Path, output: Path, runs: int,
+              peer_recipe: Path | None = None) -> dict:
     """``runs`` pairs of compressions, llmpress then llm-compressor back to back (into
-    ``output``-llmpress and ``output``-llmcompressor): per-figure medians of each tool and the
-    median of the pairs' ratios (a pair sees the machine in one state)."""
+    ``output``-llmpress and ``output``-llmcompressor; llm-compressor reads ``peer_recipe`` when
+    given): per-figure medians of each tool and the median of the pairs' ratios (a pair sees the
+    machine in one state)."""
     ours_runs, peer_runs = [], []
     for _ in range(runs):
         ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, model, tokens, Path(f"{output}-llmpress")))
-        peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", recipe, model, tokens, Path(f"{output}-llmcompressor")))
+        peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", peer_recipe or recipe, model, tokens, Path(f"{output}-llmcompressor")))
     ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours_runs[0]}
     return {"ours": median_run(ours_runs), "peer": median_run(peer_runs), "ratios": ratios,
             "runs": {"ours": ours_runs, "peer": peer_runs}}

@@ -176,6 +176,10 @@ def test_awq_lowers_the_perplexity_of_round_to_nearest(calibration_and_eval, tra
     # the mappings it found: grouped KV heads leave v_proj -> o_proj out
     assert "input_layernorm -> q_proj, k_proj, v_proj; post_attention_layernorm -> gate_proj, up_proj; up_proj -> down_proj" in caplog.text
     assert perplexity(awq, trained_windows, progress=False).perplexity < perplexity(rtn, trained_windows, progress=False).perplexity
+    # the clipping search (llmpress's addition) lowers it further before round-to-nearest
+    clipped = llmpress.oneshot(trained(), [AWQModifier(apply_clip=True), QuantizationModifier(config_groups=w3_groups(), ignore=["lm_head"])],
+                               batches)
+    assert perplexity(clipped, trained_windows, progress=False).perplexity < perplexity(awq, trained_windows, progress=False).perplexity
 
 
 def test_awq_with_gptq_and_llm_compressors_mapping_syntax(calibration_and_eval):
