@@ -285,3 +285,19 @@ quant_stage:
     assert isinstance(quantizer, QuantizationModifier) and quantizer.config.scheme == "W4A16_ASYM"
     assert quantizer.config.ignore == ["lm_head"] and "older form" in caplog.text
     llmpress.oneshot(make_tiny_llama(intermediate=256), recipe, token_batches(2, 16))
+
+
+def test_mappings_are_found_in_bf16_and_a_wrong_one_still_dropped():
+    model = make_tiny_llama(intermediate=256).to(torch.bfloat16)
+    block = first_block(model, model.model.layers, token_batches(2, 16))
+    mappings, skipped = find_mappings(block, "", [], linear_sources=True)
+    assert {"input_layernorm -> q_proj, k_proj, v_proj", "post_attention_layernorm -> gate_proj, up_proj",
+            "up_proj -> down_proj"} <= {m.describe() for m in mappings}
+    assert any(s.startswith("gate_proj -> down_proj") for s in skipped)
+
+
+def test_awq_takes_batches_of_different_lengths():
+    batches = token_batches(2, 16) + token_batches(2, 24, seed=1)
+    model = llmpress.oneshot(make_tiny_llama(intermediate=256), [AWQModifier(n_grid=4),
+                                                                  QuantizationModifier(scheme="W4A16", ignore=["lm_head"])], batches)
+    assert model.model.layers[0].self_attn.q_proj.weight_scale is not None

@@ -4,7 +4,7 @@
 2. ``update_state(model=..., optimizer=..., ...)`` any number of times: it only records.
 3. ``initialize(**overrides)`` once: every modifier checks what it needs and sets up.
 4. Events: training (``batch_start``, ``loss_calculated``, ``optim_pre_step``, ``optim_post_step``,
-   ``batch_end``) and one-shot (``calibration_start``, ``modules_calibrated`` (a group of a block's
+   ``batch_end``) and one-shot (``calibration_start``, ``block_start`` (a block is next: transforms act), ``modules_calibrated`` (a group of a block's
    modules, when the pipeline goes module by module), ``layer_calibrated``, ``calibration_end``).
    ``optim_post_step`` counts optimizer steps; with ``steps_per_epoch`` they give the epoch, and
    a modifier with ``start`` / ``end`` (epochs) gets training events only inside that window.

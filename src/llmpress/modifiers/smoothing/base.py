@@ -83,9 +83,9 @@ class SmoothingModifier(Modifier):
     def on_calibration_end(self, state: State) -> None:
         if self.blocks == 0:
             raise UnsupportedModelError(
-                f"{type(self).__name__} smooths a model block by block and found no repeated blocks in it",
-                got=type(state.model).__name__,
-                expected="a model with a list of repeated layers (decoder or encoder blocks)",
+                f"{type(self).__name__} smooths a model block by block and was given no block",
+                got=f"{type(state.model).__name__}, calibrated without blocks (the 'basic' pipeline, or no repeated layers found)",
+                expected="the layerwise pipeline (the default) on a model with a list of repeated layers",
             )
         if not self.smoothed:
             logger.warning("%s: no mapping found or kept in any block: nothing was smoothed", type(self).__name__)

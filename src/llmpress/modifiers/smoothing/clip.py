@@ -1,6 +1,6 @@
 """Weight clipping searched on the layer's output (AutoAWQ's ``auto_clip``), after AWQ's scales.
 
-For each quantized Linear of the block and each of its quantization groups (a row for a channel
+For each balance layer of the block's mappings and each of its quantization groups (a row for a channel
 grid), the range ``[-m, m]`` the weights are clipped to is shrunk step by step (``m`` = the
 group's largest ``|w|`` times 1, 0.95, ... 0.55) and the step whose quantized, clipped weights
 give the smallest output error on the calibration inputs is kept: ``e G e^T`` per group, with
@@ -57,9 +57,9 @@ def group_grams(block: Any, layers: list[nn.Linear], groups: list[int], batches:
 
     handles = [layer.register_forward_pre_hook(hook(layer, size)) for layer, size in zip(layers, groups)]
     try:
-        for args, kwargs in batches:
+        for batch in batches:  # through the block, unobserved: the quantizers' statistics see none of it
             seen.clear()
-            block.module(*args, **kwargs)
+            block.run(block.module, [batch])
     finally:
         for handle in handles:
             handle.remove()
@@ -74,7 +74,7 @@ def clip_limits(weight: torch.Tensor, gram: torch.Tensor, args: QuantizationArgs
     groups, size = gram.shape[0], gram.shape[1]
     w = weight.float().reshape(out, groups, size)
     original = w.abs().amax(dim=-1, keepdim=True)
-    best, best_error = original.clone(), torch.full((out, groups, 1), float("inf"))
+    best, best_error = original.clone(), torch.full((out, groups, 1), float("inf"), device=weight.device)
     for step in range(int(MAX_SHRINK * STEPS)):
         limit = original * (1 - step / STEPS)
         clipped = torch.maximum(torch.minimum(w, limit), -limit).reshape(out, columns)
