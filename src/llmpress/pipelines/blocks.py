@@ -21,7 +21,7 @@ from llmpress.errors import UnsupportedModelError
 from llmpress.observation import Observation, primary_input, with_primary_input
 from llmpress.pipelines.stand_ins import stood_in
 
-__all__ = ["CalibrationBlock", "Inputs", "capture_block_inputs", "find_blocks", "hand_on", "rest_of", "share_repeated",
+__all__ = ["CalibrationBlock", "Inputs", "capture_block_inputs", "find_blocks", "hand_on", "hidden_of", "rest_of", "share_repeated",
            "with_rest"]
 
 #: one ``(args, kwargs)`` per calibration batch
@@ -84,11 +84,15 @@ class CalibrationBlock:
         return self.observation.paused() if self.observation is not None else nullcontext()
 
 
+def hidden_of(output: Any) -> Any:
+    """A block's (or one of its modules') hidden states: its output, or the first of a tuple."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def hand_on(inputs: Inputs, index: int, output: Any) -> tuple | None:
     """Batch ``index``'s input becomes the block's ``output`` (its hidden states, the other
     arguments as they were), for the next block. Returns ``rest_of(output)``."""
-    hidden = output[0] if isinstance(output, (tuple, list)) else output
-    inputs[index] = with_primary_input(*inputs[index], hidden)
+    inputs[index] = with_primary_input(*inputs[index], hidden_of(output))
     return rest_of(output)
 
 

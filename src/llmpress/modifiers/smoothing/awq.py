@@ -48,10 +48,12 @@ from tqdm.auto import tqdm
 
 from llmpress.errors import RecipeError
 from llmpress.modifiers.base import MODIFIERS
+from llmpress.modifiers.gptq.hessians import HessianAccumulator
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.clip import clip_, clip_group, clip_limits, group_grams
 from llmpress.modifiers.smoothing.mappings import Mapping, apply_scales, channel_statistics
 from llmpress.observation import primary_input
+from llmpress.pipelines.blocks import hidden_of
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.qdq import fake_quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
@@ -170,10 +172,6 @@ def _around(block: nn.Module, name: str) -> nn.Module:
     return block
 
 
-def _output(result: Any) -> torch.Tensor:
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
 def _spread(inputs: list[tuple[tuple, dict]], tokens: int | None) -> list[tuple[tuple, dict]]:
     """Batches spread evenly over the calibration set holding about ``tokens`` tokens (at least
     one batch; all of them for None or when they hold no more)."""
@@ -194,11 +192,11 @@ class _RunScore:
     def __init__(self, block: CalibrationBlock, owner: nn.Module) -> None:
         self.block, self.owner = block, owner
         self.inputs = block.inputs_to(owner)
-        self.reference = [_output(out).float() for out in block.run(owner, self.inputs)]  # batches may differ in length
+        self.reference = [hidden_of(out).float() for out in block.run(owner, self.inputs)]  # batches may differ in length
         merged = _merged(self.inputs)
         if merged is not self.inputs:
             try:
-                joined = _output(block.run(owner, merged)[0]).float()
+                joined = hidden_of(block.run(owner, merged)[0]).float()
                 same = torch.allclose(joined, torch.cat(self.reference), rtol=1e-4, atol=1e-5)
             except Exception:  # a joined input the owner cannot take: one run per batch, as given
                 return
@@ -208,7 +206,7 @@ class _RunScore:
     def __call__(self) -> float:
         total, count = 0.0, 0
         for out, ref in zip(self.block.run(self.owner, self.inputs), self.reference):
-            out = _output(out).float()
+            out = hidden_of(out).float()
             if not torch.isfinite(out).all():
                 return float("inf")
             total += float((out - ref).square().sum())
@@ -217,22 +215,21 @@ class _RunScore:
 
 
 class _LinearScore:
-    """The same error for a single Linear owner, from the Gram matrix of its inputs: the output
-    error ``X (W' - W)^T`` has squared norm ``sum((E H) * E)`` with ``E = W' - W`` and ``H = X^T X``,
-    so each candidate costs one ``out x in x in`` product instead of a run over every token."""
+    """The same error for a single Linear owner, from its inputs' Hessian ``H = 2/n X^T X`` (GPTQ's
+    accumulator): the output error ``X (W' - W)^T`` over ``n`` tokens and ``out`` rows has mean
+    square ``sum((E H) * E) / (2 out)`` with ``E = W' - W``, so each candidate costs one
+    ``out x in x in`` product instead of a run over every token."""
 
     def __init__(self, block: CalibrationBlock, owner: nn.Linear, original: torch.Tensor) -> None:
         self.owner, self.original = owner, original.float()
-        self.gram = torch.zeros(owner.in_features, owner.in_features, device=original.device)
-        self.elements = 0
+        inputs = HessianAccumulator(owner.in_features, original.device)
         for args, _ in block.inputs_to(owner):
-            x = args[0].detach().reshape(-1, owner.in_features).float()
-            self.gram.addmm_(x.t(), x)
-            self.elements += x.shape[0] * owner.out_features
+            inputs.add(args[0])
+        self.hessian = inputs.result()
 
     def __call__(self) -> float:
         error = self.owner.weight.float() - self.original
-        value = float(((error @ self.gram) * error).sum()) / max(self.elements, 1)
+        value = float(((error @ self.hessian) * error).sum()) / (2 * self.owner.out_features)
         return value if value == value else float("inf")  # NaN: not a candidate
 
 

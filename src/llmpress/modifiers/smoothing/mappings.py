@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from llmpress.observation import primary_input
+from llmpress.pipelines.blocks import hidden_of
 from llmpress.targets import matches
 
 __all__ = ["Mapping", "apply_scales", "channel_statistics", "find_mappings", "resolve_mappings"]
@@ -122,10 +123,6 @@ def _candidates(block: Any, linear_sources: bool) -> list[Mapping]:
     return found
 
 
-def _output(result: Any) -> torch.Tensor:
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
 @torch.no_grad()
 def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start: torch.Tensor | None) -> bool:
     """Apply random positive scales, run the block on its first batch, put the weights back:
@@ -139,7 +136,7 @@ def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start:
     scales = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
         apply_scales(mapping, scales)
-        out = _output(block.run(block.module, block.inputs[:1])[0])
+        out = hidden_of(block.run(block.module, block.inputs[:1])[0])
     except RuntimeError:  # the scales do not even fit (a shape the checks above missed)
         return False
     finally:
@@ -152,7 +149,7 @@ def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start:
 
 
 def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: str) -> tuple[list[Mapping], list[str]]:
-    reference = _output(block.run(block.module, block.inputs[:1])[0])
+    reference = hidden_of(block.run(block.module, block.inputs[:1])[0])
     start = primary_input(*block.inputs[0])
     kept, skipped = [], []
     smooths: set[int] = set()
