@@ -2,6 +2,7 @@
 
     python bench/load_worker.py load   --tool llmpress|transformers --model DIR
     python bench/load_worker.py decode --tool fp32|bf16|llmpress|transformers --model DIR [--new-tokens N]
+    python bench/load_worker.py prefill --tool fp32|bf16|llmpress --model DIR [--tokens N]
     python bench/load_worker.py onload --model FP32_DIR --bits 4|8
     python bench/load_worker.py logits --tool llmpress|llmpress-exact|transformers --model DIR --out FILE
     python bench/load_worker.py llmc-compress --model FP32_DIR --out DIR   (in llm-compressor's venv)
@@ -20,11 +21,13 @@ from common import peak_rss_mb
 
 
 def load(tool: str, model: str, quantization_config=None):
-    if tool in ("llmpress", "llmpress-onload", "llmpress-exact"):
+    if tool in ("llmpress", "llmpress-onload", "llmpress-exact", "llmpress-exact-fp64"):
         import llmpress
 
-        # llmpress-exact: the dense view of the checkpoint in fp32 (no bf16 kernels)
-        return llmpress.load(model, quantization_config=quantization_config, dequantize=tool == "llmpress-exact")
+        # llmpress-exact: the dense view of the checkpoint in fp32 (no bf16 kernels); -fp64: in float64
+        exact = tool.startswith("llmpress-exact")
+        loaded = llmpress.load(model, quantization_config=quantization_config, dequantize=exact)
+        return loaded.double() if tool == "llmpress-exact-fp64" else loaded
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if tool == "bf16" else torch.float32
@@ -49,11 +52,12 @@ def prompt(vocab: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("task", choices=["load", "decode", "onload", "logits", "llmc-compress"])
+    parser.add_argument("task", choices=["load", "decode", "prefill", "onload", "logits", "llmc-compress"])
     parser.add_argument("--tool", default="llmpress")
     parser.add_argument("--model", required=True)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=512, help="prompt length for prefill")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -95,6 +99,16 @@ def main() -> None:
             out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **settings)
             elapsed = time.perf_counter() - start
         result["tokens_per_s"] = (out.shape[1] - ids.shape[1]) / elapsed
+    elif args.task == "prefill":  # one forward of a batch-1 prompt, median of 3 after a warm-up
+        model = load(args.tool, args.model)
+        ids = torch.randint(3, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(2))
+        times = []
+        with torch.no_grad():
+            for _ in range(4):
+                start = time.perf_counter()
+                model(ids, use_cache=False, logits_to_keep=1)
+                times.append(time.perf_counter() - start)
+        result["prefill_s"] = sorted(times[1:])[1]
     else:
         model = load(args.tool, args.model)
         ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))

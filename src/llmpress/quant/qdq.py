@@ -14,6 +14,7 @@ import torch
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = [
+    "activation_qparams",
     "compute_qparams",
     "dequantize",
     "expand_to_columns",
@@ -145,6 +146,17 @@ def fake_quantize(
     return dequantize(quantize(x, scale, zero_point, args), scale, zero_point, args, x.dtype)
 
 
+def activation_qparams(
+    flat: torch.Tensor, args: QuantizationArgs, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scale and zero point a module input ``[tokens, features]`` is quantized with: the
+    calibrated ones for static args, else computed from ``flat`` now (per token: ``[tokens, 1]``)."""
+    if args.dynamic or scale is None:
+        min_vals, max_vals = reduce_min_max(flat.detach(), args)
+        return compute_qparams(min_vals, max_vals, args)
+    return scale, zero_point
+
+
 def fake_quantize_activation(
     x: torch.Tensor, args: QuantizationArgs, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -152,9 +164,7 @@ def fake_quantize_activation(
     or per tensor); static args use the calibrated ``scale`` (and ``zero_point``, asymmetric).
     With gradients on, the gradient of the rounding is the identity (straight-through)."""
     flat = x.reshape(-1, x.shape[-1])
-    if args.dynamic or scale is None:
-        min_vals, max_vals = reduce_min_max(flat.detach(), args)
-        scale, zero_point = compute_qparams(min_vals, max_vals, args)
+    scale, zero_point = activation_qparams(flat, args, scale, zero_point)
     quantized = fake_quantize(flat.detach(), scale.detach(), zero_point, args).reshape(x.shape)
     if x.requires_grad:  # training (QAT): the rounding passes gradients straight through
         return x + (quantized - x).detach()

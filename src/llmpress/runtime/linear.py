@@ -8,6 +8,9 @@ fastest kernel that applies:
   (``kernels.int4_group``): groups of 128 over 576 columns as groups of 64, per-channel scales
   repeated per group;
 - ``int8``: 8-bit integer per-channel (or per-tensor) weights → ``_weight_int8pack_mm``;
+- ``int8x8``: the same weights with 8-bit integer input activations (W8A8): from
+  ``int8_inputs.MIN_ROWS`` tokens on, an int8 × int8 product on oneDNN (exact integers, see
+  ``int8_inputs``); fewer tokens (decode) run as ``int8`` on the fake-quantized input;
 - ``dequant``: anything else (fp8, other widths or group sizes) keeps the stored tensors and
   decompresses them on the fly for each forward.
 
@@ -34,11 +37,12 @@ from llmpress.models.linear import features, input_major
 from llmpress.quant.packing import bytewise, unpack_from_int32
 from llmpress.quant.qdq import dequantize, fake_quantize_activation
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
-from llmpress.runtime import kernels
+from llmpress.runtime import int8_inputs, kernels
 
 __all__ = ["QuantizedLinear"]
 
 _INPUT_TENSORS = ("input_scale", "input_zero_point")
+_INT8 = ("int8", "int8x8")
 
 
 class QuantizedLinear(nn.Module):
@@ -61,6 +65,7 @@ class QuantizedLinear(nn.Module):
         self.format = format_for(scheme)
         self.kernel = "empty"
         self.int4_group: int | None = None  # the kernel's group size (may be smaller than the scheme's)
+        self._int8_inputs: int8_inputs.Int8Inputs | None = None  # packed on the first long input
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -144,7 +149,7 @@ class QuantizedLinear(nn.Module):
         # the scale (and zero point) as stored, for an exact compressed_state()
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
-        if kernel == "int8":
+        if kernel in _INT8:
             rows = q.shape[0]
             scale_rows = scale.to(torch.float32).reshape(-1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)
             self.register_buffer("int8_weight", q.contiguous())
@@ -167,7 +172,8 @@ class QuantizedLinear(nn.Module):
                 return "int4"
         if args.num_bits == 8 and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR):
             if kernels.int8_supported():
-                return "int8"
+                inputs = self.quantization_scheme.input_activations
+                return "int8x8" if int8_inputs.int8_inputs_supported(args, inputs) else "int8"
         return "dequant"
 
     # -- what the module means ---------------------------------------------------------------
@@ -175,7 +181,7 @@ class QuantizedLinear(nn.Module):
         """The integer weight ``[out, in]`` (int8 holding ``num_bits`` values)."""
         if self.kernel == "int4":
             return kernels.int4_unpack(self.int4_weight, self.int4_group, self.int4_table, self.in_features)
-        if self.kernel == "int8":
+        if self.kernel in _INT8:
             return self.int8_weight
         raise RuntimeError(f"QuantizedLinear.quantized_values() needs an integer kernel, not {self.kernel!r}")
 
@@ -216,11 +222,13 @@ class QuantizedLinear(nn.Module):
     # -- running -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = self.quantization_scheme.input_activations
+        if self.kernel == "int8x8" and x.numel() >= int8_inputs.MIN_ROWS * self.in_features and not x.requires_grad:
+            return self._int8_product(x, inputs)
         if inputs is not None:
             x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None))
         if self.kernel == "int4":
             out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
-        elif self.kernel == "int8":
+        elif self.kernel in _INT8:
             out = kernels.int8_matmul(x, self.int8_weight, self.int8_scale, self.int8_zero_correction)
         elif self.kernel == "dequant":
             weight = self.dequantized_weight(x.dtype)
@@ -231,8 +239,18 @@ class QuantizedLinear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out
 
+    def _int8_product(self, x: torch.Tensor, inputs) -> torch.Tensor:
+        if self._int8_inputs is None:
+            self._int8_inputs = int8_inputs.Int8Inputs(self.int8_weight, self.weight_scale, inputs)
+        flat = x.reshape(-1, x.shape[-1])
+        out = self._int8_inputs.matmul(flat, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
     def runtime_bytes(self) -> int:
-        """Bytes held by this module's tensors (for reports)."""
-        return sum(t.numel() * t.element_size() for t in self.buffers(recurse=False)) + (
+        """Bytes held by this module's tensors (for reports), oneDNN's packed weight included."""
+        packed = self._int8_inputs.nbytes() if self._int8_inputs is not None else 0
+        return packed + sum(t.numel() * t.element_size() for t in self.buffers(recurse=False)) + (
             self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
         )

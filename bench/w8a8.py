@@ -1,0 +1,86 @@
+"""W8A8 int8 in ``llmpress.load``: prefill and decode against fp32 and bf16, one run.
+
+    python bench/w8a8.py [--tokens 512] [--new-tokens 32] [--work DIR]
+
+On the random 2048-hidden Llama of ``bench/load_and_run.py`` (8 layers, TinyLlama's shapes), it
+writes llmpress's W8A8 checkpoint (int8 per-channel weights, dynamic per-token int8 inputs, RTN)
+and measures, each in its own process at the machine's thread count:
+
+- prefill: one forward of a ``--tokens`` prompt at batch 1 (median of 3 after a warm-up): fp32 and
+  bf16 dense, and the W8A8 checkpoint in ``llmpress.load`` (int8 × int8 on oneDNN from 32 tokens);
+- greedy decode tokens/s at batch 1 (the int8-weight kernel on the quantized input);
+- logits of the W8A8 runtime against its dequantized view (``dequantize=True``: fp32 weights, the
+  same fake-quantized inputs), relative L2 on 2 x 64 random tokens, on this model and on the shared
+  tiny trained one. Beside it, the same dense view in float64 against float32: how far float
+  rounding alone moves the logits once per-token int8 inputs round differently (on random weights,
+  a rounding flip in one layer grows through the next ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from common import REPO, fixture, work_folder
+from load_and_run import make_random_llama, worker
+
+
+def compress_w8a8(model_dir, output):
+    import llmpress
+
+    if not (output / "config.json").exists():
+        llmpress.oneshot(model_dir, "W8A8", output_dir=output)
+    return output
+
+
+def logits_gaps(checkpoint, work) -> tuple[float, float]:
+    """(runtime vs dense fp32 view, dense fp64 view vs dense fp32 view), relative L2."""
+    logits = {}
+    for tool in ("llmpress", "llmpress-exact", "llmpress-exact-fp64"):
+        worker("logits", "--tool", tool, "--model", str(checkpoint), "--out", str(work / f"{tool}.pt"))
+        logits[tool] = torch.load(work / f"{tool}.pt")
+    reference = logits["llmpress-exact"]
+
+    def rel(other):
+        return float((other - reference).norm() / reference.norm())
+
+    return rel(logits["llmpress"]), rel(logits["llmpress-exact-fp64"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(REPO / "src"))
+    work = work_folder(args.work, "llmpress-bench-w8a8-")
+    fp32 = make_random_llama(work / "random-2048")
+    w8a8 = compress_w8a8(fp32, work / "random-2048-w8a8")
+    rows = {}
+    for label, tool, model in [("fp32", "fp32", fp32), ("bf16", "bf16", fp32), ("llmpress W8A8", "llmpress", w8a8)]:
+        prefill = worker("prefill", "--tool", tool, "--model", str(model), "--tokens", str(args.tokens))
+        decode = worker("decode", "--tool", tool, "--model", str(model), "--new-tokens", str(args.new_tokens))
+        rows[label] = {**prefill, "tokens_per_s": decode["tokens_per_s"], "decode_rss_mb": decode["peak_rss_mb"]}
+        print(json.dumps({label: rows[label]}), flush=True)
+    gaps = {"random-2048": logits_gaps(w8a8, work), "tiny": logits_gaps(compress_w8a8(fixture("tiny-llama"), work / "tiny-w8a8"), work)}
+
+    print(f"\nrandom-2048 Llama, batch 1, {torch.get_num_threads()} threads: prefill of {args.tokens} tokens,"
+          f" greedy decode of {args.new_tokens} (ratios to fp32)")
+    print(f"{'':<15} {'prefill s':>10} {'ratio':>6} {'decode tok/s':>13} {'ratio':>6} {'peak RSS MB':>12}")
+    base = rows["fp32"]
+    for label, r in rows.items():
+        print(f"{label:<15} {r['prefill_s']:>10.2f} {base['prefill_s'] / r['prefill_s']:>5.2f}x"
+              f" {r['tokens_per_s']:>13.1f} {r['tokens_per_s'] / base['tokens_per_s']:>5.2f}x {r['decode_rss_mb']:>12.0f}")
+    print("\nW8A8 logits against the dequantized view in fp32 (relative L2, 2 x 64 tokens)")
+    print(f"{'model':<12} {'llmpress.load':>14} {'fp64 view vs fp32 view':>23}")
+    for name, (gap, floor) in gaps.items():
+        print(f"{name:<12} {gap:>14.2e} {floor:>23.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""W8A8 in ``llmpress.load``: the int8 × int8 product (oneDNN) against integer arithmetic and the
+fake-quantized reference, for every input-activation scheme compressed-tensors has for int8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama, token_batches
+
+import llmpress
+from llmpress.quant import QuantizationScheme
+from llmpress.quant.qdq import dequantize, fake_quantize_activation
+from llmpress.runtime import QuantizedLinear, int8_inputs
+
+pytestmark = pytest.mark.skipif(not int8_inputs._available(), reason="no oneDNN quantized linear in this torch build")
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("limit", [64, 127])
+def test_integer_product_is_exact(limit):
+    """Whatever the CPU, the product is the exact integer one: without VNNI, weights beyond ±64
+    are split into halves (one pass would saturate in int16, a relative error near 1e-2)."""
+    g = torch.Generator().manual_seed(limit)
+    weight = torch.randint(-limit, limit + 1, (96, 256), dtype=torch.int8, generator=g)
+    weight[0, :] = 127 if limit == 127 else limit  # the largest pair sums
+    args = QuantizationScheme.model_validate(
+        {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
+         "input_activations": {"num_bits": 8, "strategy": "tensor", "dynamic": False}}).input_activations
+    product = int8_inputs.Int8Inputs(weight, torch.ones(96), args)
+    assert product.split == (limit > 64 and not int8_inputs._one_pass_exact())
+    x = torch.randint(-128, 128, (40, 256), generator=g).float()
+    x[:, 0], x[:, 1] = 127.0, -128.0  # the extremes
+    out = product.matmul(x, torch.tensor([1.0]), None)  # a static scale of 1: the integers themselves
+    expected = x.double() @ weight.double().t()
+    assert rel(out.double(), expected) < 1e-6
+
+
+SCHEMES = {
+    "token-sym-dynamic": {"num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True},
+    "token-asym-dynamic": {"num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": False},
+    "tensor-sym-static": {"num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True},
+    "tensor-asym-static": {"num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": False},
+    "tensor-sym-dynamic": {"num_bits": 8, "strategy": "tensor", "dynamic": True, "symmetric": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_module_matches_fake_quantized_reference(name):
+    scheme = QuantizationScheme.model_validate(
+        {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel", "symmetric": True},
+         "input_activations": SCHEMES[name]})
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (64, 128), dtype=torch.int8, generator=g)
+    scale = torch.rand(64, 1, generator=g) * 1e-2 + 1e-3
+    module = QuantizedLinear(128, 64, scheme, bias=True)
+    module.bias = torch.nn.Parameter(torch.randn(64, generator=g), requires_grad=False)
+    module.load_quantized(q, scale)
+    args = scheme.input_activations
+    x = torch.randn(3, 40, 128, generator=g) + 0.5
+    input_scale = input_zero_point = None
+    if not args.dynamic:
+        input_scale = torch.tensor([x.abs().max() / 100])
+        module.register_buffer("input_scale", input_scale)
+        if not args.symmetric:
+            input_zero_point = torch.tensor([-7], dtype=torch.int8)
+            module.register_buffer("input_zero_point", input_zero_point)
+    assert module.kernel == "int8x8"
+    weight = dequantize(q, scale, None, scheme.weights)
+
+    def expected(inputs):
+        return fake_quantize_activation(inputs, args, input_scale, input_zero_point) @ weight.t() + module.bias
+
+    with torch.no_grad():
+        assert rel(module(x), expected(x)) < 1e-5  # the long input: integers on oneDNN
+        short = x[:, :2]  # decode: the bf16 int8-weight kernel
+        assert rel(module(short), expected(short)) < 1e-2
+    assert module._int8_inputs is not None and module.runtime_bytes() > q.numel()
+
+
+def test_w8a8_checkpoint_prefill_runs_on_int8_product(tmp_path):
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, "W8A8", token_batches(), output_dir=tmp_path / "c")
+    runtime = llmpress.load(tmp_path / "c", dtype=torch.float32)
+    dense = llmpress.load(tmp_path / "c", dequantize=True)
+    layers = [m for m in runtime.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.kernel for m in layers} == {"int8x8"}
+    ids = torch.tensor(token_batches(2, 64))
+    with torch.no_grad():
+        ours, theirs = runtime(input_ids=ids).logits, dense(input_ids=ids).logits
+    assert all(m._int8_inputs is not None for m in layers)
+    # integer sums are exact; fp32 sums in another order flip a few roundings of later inputs
+    assert rel(ours, theirs) < 1e-2
