@@ -338,7 +338,7 @@ class Session:
     def needs_calibration_forward(self) -> bool:
         """Whether any modifier observes calibration inputs or transforms blocks on them (so
         batches must flow)."""
-        return any(m.calibration_targets() or "block_start" in m.events for m in self.modifiers)
+        return any(m.calibration_targets() or "block_start" in m.events or m.runs_blocks() for m in self.modifiers)
 
     @property
     def calibrates_by_module(self) -> bool:

@@ -18,6 +18,7 @@ from llmpress.formats import FORMATS, format_for
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.attach import quantized_modules
+from llmpress.quant.kv_cache import kv_cache_scheme_of
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -108,7 +109,8 @@ def _scheme_key(scheme: QuantizationScheme) -> str:
 def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> dict[str, Any] | None:
     """The compressed-tensors ``quantization_config`` of a quantized model, else ``None``."""
     modules = quantized_modules(model)
-    if not modules:
+    kv_cache = kv_cache_scheme_of(model)
+    if not modules and kv_cache is None:
         return None
     groups: dict[str, dict[str, Any]] = {}
     for _, _, scheme in modules:
@@ -122,10 +124,10 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> d
     ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
     return {
         "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if formats else "dense",
         "quantization_status": "compressed" if save_compressed else "frozen",
         "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": None if kv_cache is None else kv_cache.to_json(),
         "global_compression_ratio": None,
     }

@@ -21,6 +21,7 @@ from llmpress.loading.dense import dense_linear
 from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
 from llmpress.models.linear import features, input_major, is_linear
+from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.targets import assign_by_targets
@@ -55,7 +56,7 @@ class CompressedTensorsQuantizer(Quantizer):
                 expected="dense sparsity (zeros stored as zeros)",
             )
         if self.config.kv_cache_scheme:
-            logger.warning("the checkpoint's kv_cache_scheme is not applied by llmpress: the KV cache stays unquantized")
+            kv_cache_args(self.config.kv_cache_scheme)
         self.config.schemes()  # clear errors for schemes llmpress cannot load, before any work
 
     def _process_model_before_weight_loading(self, model: nn.Module) -> None:
@@ -74,6 +75,21 @@ class CompressedTensorsQuantizer(Quantizer):
             if not self.config.dequantize and scheme.weights is not None:
                 model.set_submodule(name, QuantizedLinear.like(module, scheme))
         self.quantized_modules = sorted(self.targets)
+        if self.config.kv_cache_scheme:
+            self._expect_kv_cache_scales(model)
+
+    def _expect_kv_cache_scales(self, model: nn.Module) -> None:
+        """Attention modules get ``k_scale`` / ``v_scale`` for the checkpoint to fill, and put
+        their keys and values on the fp8 grid, as transformers + compressed-tensors do."""
+        args = kv_cache_args(self.config.kv_cache_scheme)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        modules = attention_modules(model)
+        for module in modules.values():
+            KVCacheQuantizer.attach(module, args).expect_scales(module, heads, dtype)
+        if not modules:
+            logger.warning("the checkpoint's kv_cache_scheme found no attention module that caches keys and values here")
 
     def param_needs_quantization(self, model: nn.Module, param_name: str) -> bool:
         return param_name.rpartition(".")[0] in self.targets

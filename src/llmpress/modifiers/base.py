@@ -243,6 +243,11 @@ class Modifier:
         calibration forward."""
         return {}
 
+    def runs_blocks(self) -> bool:
+        """Whether it runs blocks on their calibration inputs itself (KV-cache scales, at
+        ``layer_calibrated``), so batches must flow even when it observes no module."""
+        return False
+
     def observe(self, name: str, x: torch.Tensor) -> None:
         """The input ``x`` of target ``name`` in one calibration forward."""
         raise NotImplementedError(f"{type(self).__name__} has calibration targets but no observe()")

@@ -41,6 +41,7 @@ class QuantizationStrategy(str, Enum):
     CHANNEL = "channel"
     GROUP = "group"
     TOKEN = "token"
+    ATTN_HEAD = "attn_head"  # one scale per attention head: KV-cache quantization only
 
 
 class ActivationOrdering(str, Enum):
@@ -181,6 +182,15 @@ class QuantizationScheme(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> QuantizationScheme:
+        for field in ("weights", "input_activations"):
+            args = getattr(self, field)
+            if args is not None and args.strategy == QuantizationStrategy.ATTN_HEAD:
+                raise SchemeError(
+                    f"strategy 'attn_head' applies to the KV cache only, not to {field}",
+                    got=f"{field}.strategy='attn_head'",
+                    expected="'tensor', 'channel', 'group' or 'token'",
+                    fix="put per-head scales in kv_cache_scheme",
+                )
         if self.weights is not None:
             if self.weights.dynamic:
                 raise SchemeError(

@@ -40,6 +40,7 @@ from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
+from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, names_of
 from llmpress.quant.attach import freeze_weight, set_weight_qparams
 from llmpress.quant.scheme import QuantizationScheme
@@ -84,6 +85,7 @@ class GPTQModifier(Modifier):
         schemes = [_with_gptq_defaults(s) for s in self.config.resolved_schemes()]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__)
         self.pending = dict(self.modules)
+        self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         self.hessians = HessianCollector(offload=self.config.offload_hessians)
         self.inputs = InputRangeObserver(type(self).__name__)
         self.losses: dict[str, float] = {}
@@ -92,6 +94,10 @@ class GPTQModifier(Modifier):
 
     def calibration_targets(self) -> dict[str, nn.Module]:
         return {n: m for n, (m, s) in self.pending.items() if s.weights is not None or has_static_inputs(s)}
+
+    def runs_blocks(self) -> bool:
+        kv_cache = getattr(self, "kv_cache", None)
+        return kv_cache is not None and bool(kv_cache.pending)
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         if name not in self.pending:  # quantized already: its inputs no longer matter
@@ -107,6 +113,8 @@ class GPTQModifier(Modifier):
 
     def on_layer_calibrated(self, state: State, block: CalibrationBlock) -> None:
         self.quantize(names_of(block.module.modules(), self.pending), f"layer {block.index}")
+        if self.kv_cache is not None:
+            self.kv_cache.layer_calibrated(block)
         done = [n for n in names_of(block.module.modules(), self.modules) if n in self.losses]
         self._note = ""
         if done:
@@ -123,6 +131,8 @@ class GPTQModifier(Modifier):
         return self._note
 
     def on_calibration_end(self, state: State) -> None:
+        if self.kv_cache is not None:
+            self.kv_cache.calibration_end()
         reached = [n for n in self.pending if n in self.hessians.of_module]
         self.quantize(reached, "rest")
         unreached = list(self.pending)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from llmpress.errors import RecipeError
 from llmpress.modifiers.base import CONFIG, WindowFields
+from llmpress.quant.kv_cache import kv_cache_args
 from llmpress.quant.scheme import QuantizationScheme, preset_scheme
 
 __all__ = ["QuantizationModifierConfig", "SchemeFields"]
@@ -47,21 +48,16 @@ class SchemeFields(BaseModel):
 
     @model_validator(mode="after")
     def _check_scheme(self) -> SchemeFields:
-        if not self.has_scheme and self.scheme_from_stage:
-            return self
+        if self.kv_cache_scheme is not None:
+            kv_cache_args(self.kv_cache_scheme)  # refused now, with a clear error, when it cannot apply
+        if not self.has_scheme and (self.scheme_from_stage or self.kv_cache_scheme is not None):
+            return self  # GPTQ after the stage's scheme; or the KV cache alone
         if (self.scheme is None) == (self.config_groups is None):
             raise RecipeError(
                 "QuantizationModifier needs exactly one of 'scheme' and 'config_groups'",
                 got="both" if self.scheme is not None else "neither",
                 expected="scheme: W4A16 (or another preset), or config_groups: {group_0: {...}}",
                 fix="keep one of the two",
-            )
-        if self.kv_cache_scheme is not None:
-            raise RecipeError(
-                "kv_cache_scheme is not supported yet",
-                got=self.kv_cache_scheme,
-                expected="kv_cache_scheme: null",
-                fix="remove kv_cache_scheme from the recipe",
             )
         self.resolved_schemes()  # validate presets and scheme dicts now, not at run time
         return self
@@ -85,7 +81,7 @@ class SchemeFields(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return any(
+        return self.kv_cache_scheme is not None or any(
             s.input_activations is not None and not s.input_activations.dynamic
             for s in self.resolved_schemes()
         )

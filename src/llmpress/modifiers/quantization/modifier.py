@@ -33,6 +33,7 @@ from llmpress.models.linear import is_linear
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
+from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.quant.attach import (
     attach_scheme,
     detach_quantization,
@@ -153,10 +154,14 @@ class QuantizationModifier(Modifier):
         if name in self.pending:
             self.inputs.record(name, x)
 
+    def runs_blocks(self) -> bool:
+        kv_cache = getattr(self, "kv_cache", None)
+        return kv_cache is not None and bool(kv_cache.pending) and not self.training
+
     def on_initialize(self, state: State) -> None:
-        self.modules = assign_schemes(
-            state.model, self.config.resolved_schemes(), self.config.ignore, type(self).__name__
-        )
+        schemes = self.config.resolved_schemes()
+        self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__) if schemes else {}
+        self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         for module, _ in self.modules.values():
             setattr(module, PENDING_ATTR, True)
         self.pending = dict(self.modules)  # not quantized yet
@@ -194,14 +199,19 @@ class QuantizationModifier(Modifier):
     def on_layer_calibrated(self, state: State, block: CalibrationBlock) -> None:
         """Quantize this block's modules now, so later blocks calibrate on quantized outputs."""
         self.quantize_pending(names_of(block.module.modules(), self.pending))
+        if self.kv_cache is not None:
+            self.kv_cache.layer_calibrated(block)
 
     def on_calibration_end(self, state: State) -> None:
         self.calibrated = True
         self.quantize_pending(list(self.pending))
+        if self.kv_cache is not None:
+            self.kv_cache.calibration_end()
 
     def on_finalize(self, state: State) -> None:
         """Freeze whatever calibration did not (weights need no data; static inputs do)."""
-        if self.pending and not self.calibrated and not self.training and self.config.needs_calibration:
+        uncalibrated = self.pending or (self.kv_cache is not None and self.kv_cache.pending)
+        if uncalibrated and not self.calibrated and not self.training and self.config.needs_calibration:
             raise SessionError(
                 f"{type(self).__name__} cannot finalize: its static input scales were never calibrated",
                 got="finalize() without calibration_start() / calibration_end()",

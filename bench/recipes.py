@@ -1,0 +1,142 @@
+"""SmoothQuant + GPTQ W8A8 and the fp8 KV cache against llm-compressor 0.14: the same recipe
+files, the same tokens, separate processes, one run.
+
+    python bench/recipes.py [--configs sq-gptq-w8a8 gptq-w8a8 kv-fp8] [--repeat 1] [--work DIR]
+
+Models: the shared tiny trained Llama, and the same model with activation outliers (a few
+channels of each norm x50 and the Linears reading them /50: the same function, the activations of
+models with massive activations), where SmoothQuant has something to move. Recipes, as
+llm-compressor's examples write them:
+
+- ``sq-gptq-w8a8``: ``SmoothQuantModifier`` (strength 0.8) then ``GPTQModifier`` with ``W8A8``
+  (int8 weights per channel, int8 inputs per token, dynamic), lm_head dense;
+- ``gptq-w8a8``: the same without SmoothQuant (what SmoothQuant buys);
+- ``kv-fp8``: ``QuantizationModifier`` with only ``kv_cache_scheme`` (fp8 e4m3, per tensor, static).
+
+Each checkpoint's perplexity is read three ways: ``llmpress.load(dequantize=True)``;
+transformers + compressed-tensors at llmpress's pins; and at llm-compressor's (transformers 5.17 +
+compressed-tensors 0.19, its own environment). The last column says whether that loader
+registered the KV-cache scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from awq import read_back_perplexity
+from common import PEER_PYTHON, REPO, fixture, work_folder
+from gptq import bench_inputs, prepare_peer_runs, run_pairs
+
+KV = "{num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}"
+RECIPES = {
+    "sq-gptq-w8a8": """quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.8
+    GPTQModifier:
+      ignore: ["lm_head"]
+      scheme: W8A8
+""",
+    "gptq-w8a8": """quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: ["lm_head"]
+      scheme: W8A8
+""",
+    "kv-fp8": f"""quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      kv_cache_scheme: {KV}
+""",
+}
+MODELS = {"sq-gptq-w8a8": ["tiny", "tiny-outliers"], "gptq-w8a8": ["tiny-outliers"], "kv-fp8": ["tiny"]}
+
+
+def save_outlier_model(folder: Path) -> Path:
+    """The tiny trained Llama with channels 3, 17, 40, 77 of every norm x50 and the q/k/v,
+    gate/up weights reading them /50."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "config.json").exists():
+        return folder
+    tiny = fixture("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+    channels = torch.tensor([3, 17, 40, 77])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            for norm, readers in ((layer.input_layernorm, (attention.q_proj, attention.k_proj, attention.v_proj)),
+                                  (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+                norm.weight[channels] *= 50
+                for linear in readers:
+                    linear.weight[:, channels] /= 50
+    model.save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(tiny)).save_pretrained(str(folder))
+    return folder
+
+
+def transformers_reading(python: Path, checkpoint: Path, windows: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": "", "TQDM_DISABLE": "1"}
+    result = subprocess.run([str(python), str(REPO / "bench" / "perplexity_worker.py"), str(checkpoint), str(windows)],
+                            capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1][:120]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
+    parser.add_argument("--work", default=None)
+    args = parser.parse_args()
+    prepare_peer_runs()
+    work = work_folder(args.work, "llmpress-recipes-")
+    models, tokens, windows = bench_inputs(work, ["tiny"])
+    models["tiny-outliers"] = save_outlier_model(work / "tiny-outliers")
+    torch.save(windows, work / "windows.pt")
+
+    fp32 = {name: read_back_perplexity(path, windows) for name, path in models.items()}
+    rows = []
+    for config in args.configs:
+        recipe = work / f"{config}.yaml"
+        recipe.write_text(RECIPES[config])
+        for name in MODELS[config]:
+            row = {"config": config, "model": name, **run_pairs("llmpress", recipe, models[name], tokens, work / f"{name}-{config}", args.repeat)}
+            for tool in ("llmpress", "llmcompressor"):
+                checkpoint = work / f"{name}-{config}-{tool}"
+                row[tool] = {"llmpress.load": read_back_perplexity(checkpoint, windows),
+                             "transformers": transformers_reading(Path(sys.executable), checkpoint, work / "windows.pt"),
+                             "transformers-peer": transformers_reading(PEER_PYTHON, checkpoint, work / "windows.pt")}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    print("\nfp32 perplexity: " + ", ".join(f"{n} {p:.3f}" for n, p in fp32.items()))
+    header = (f"{'config':<13} {'model':<14} {'written by':<14} {'in-process s':>13} {'ratio':>6} {'RSS ratio':>9}"
+              f" {'ppl llmpress.load':>17} {'transformers 5.24':>17} {'5.17 + ct 0.19':>15} {'kv scales':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        for tool, side in (("llmpress", "ours"), ("llmcompressor", "peer")):
+            read = r[tool]
+
+            def ppl(key):
+                return f"{read[key]['perplexity']:.3f}" if "perplexity" in read[key] else "fails"
+
+            seconds = f"{r[side]['compress_s']:>6.1f}"
+            ratios = f"{r['ratios']['compress_s']:>6.2f} {r['ratios']['rss_mb']:>9.2f}" if side == "ours" else f"{'':>6} {'':>9}"
+            scales = "yes" if read["transformers-peer"].get("kv_scales") else "no"
+            print(f"{r['config']:<13} {r['model']:<14} {tool:<14} {seconds:>13} {ratios} {read['llmpress.load']:>17.3f}"
+                  f" {ppl('transformers'):>17} {ppl('transformers-peer'):>15} {scales:>9}")
+    print("\nin-process: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
+          "\nperplexity: 200 windows of 256 tokens of the shared evaluation text.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Calibrating a ``kv_cache_scheme`` (the fp8 KV cache), for any quantizing modifier.
+
+The scales come from the keys and values the attention modules cache (after rotary embedding)
+on the calibration data: the largest magnitude over all batches, per tensor or per head, divided
+by fp8's largest value. Layer by layer, at ``layer_calibrated`` (its weights compressed), each
+block runs once more over all its inputs, unobserved, to see the keys and values it will cache,
+and switches to the fp8 cache, so the blocks after it are calibrated on what the compressed model
+computes (one extra forward of each block; what ran through the block before does not count). Without blocks, the whole-model calibration
+forward is observed and the scales are set at ``calibration_end``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from llmpress.errors import UnsupportedModelError
+from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
+
+if TYPE_CHECKING:
+    from llmpress.pipelines.blocks import CalibrationBlock
+
+__all__ = ["KVCacheCalibration", "kv_cache_calibration"]
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_calibration(model: nn.Module, config: Any, modifier: str) -> KVCacheCalibration | None:
+    """The calibration of ``config.kv_cache_scheme`` on ``model``; None when there is none."""
+    return None if config.kv_cache_scheme is None else KVCacheCalibration(model, config.kv_cache_scheme, modifier)
+
+
+class KVCacheCalibration:
+    def __init__(self, model: nn.Module, data: dict[str, Any], modifier: str) -> None:
+        self.args = kv_cache_args(data)
+        self.modifier = modifier
+        self.pending = attention_modules(model)
+        if not self.pending:
+            raise UnsupportedModelError(
+                f"{modifier}: kv_cache_scheme found no attention module that caches keys and values",
+                got=type(model).__name__,
+                expected="attention modules (…Attention) whose forward takes past_key_values",
+                fix="remove kv_cache_scheme for this model",
+            )
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        for module in self.pending.values():
+            KVCacheQuantizer.attach(module, self.args).observing = True
+
+    def layer_calibrated(self, block: CalibrationBlock) -> None:
+        """One unobserved pass of the block, its weights compressed, over all its inputs: the
+        keys and values it will cache, whatever ran through it before."""
+        inside = {n: m for n, m in self.pending.items() if any(m is sub for sub in block.module.modules())}
+        if not inside:
+            return
+        for module in inside.values():
+            KVCacheQuantizer.of(module).absmax.clear()
+        with torch.no_grad(), block.observation.paused():
+            for args, kwargs in block.inputs:
+                block.module(*args, **kwargs)
+        self._freeze(inside)
+
+    def calibration_end(self) -> None:
+        self._freeze(dict(self.pending))
+
+    def _freeze(self, modules: dict[str, nn.Module]) -> None:
+        missed = []
+        for name, module in modules.items():
+            self.pending.pop(name)
+            quantizer = KVCacheQuantizer.of(module)
+            if not quantizer.freeze(module, self.dtype):
+                quantizer.detach(module)
+                missed.append(name)
+        if missed:
+            logger.warning("%s: %d attention module(s) never updated a KV cache during calibration and keep a full-precision "
+                           "cache: %s", self.modifier, len(missed), ", ".join(missed[:4]))
+        elif modules:
+            logger.debug("%s: fp8 KV cache scales set for %s", self.modifier, ", ".join(modules))
