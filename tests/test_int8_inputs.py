@@ -19,18 +19,19 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("limit", [64, 127])
+@pytest.mark.parametrize("limit", [64, 127, -128])
 def test_integer_product_is_exact(limit):
     """Whatever the CPU, the product is the exact integer one: without VNNI, weights beyond ±64
     are split into halves (one pass would saturate in int16, a relative error near 1e-2)."""
     g = torch.Generator().manual_seed(limit)
-    weight = torch.randint(-limit, limit + 1, (96, 256), dtype=torch.int8, generator=g)
-    weight[0, :] = 127 if limit == 127 else limit  # the largest pair sums
+    span = min(abs(limit), 64) if limit < 0 else limit  # -128: values within ±64 but for some -128s
+    weight = torch.randint(-span, span + 1, (96, 256), dtype=torch.int8, generator=g)
+    weight[0, :] = limit  # the largest pair sums (int8 -128 has no positive abs())
     args = QuantizationScheme.model_validate(
         {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
          "input_activations": {"num_bits": 8, "strategy": "tensor", "dynamic": False}}).input_activations
     product = int8_inputs.Int8Inputs(weight, torch.ones(96), args)
-    assert product.split == (limit > 64 and not int8_inputs._one_pass_exact())
+    assert product.split == (abs(limit) > 64 and not int8_inputs._one_pass_exact())
     x = torch.randint(-128, 128, (40, 256), generator=g).float()
     x[:, 0], x[:, 1] = 127.0, -128.0  # the extremes
     out = product.matmul(x, torch.tensor([1.0]), None)  # a static scale of 1: the integers themselves
@@ -44,6 +45,7 @@ SCHEMES = {
     "tensor-sym-static": {"num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True},
     "tensor-asym-static": {"num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": False},
     "tensor-sym-dynamic": {"num_bits": 8, "strategy": "tensor", "dynamic": True, "symmetric": True},
+    "tensor-sym-static-zero-point": {"num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True},
 }
 
 
@@ -64,6 +66,9 @@ def test_module_matches_fake_quantized_reference(name):
     if not args.dynamic:
         input_scale = torch.tensor([x.abs().max() / 100])
         module.register_buffer("input_scale", input_scale)
+        if name.endswith("zero-point"):  # a stored zero zero-point (older writers store one even when symmetric)
+            input_zero_point = torch.zeros(1, dtype=torch.int8)
+            module.register_buffer("input_zero_point", input_zero_point)
         if not args.symmetric:
             input_zero_point = torch.tensor([-7], dtype=torch.int8)
             module.register_buffer("input_zero_point", input_zero_point)
@@ -93,3 +98,24 @@ def test_w8a8_checkpoint_prefill_runs_on_int8_product(tmp_path):
     assert all(m._int8_inputs is not None for m in layers)
     # integer sums are exact; fp32 sums in another order flip a few roundings of later inputs
     assert rel(ours, theirs) < 1e-2
+
+
+def test_packed_weight_is_rebuilt_not_copied():
+    """oneDNN's packed weight has no storage: copies and dtype moves drop it, and it is packed
+    again from the int8 buffers on the next long input."""
+    import copy
+
+    scheme = QuantizationScheme.model_validate(
+        {"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"},
+         "input_activations": {"num_bits": 8, "strategy": "token", "dynamic": True}})
+    module = QuantizedLinear(64, 32, scheme)
+    module.load_quantized(torch.randint(-128, 128, (32, 64), dtype=torch.int8), torch.full((32, 1), 1e-2))
+    x = torch.randn(40, 64)
+    with torch.no_grad():
+        expected = module(x)
+        twin = copy.deepcopy(module)
+        assert twin._int8_inputs is None and module._int8_inputs is not None
+        assert torch.equal(twin(x), expected)
+        module.to(torch.float32)
+        assert module._int8_inputs is None
+        assert torch.equal(module(x), expected)

@@ -105,10 +105,55 @@ def test_gptq_with_kv_cache_scheme(tmp_path):
     config = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
     assert config["kv_cache_scheme"] is not None and config["config_groups"]
     loaded = llmpress.load(tmp_path / "c")
-    assert all(hasattr(layer.self_attn, "v_scale") for layer in loaded.model.layers)
+    for ours, theirs in zip(loaded.model.layers, model.model.layers):
+        assert torch.equal(ours.self_attn.v_scale, theirs.self_attn.v_scale) and ours.self_attn.v_scale.item() > 0
+
+
+def test_kv_cache_scheme_of_the_scheme_modifier_reaches_gptq():
+    """llm-compressor's grammar: GPTQ without a scheme takes the stage's QuantizationModifier's,
+    its kv_cache_scheme included."""
+    recipe = llmpress.Recipe.from_yaml(f"""
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      scheme: W8A8
+      kv_cache_scheme: {json.dumps(KV)}
+    GPTQModifier:
+      block_size: 64
+""")
+    (gptq,) = recipe.modifiers
+    assert isinstance(gptq, GPTQModifier) and gptq.config.kv_cache_scheme == KV
+
+
+def test_checkpoint_without_its_kv_scales_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, QuantizationModifier(kv_cache_scheme=KV), token_batches(), output_dir=tmp_path / "c")
+    state = load_file(tmp_path / "c" / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.endswith("k_scale")}, tmp_path / "c" / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(LlmpressError, match="k_scale"):
+        llmpress.load(tmp_path / "c")
 
 
 @pytest.mark.parametrize("bad", [{"dynamic": True}, {"num_bits": 4, "type": "int"}, {"strategy": "channel"}])
 def test_unusable_kv_cache_scheme_is_refused(bad):
     with pytest.raises(LlmpressError, match="kv_cache_scheme"):
         QuantizationModifier(kv_cache_scheme={**KV, **bad})
+
+
+def test_module_by_module_hands_on_what_the_fp8_cache_computes():
+    """Module by module, the next block is calibrated on what the compressed block computes with
+    its fp8 cache (not the attention output kept from before the cache was set): the second
+    block's key scale is the largest key the finished model caches there."""
+    from llmpress.data import CalibrationOptions
+
+    model = make_tiny_llama()
+    batches = token_batches(4, 32)
+    llmpress.oneshot(model, GPTQModifier(scheme="W4A16", kv_cache_scheme=KV), batches,
+                     calibration=CalibrationOptions(num_samples=4, seq_len=32, true_sequential=True, shuffle=False))
+    attention = model.model.layers[1].self_attn
+    keys = torch.cat([keys_of(model, attention, torch.tensor(batches[i : i + 2])) for i in (0, 2)])
+    torch.testing.assert_close(attention.k_scale.flatten(), keys.abs().amax().reshape(1) / 448, rtol=1e-5, atol=0)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.sparsity import mark_sparse_modules
-from llmpress.errors import CheckpointError
+from llmpress.errors import CheckpointError, LlmpressError
 from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod
 from llmpress.loading.dense import dense_linear
 from llmpress.loading.methods import register_quantization_method
@@ -55,8 +55,6 @@ class CompressedTensorsQuantizer(Quantizer):
                 got=sparsity.get("format"),
                 expected="dense sparsity (zeros stored as zeros)",
             )
-        if self.config.kv_cache_scheme:
-            kv_cache_args(self.config.kv_cache_scheme)
         self.config.schemes()  # clear errors for schemes llmpress cannot load, before any work
 
     def _process_model_before_weight_loading(self, model: nn.Module) -> None:
@@ -81,7 +79,11 @@ class CompressedTensorsQuantizer(Quantizer):
     def _expect_kv_cache_scales(self, model: nn.Module) -> None:
         """Attention modules get ``k_scale`` / ``v_scale`` for the checkpoint to fill, and put
         their keys and values on the fp8 grid, as transformers + compressed-tensors do."""
-        args = kv_cache_args(self.config.kv_cache_scheme)
+        try:
+            args = kv_cache_args(self.config.kv_cache_scheme)
+        except (LlmpressError, ValueError) as exc:
+            logger.warning("the checkpoint's kv_cache_scheme cannot be applied (%s): the KV cache stays in full precision", exc)
+            return
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

@@ -51,6 +51,7 @@ from llmpress.pipelines.blocks import CalibrationBlock, hand_on
 from llmpress.pipelines.kept import KeptValues
 from llmpress.pipelines.plan import BlockPlan, tokens_per_batch
 from llmpress.pipelines.stand_ins import ZeroAnswer, stood_in
+from llmpress.quant.kv_cache import KVCacheQuantizer
 from llmpress.session import Session
 
 __all__ = ["Kept", "calibrate_block_by_module"]
@@ -88,6 +89,8 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
     session.layer_calibrated(block)
     if not outputs_needed:
         return None
+    if any(KVCacheQuantizer.of(m) is not None for m in block.module.modules()):
+        kept = Kept()  # an fp8 KV cache set at layer_calibrated changes what the attention returns: run it again
     last = _Stage(plan, rows, kept, done, observation)
     # nobody observes: experts take only their routed tokens, unless a stand-in waits inside them
     routed = routed_experts_only(block.module) if not _inside_experts(last.answers, plan) else nullcontext()

@@ -7,7 +7,10 @@ stand-in cache. transformers' attention calls ``update(key_states, value_states,
 keys after rotary embedding, which is what is cached; the stand-in observes them (calibration:
 the largest magnitude seen, per tensor or per head) or puts them on the fp8 grid (once the scales
 are set), then passes them on to the real cache when there is one. compressed-tensors does the
-same when transformers loads the checkpoint (its ``QuantizedKVCache``), so both compute alike.
+same when transformers loads the checkpoint (its ``QuantizedKVCache``), where it recognises the
+attention: with transformers 5.17 + compressed-tensors 0.19 both compute alike; compressed-tensors
+0.20.1 looks for ``past_key_values`` only, and transformers 5.2x names the argument ``cache``, so
+it skips the scales there (an upstream mismatch, measured in ``bench/recipes.py``).
 The cached values are on the fp8 grid in the model's dtype: the quality is the fp8 cache's, the
 memory is not reduced on a CPU.
 """
@@ -41,10 +44,12 @@ def _cache_keyword(module: nn.Module) -> str | None:
 
 
 def kv_cache_args(data: dict[str, Any] | QuantizationArgs) -> QuantizationArgs:
-    """A ``kv_cache_scheme`` as compressed-tensors writes it, checked: static, symmetric fp8 (or
-    int8) per tensor or per head."""
+    """A ``kv_cache_scheme`` as compressed-tensors writes it, checked: static, symmetric fp8 per
+    tensor or per head."""
     args = data if isinstance(data, QuantizationArgs) else QuantizationArgs(**{"strategy": "tensor", **data})
     problems = []
+    if not args.is_float:
+        problems.append(f"type={args.type!r} (vLLM runs an fp8 KV cache only)")
     if args.num_bits != 8:
         problems.append(f"num_bits={args.num_bits}")
     if args.dynamic:
@@ -97,7 +102,7 @@ class _StandInCache:
         return self.inner.update(key_states, value_states, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__["inner"]
+        inner = self.__dict__.get("inner")
         if inner is None:
             raise AttributeError(name)
         return getattr(inner, name)
@@ -130,7 +135,11 @@ class KVCacheQuantizer:
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         if not (self.observing or self.frozen):
             return None
-        kwargs[self.keyword] = _StandInCache(self, module, kwargs.get(self.keyword))
+        keyword = next((k for k in _CACHE_KEYWORDS if k in kwargs), self.keyword)  # as the caller named it
+        inner = kwargs.get(keyword)
+        if hasattr(inner, "self_attention_cache"):  # an encoder-decoder cache: not handled, left as it is
+            return None
+        kwargs[keyword] = _StandInCache(self, module, inner)
         return args, kwargs
 
     def _reduce(self, states: torch.Tensor) -> torch.Tensor:
@@ -175,9 +184,10 @@ class KVCacheQuantizer:
         return True
 
     def expect_scales(self, module: nn.Module, num_heads: int, dtype: torch.dtype) -> None:
-        """Empty scales for a checkpoint to fill (loading), quantizing from then on."""
+        """Scales for a checkpoint to fill (loading; on ``meta``, so a checkpoint without them is
+        reported missing), quantizing from then on."""
         for name in ("k", "v"):
-            _set_buffer(module, f"{name}_scale", torch.ones(self.scale_shape(num_heads), dtype=dtype))
+            _set_buffer(module, f"{name}_scale", torch.empty(self.scale_shape(num_heads), dtype=dtype, device="meta"))
         self.frozen = True
 
     def detach(self, module: nn.Module) -> None:

@@ -33,6 +33,11 @@ _SHIFT = 128  # int8 values + 128 = the uint8 values oneDNN takes
 _SAFE = 64  # |w| <= 64: a uint8 x int8 pair sum stays within int16
 
 
+def _onednn_product(shifted: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = weight.shape[0]
+    return _product(shifted, torch.ops.onednn.qlinear_prepack(weight, None), torch.ones(rows), torch.zeros(rows, dtype=torch.long))
+
+
 @functools.cache
 def _available() -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")):
@@ -40,18 +45,20 @@ def _available() -> bool:
     if not all(hasattr(torch.ops.onednn, op) for op in ("qlinear_prepack", "qlinear_pointwise")):
         return False
     try:  # one small product, checked: the op exists but may not run on every build
-        weight = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
-        packed = torch.ops.onednn.qlinear_prepack(weight, None)
-        out = _product(torch.tensor([[129, 126]], dtype=torch.uint8), packed, torch.ones(2), torch.zeros(2, dtype=torch.long))
+        out = _onednn_product(torch.tensor([[129, 126]], dtype=torch.uint8), torch.tensor([[1, -2], [3, 4]], dtype=torch.int8))
         return torch.equal(out, torch.tensor([[5.0, -5.0]]))
     except RuntimeError:
         return False
 
 
+@functools.cache
 def _one_pass_exact() -> bool:
-    """Whether this CPU multiplies uint8 × int8 without an int16 intermediate (VNNI)."""
-    check = getattr(torch.cpu, "_is_vnni_supported", None)
-    return bool(check and check())
+    """Whether oneDNN multiplies uint8 × int8 here without saturating an int16 pair sum (VNNI,
+    AVX-VNNI, AMX), found by trying: 255 × 127 twice is 64770, beyond int16."""
+    width = 64  # several kernel blocks' worth of pairs
+    shifted = torch.full((1, width), 255, dtype=torch.uint8)  # the value 127 after the shift of 128
+    out = _onednn_product(shifted, torch.full((16, width), 127, dtype=torch.int8))
+    return bool(torch.all(out == 127.0 * 127 * width))
 
 
 def int8_inputs_supported(weights: QuantizationArgs, inputs: QuantizationArgs | None) -> bool:
@@ -82,7 +89,8 @@ class Int8Inputs:
         self.inputs = inputs
         self.out_features = weight.shape[0]
         self.weight_scale = weight_scale.to(torch.float32).reshape(-1)  # [out] or [1]
-        self.split = not _one_pass_exact() and int(weight.abs().max()) > _SAFE
+        largest = max(int(weight.max()), -int(weight.min()))  # not abs(): int8 -128 stays -128
+        self.split = not _one_pass_exact() and largest > _SAFE
         if self.split:
             low = torch.div(weight, 2, rounding_mode="floor")
             weight = torch.cat([low, weight - low])
@@ -90,10 +98,9 @@ class Int8Inputs:
         self.rows = weight.shape[0]
         self.ones = torch.ones(self.rows)
         self.zeros = torch.zeros(self.rows, dtype=torch.long)
-        # for asymmetric inputs: sum over k of w[n, k], the zero point's share of each output
-        self.weight_sums = weight.float().sum(dim=1)[: self.out_features] if not inputs.symmetric else None
-        if self.split and self.weight_sums is not None:
-            self.weight_sums = self.weight_sums + weight[self.out_features :].float().sum(dim=1)
+        # for inputs with a zero point: sum over k of w[n, k], the zero point's share of each output
+        sums = weight.float().sum(dim=1)
+        self.weight_sums = sums[: self.out_features] + sums[self.out_features :] if self.split else sums
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()

@@ -146,6 +146,7 @@ class QuantizedLinear(nn.Module):
         if kernel == "int4":
             self._set_int4(*kernels.int4_pack(q, *self._kernel_qparams(scale, zero_point)), scale, zero_point)
             return
+        self._int8_inputs = None  # packed again from these values when needed
         # the scale (and zero point) as stored, for an exact compressed_state()
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
@@ -222,7 +223,7 @@ class QuantizedLinear(nn.Module):
     # -- running -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inputs = self.quantization_scheme.input_activations
-        if self.kernel == "int8x8" and x.numel() >= int8_inputs.MIN_ROWS * self.in_features and not x.requires_grad:
+        if self.kernel == "int8x8" and x.is_cpu and x.numel() >= int8_inputs.MIN_ROWS * self.in_features and not x.requires_grad:
             return self._int8_product(x, inputs)
         if inputs is not None:
             x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None))
@@ -238,6 +239,13 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy is rebuilt from the buffers
+        self._int8_inputs = None
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):  # deepcopy, pickle: oneDNN's packed weight has no storage to copy
+        return {**self.__dict__, "_int8_inputs": None}
 
     def _int8_product(self, x: torch.Tensor, inputs) -> torch.Tensor:
         if self._int8_inputs is None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
+from llmpress.models.experts import routed_experts_only
 from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 
 if TYPE_CHECKING:
@@ -57,9 +58,9 @@ class KVCacheCalibration:
             return
         for module in inside.values():
             KVCacheQuantizer.of(module).absmax.clear()
-        with torch.no_grad(), block.observation.paused():
-            for args, kwargs in block.inputs:
-                block.module(*args, **kwargs)
+        with torch.no_grad(), routed_experts_only(block.module):
+            for batch in block.inputs:
+                block.run(block.module, [batch])  # unobserved, one batch at a time
         self._freeze(inside)
 
     def calibration_end(self) -> None:

@@ -172,6 +172,13 @@ class QuantizationModifier(Modifier):
 
     def on_window_start(self, state: State) -> None:
         """Training reached the window: quantization-aware training from here on."""
+        if self.kv_cache is not None:
+            raise SessionError(
+                f"{type(self).__name__}: kv_cache_scheme is calibrated one-shot, not during training",
+                got="kv_cache_scheme in a training stage",
+                expected="kv_cache_scheme in a one-shot stage",
+                fix="move kv_cache_scheme to a one-shot stage (before or after training)",
+            )
         unscaled = [
             n for n, (m, s) in self.pending.items()
             if s.input_activations is not None and not s.input_activations.dynamic and getattr(m, "input_scale", None) is None
