@@ -301,3 +301,33 @@ def test_awq_takes_batches_of_different_lengths():
     model = llmpress.oneshot(make_tiny_llama(intermediate=256), [AWQModifier(n_grid=4),
                                                                   QuantizationModifier(scheme="W4A16", ignore=["lm_head"])], batches)
     assert model.model.layers[0].self_attn.q_proj.weight_scale is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_an_moe_norm_maps_to_its_router_and_every_expert(family, tmp_path, caplog):
+    """The MoE block reads its norm's output through views (router, every expert while all
+    calibrate) and, for DeepSeek, as it is (the shared expert): one mapping, with the router
+    (a weight of its own, not a Linear) scaled too, so the function stays; AWQ leaves the router
+    the recipe ignores unquantized and searches against the experts."""
+    import logging
+
+    from architectures import save_tiny
+
+    model_dir = save_tiny(family, tmp_path / family)
+    reference = llmpress.load(model_dir, dtype=torch.float32)
+    vocab = reference.config.vocab_size
+    ids = torch.tensor(token_batches(2, 16, vocab=vocab))
+    layer = len(reference.model.layers) - 1  # DeepSeek's first layer is dense
+    experts = len(reference.model.layers[layer].mlp.experts)
+    moe = "post_attention_layernorm -> gate, experts.*.gate_proj, experts.*.up_proj"
+    for modifiers in ([SmoothQuantModifier(smoothing_strength=0.8)],
+                      [AWQModifier(), QuantizationModifier(scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])]):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="llmpress.modifiers.smoothing"):
+            done = llmpress.oneshot(llmpress.load(model_dir, dtype=torch.float32), modifiers, token_batches(4, 32, vocab=vocab))
+        expected = f"{moe}{', gate_proj, up_proj' if family == 'deepseek_v3' else ''} ({experts} experts)"
+        assert any(expected in r.getMessage() for r in caplog.records), caplog.text
+        if len(modifiers) == 1:  # SmoothQuant alone: the same function
+            assert rel(logits(done, ids), logits(reference, ids)) < 1e-5
+    mlp = done.model.layers[layer].mlp
+    assert getattr(mlp.gate, "weight_scale", None) is None and mlp.experts[0].up_proj.weight_scale is not None

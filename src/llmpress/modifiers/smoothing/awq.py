@@ -47,6 +47,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import RecipeError
+from llmpress.models.experts import routed_experts_only
 from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.hessians import HessianAccumulator
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
@@ -121,6 +122,11 @@ def column_means(layers: list[nn.Linear], args: QuantizationArgs) -> torch.Tenso
     return total / rows
 
 
+def _quantized(layer: nn.Module) -> bool:
+    scheme = getattr(layer, "quantization_scheme", None)
+    return scheme is not None and scheme.weights is not None
+
+
 def _owner(block: CalibrationBlock, balance_names: list[str], prefix: str) -> nn.Module:
     """The smallest module of the block holding every balance layer (the layer itself for one)."""
     local = [n.removeprefix(prefix).split(".") for n in balance_names]
@@ -192,11 +198,13 @@ class _RunScore:
     def __init__(self, block: CalibrationBlock, owner: nn.Module) -> None:
         self.block, self.owner = block, owner
         self.inputs = block.inputs_to(owner)
-        self.reference = [hidden_of(out).float() for out in block.run(owner, self.inputs)]  # batches may differ in length
+        with routed_experts_only(owner):
+            self.reference = [hidden_of(out).float() for out in block.run(owner, self.inputs)]  # batches may differ in length
         merged = _merged(self.inputs)
         if merged is not self.inputs:
             try:
-                joined = hidden_of(block.run(owner, merged)[0]).float()
+                with routed_experts_only(owner):
+                    joined = hidden_of(block.run(owner, merged)[0]).float()
                 same = torch.allclose(joined, torch.cat(self.reference), rtol=1e-4, atol=1e-5)
             except Exception:  # a joined input the owner cannot take: one run per batch, as given
                 return
@@ -205,7 +213,9 @@ class _RunScore:
 
     def __call__(self) -> float:
         total, count = 0.0, 0
-        for out, ref in zip(self.block.run(self.owner, self.inputs), self.reference):
+        with routed_experts_only(self.owner):  # the same output; experts compute only their tokens
+            outputs = self.block.run(self.owner, self.inputs)
+        for out, ref in zip(outputs, self.reference):
             out = hidden_of(out).float()
             if not torch.isfinite(out).all():
                 return float("inf")
@@ -261,7 +271,9 @@ class AWQModifier(SmoothingModifier):
         self._note = ""
 
     def usable(self, mappings: list[Mapping], skipped: list[str]) -> list[Mapping]:
-        if mappings and not any(getattr(m, "quantization_scheme", None) is not None for mp in mappings for m in mp.balance):
+        """Mappings whose quantized balance layers share one weight scheme. Balance layers no
+        modifier quantizes (an MoE router the recipe ignores) take the scales and stay exact."""
+        if mappings and not any(_quantized(m) for mp in mappings for m in mp.balance):
             raise RecipeError(
                 "AWQModifier searches its scales against the weight scheme of the quantizer after it, and no module "
                 "of its mappings has one",
@@ -271,10 +283,9 @@ class AWQModifier(SmoothingModifier):
             )
         kept = []
         for mapping in mappings:
-            schemes = [getattr(m, "quantization_scheme", None) for m in mapping.balance]
-            weights = {None if s is None or s.weights is None else s.weights.model_dump_json() for s in schemes}
-            if None in weights or len(weights) != 1:
-                skipped.append(f"{mapping.describe()} (its layers are not all quantized with one weight scheme by a "
+            weights = {m.quantization_scheme.weights.model_dump_json() for m in mapping.balance if _quantized(m)}
+            if len(weights) != 1:
+                skipped.append(f"{mapping.describe()} (its layers are not quantized with one weight scheme by a "
                                "modifier after AWQ in this stage)")
             else:
                 kept.append(mapping)
@@ -301,7 +312,8 @@ class AWQModifier(SmoothingModifier):
             score = _LinearScore(block, owner, originals[0])
         else:
             score = _RunScore(replace(block, inputs=_spread(block.inputs, self.config.search_tokens)), owner)
-        args = self._search_args(mapping.balance[0])
+        quantized = [_quantized(layer) for layer in mapping.balance]
+        args = self._search_args(mapping.balance[quantized.index(True)])
         w_mean = column_means(mapping.balance, args) if self.config.duo_scaling else None
         best, best_error, first_error = None, float("inf"), None
         try:
@@ -310,7 +322,9 @@ class AWQModifier(SmoothingModifier):
                 scales = scales.clamp(min=1e-4)
                 scales = scales / (scales.max() * scales.min()).sqrt()
                 scales = torch.nan_to_num(scales, nan=1.0, posinf=1.0)
-                for layer, weight in zip(mapping.balance, originals):
+                for layer, weight, on in zip(mapping.balance, originals, quantized):
+                    if not on:  # unquantized: Q(W s) / s is W itself
+                        continue
                     scaled = weight.float() * scales
                     on_grid = fake_quantize(scaled, *weight_qparams(scaled, args), args)
                     layer.weight.copy_((on_grid / scales).to(weight.dtype))
@@ -333,8 +347,8 @@ class AWQModifier(SmoothingModifier):
         """Clip each balance layer where the module around it (attention, MLP) then computes
         closer to its full-precision output (``clip.py``)."""
         layers, sizes = [], []
-        for layer in dict.fromkeys(m for mapping in mappings for m in mapping.balance):
-            size = clip_group(self._search_args(layer), layer.in_features)
+        for layer in dict.fromkeys(m for mapping in mappings for m in mapping.balance if _quantized(m)):
+            size = clip_group(self._search_args(layer), layer.weight.shape[-1])
             if size is not None:
                 layers.append(layer)
                 sizes.append(size)

@@ -4,6 +4,7 @@ change, and a clear error for a model without blocks."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import field_validator
@@ -64,7 +65,8 @@ class SmoothingModifier(Modifier):
         else:
             mappings, skipped = find_mappings(block, prefix, self.config.ignore, self.linear_sources)
         mappings = self.usable(mappings, skipped)
-        found = "; ".join(m.describe() for m in mappings)
+        described = Counter(m.describe() for m in mappings)  # an MoE's experts: "up_proj -> down_proj (x4)"
+        found = "; ".join(text + (f" (x{count})" if count > 1 else "") for text, count in described.items())
         if found != self._last_found or skipped:
             logger.info("%s, block %d: %s%s", type(self).__name__, block.index, found or "no mapping",
                         f" (skipped: {'; '.join(skipped)})" if skipped else "")

@@ -6,7 +6,9 @@ are read from the block itself, with no table:
 
 - **by data flow**: one forward of the block records which module produced each tensor and which
   Linears read it; a norm (a module with a per-channel ``weight``) or a Linear whose output is
-  the very input of some Linears is a candidate with those Linears (``input_layernorm`` → q/k/v);
+  the very input of some Linears (or a view of it) is a candidate with those Linears
+  (``input_layernorm`` → q/k/v; an MoE's ``post_attention_layernorm`` → its router and every
+  expert's gate/up, while all experts calibrate on all tokens, the default);
 - **through the attention or the gated MLP**: with ``linear_sources``, a Linear whose output
   width is another Linear's input width, where that input came from no recorded module
   (``v_proj`` → ``o_proj`` without grouped KV heads, ``up_proj`` → ``down_proj``);
@@ -21,17 +23,33 @@ resolved inside each block and checked the same way.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from llmpress.models.linear import input_major
 from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
 from llmpress.targets import matches
 
-__all__ = ["Mapping", "apply_scales", "channel_statistics", "find_mappings", "resolve_mappings"]
+__all__ = ["Mapping", "apply_scales", "channel_statistics", "find_mappings", "reads_columns", "resolve_mappings"]
+
+
+def reads_columns(module: nn.Module) -> bool:
+    """Whether the module multiplies its input by a 2-D ``weight`` ``[out, in]``: a Linear, or a
+    router that calls ``F.linear`` with its own weight (Qwen3-MoE's, DeepSeek's), so its input
+    columns can take ``s`` as a Linear's do."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding) and not input_major(module)
+
+
+def _columns(module: nn.Module) -> int:
+    return module.weight.shape[-1]
 
 
 @dataclass
@@ -42,8 +60,18 @@ class Mapping:
     balance: list[nn.Linear] = field(repr=False)
 
     def describe(self) -> str:
-        inner = [n.rsplit(".", 1)[-1] for n in self.balance_names]
-        return f"{self.smooth_name.rsplit('.', 1)[-1]} -> {', '.join(inner)}"
+        """``post_attention_layernorm -> gate, experts.*.gate_proj, experts.*.up_proj (4 experts)``"""
+        parent = self.smooth_name.rpartition(".")[0]
+        local = [n.removeprefix(parent + ".") if parent else n for n in self.balance_names]  # the names inside the block
+        inner = []
+        for name in local:
+            pattern = re.sub(r"\.\d+\.", ".*.", name)
+            short = ".".join(pattern.split(".")[-3:]) if "*" in pattern else pattern.rsplit(".", 1)[-1]
+            if short not in inner:
+                inner.append(short)
+        experts = {m.group(1) for n in local if (m := re.search(r"\.(\d+)\.", n))}
+        more = f" ({len(experts)} experts)" if len(experts) > 1 else ""
+        return f"{self.smooth_name.rsplit('.', 1)[-1]} -> {', '.join(inner)}{more}"
 
 
 def _per_channel_weight(module: nn.Module, width: int) -> bool:
@@ -82,7 +110,7 @@ def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str
             if isinstance(output, torch.Tensor) and id(output) not in produced:
                 produced[id(output)] = (name, mod)  # children's hooks fire first: the innermost wins
                 keep[id(output)] = output
-            if isinstance(mod, nn.Linear) and args and isinstance(args[0], torch.Tensor):
+            if reads_columns(mod) and args and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == _columns(mod):
                 inputs[name] = args[0]
                 keep[id(args[0])] = args[0]
 
@@ -95,19 +123,35 @@ def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str
     return produced, inputs, keep
 
 
+def _through_views(produced: dict[int, tuple[str, nn.Module]], inputs: dict[str, torch.Tensor],
+                   keep: dict[int, torch.Tensor]) -> dict[int, int]:
+    """For each Linear input, the id of the tensor it stands for: itself, or the produced tensor
+    it is a view of (same memory, same elements, same last dimension). An MoE block reads its
+    norm's output through views: ``view(-1, hidden)`` in its router and, calibrating all experts,
+    in every expert, while a shared expert may read the output itself; all of them read one
+    tensor."""
+    by_memory = {(t.data_ptr(), t.numel(), t.shape[-1]): i for i, t in keep.items() if i in produced}
+    canonical = {}
+    for x in inputs.values():
+        base = id(x) if id(x) in produced else by_memory.get((x.data_ptr(), x.numel(), x.shape[-1]), id(x))
+        canonical[id(x)] = base
+    return canonical
+
+
 def _candidates(block: Any, linear_sources: bool) -> list[Mapping]:
-    produced, inputs, _ = _record_flow(block)
+    produced, inputs, keep = _record_flow(block)
+    canonical = _through_views(produced, inputs, keep)
     modules = dict(block.module.named_modules())
     readers: dict[int, list[str]] = {}
     for name, x in inputs.items():
-        readers.setdefault(id(x), []).append(name)
+        readers.setdefault(canonical[id(x)], []).append(name)
     found: list[Mapping] = []
     for tensor_id, names in readers.items():
         source = produced.get(tensor_id)
         if source is None:
             continue
         smooth_name, smooth = source
-        width = inputs[names[0]].shape[-1]
+        width = keep[tensor_id].shape[-1]
         if isinstance(smooth, nn.Linear) and not linear_sources:
             continue
         if _per_channel_weight(smooth, width) and smooth_name not in names:
@@ -115,7 +159,7 @@ def _candidates(block: Any, linear_sources: bool) -> list[Mapping]:
     if linear_sources:  # through attention or a gated product: no module produced the input
         linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
         for reader, x in inputs.items():
-            if id(x) in produced:
+            if canonical[id(x)] in produced:
                 continue
             for name, linear in linears:
                 if name != reader and linear.out_features == x.shape[-1] and linears.index((name, linear)) < linears.index((reader, modules[reader])):
@@ -132,7 +176,7 @@ def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start:
     activation) by 5% or more; in float32 the bound is 1e-4."""
     touched = [mapping.smooth, *mapping.balance]
     saved = [{k: v.detach().clone() for k, v in m.named_parameters(recurse=False)} for m in touched]
-    width = mapping.balance[0].in_features
+    width = _columns(mapping.balance[0])
     scales = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
         apply_scales(mapping, scales)
@@ -161,7 +205,7 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
         modules = [mapping.smooth, *mapping.balance]
         if any(matches(n, m, ignore) for n, m in zip(full, modules)):
             continue
-        widths = {m.in_features for m in mapping.balance}
+        widths = {_columns(m) for m in mapping.balance}
         if len(widths) != 1 or not _per_channel_weight(mapping.smooth, widths.pop()):
             skipped.append(f"{mapping.describe()} (its output width is not the balance layers' input width)")
         elif any(getattr(m, name, None) is not None for m in modules for name in ("weight_scale", "input_scale")):
@@ -193,7 +237,7 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
             scope = smooth_name
             while True:
                 scope = scope.rpartition(".")[0]
-                under = {n: m for n, m in named.items() if isinstance(m, nn.Linear) and (not scope or n.startswith(scope + "."))
+                under = {n: m for n, m in named.items() if reads_columns(m) and (not scope or n.startswith(scope + "."))
                          and any(matches(prefix + n, m, [p]) for p in balance_patterns)}
                 if under or not scope:
                     break
