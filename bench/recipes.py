@@ -2,6 +2,7 @@
 files, the same tokens, separate processes, one run.
 
     python bench/recipes.py [--configs sq-gptq-w8a8 gptq-w8a8 kv-fp8] [--repeat 1] [--work DIR]
+    python bench/recipes.py --configs sq-gptq-w8a8 --models random-1024     # where the work dominates
 
 Models: the shared tiny trained Llama, and the same model with activation outliers (a few
 channels of each norm x50 and the Linears reading them /50: the same function, the activations of
@@ -16,7 +17,8 @@ llm-compressor's examples write them:
 Each checkpoint's perplexity is read three ways: ``llmpress.load(dequantize=True)``;
 transformers + compressed-tensors at llmpress's pins; and at llm-compressor's (transformers 5.17 +
 compressed-tensors 0.19, its own environment). The last column says whether that loader
-registered the KV-cache scales.
+registered the KV-cache scales. ``--models random-1024`` runs a config on the random hidden-1024
+Llama of the GPTQ bench instead, where time and memory are what mean something.
 """
 
 from __future__ import annotations
@@ -95,10 +97,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
     parser.add_argument("--work", default=None)
+    parser.add_argument("--models", nargs="+", default=None, choices=["tiny", "tiny-outliers", "random-1024"],
+                        help="the models to run each config on (default: the tiny ones each config is meant for)")
     args = parser.parse_args()
     prepare_peer_runs()
     work = work_folder(args.work, "llmpress-recipes-")
-    models, tokens, windows = bench_inputs(work, ["tiny"])
+    models, tokens, windows = bench_inputs(work, args.models or ["tiny"])
     models["tiny-outliers"] = save_outlier_model(work / "tiny-outliers")
     torch.save(windows, work / "windows.pt")
 
@@ -107,7 +111,7 @@ def main() -> None:
     for config in args.configs:
         recipe = work / f"{config}.yaml"
         recipe.write_text(RECIPES[config])
-        for name in MODELS[config]:
+        for name in args.models or MODELS[config]:
             row = {"config": config, "model": name, **run_pairs("llmpress", recipe, models[name], tokens, work / f"{name}-{config}", args.repeat)}
             for tool in ("llmpress", "llmcompressor"):
                 checkpoint = work / f"{name}-{config}-{tool}"

@@ -303,31 +303,66 @@ def test_awq_takes_batches_of_different_lengths():
     assert model.model.layers[0].self_attn.q_proj.weight_scale is not None
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_an_moe_norm_maps_to_its_router_and_every_expert(family, tmp_path, caplog):
-    """The MoE block reads its norm's output through views (router, every expert while all
-    calibrate) and, for DeepSeek, as it is (the shared expert): one mapping, with the router
-    (a weight of its own, not a Linear) scaled too, so the function stays; AWQ leaves the router
-    the recipe ignores unquantized and searches against the experts."""
-    import logging
-
+def moe_model(family, folder):
     from architectures import save_tiny
 
-    model_dir = save_tiny(family, tmp_path / family)
+    return save_tiny(family, folder)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen2_moe"])
+def test_an_moe_norm_maps_to_its_router_and_every_expert(family, tmp_path, caplog):
+    """The MoE block reads its norm's output through views (router, every expert while all
+    calibrate) and as it is (DeepSeek's shared expert): one mapping, the router (a weight of its
+    own, not a Linear) and qwen2_moe's shared-expert gate scaled too, so the function stays; AWQ
+    leaves the layers the recipe ignores unquantized but scaled, and searches against the experts."""
+    import logging
+
+    model_dir = moe_model(family, tmp_path / family)
     reference = llmpress.load(model_dir, dtype=torch.float32)
     vocab = reference.config.vocab_size
     ids = torch.tensor(token_batches(2, 16, vocab=vocab))
     layer = len(reference.model.layers) - 1  # DeepSeek's first layer is dense
-    experts = len(reference.model.layers[layer].mlp.experts)
-    moe = "post_attention_layernorm -> gate, experts.*.gate_proj, experts.*.up_proj"
+    before = reference.model.layers[layer]
+    experts = len(before.mlp.experts)
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
     for modifiers in ([SmoothQuantModifier(smoothing_strength=0.8)],
-                      [AWQModifier(), QuantizationModifier(scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])]):
+                      [AWQModifier(), QuantizationModifier(scheme="W4A16", ignore=ignore)]):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="llmpress.modifiers.smoothing"):
             done = llmpress.oneshot(llmpress.load(model_dir, dtype=torch.float32), modifiers, token_batches(4, 32, vocab=vocab))
-        expected = f"{moe}{', gate_proj, up_proj' if family == 'deepseek_v3' else ''} ({experts} experts)"
-        assert any(expected in r.getMessage() for r in caplog.records), caplog.text
+        assert any("post_attention_layernorm -> " in r.getMessage() and "experts.*.gate_proj, experts.*.up_proj" in r.getMessage()
+                   and f"({experts} experts)" in r.getMessage() and "gate" in r.getMessage().split("post_attention_layernorm -> ")[1]
+                   for r in caplog.records), caplog.text
+        after = done.model.layers[layer]
+        norm, norm0 = after.post_attention_layernorm.weight, before.post_attention_layernorm.weight
+        assert len(modifiers) > 1 or not torch.allclose(norm, norm0)  # AWQ may find s = 1 best on random weights
+        # router columns took the scales the norm gave up: their product is unchanged
+        torch.testing.assert_close(after.mlp.gate.weight * norm, before.mlp.gate.weight * norm0, rtol=1e-4, atol=1e-6)
         if len(modifiers) == 1:  # SmoothQuant alone: the same function
             assert rel(logits(done, ids), logits(reference, ids)) < 1e-5
     mlp = done.model.layers[layer].mlp
-    assert getattr(mlp.gate, "weight_scale", None) is None and mlp.experts[0].up_proj.weight_scale is not None
+    assert mlp.experts[0].up_proj.weight_scale is not None
+    if family == "qwen2_moe":  # an ignored Linear among the balance layers: scaled, not quantized
+        assert getattr(mlp.shared_expert_gate, "weight_scale", None) is None
+
+
+def test_experts_without_tokens_cannot_pass_for_a_mapping(tmp_path):
+    """On a one-token batch most experts get no token: a check that looked only at the routed
+    output would accept anything for them (gate_proj -> down_proj through the activation). The
+    check mixes every expert in, so only each expert's up_proj -> down_proj is kept; without
+    all experts calibrating, the norm's mapping misses the idle experts and is skipped."""
+    from llmpress.models import calibrating_all_experts
+
+    model = llmpress.load(moe_model("qwen3_moe", tmp_path / "moe"), dtype=torch.float32)
+    layers = model.model.layers
+    short = [[5]]  # one token: top-2 of 4 experts, two get nothing
+    with calibrating_all_experts(model):
+        block = first_block(model, layers, short)
+        mappings, skipped = find_mappings(block, "", [], linear_sources=True)
+    found = [m.describe() for m in mappings]
+    assert not any("gate_proj -> down_proj" in d for d in found)
+    assert sum(d.startswith("up_proj -> down_proj") for d in found) == len(layers[0].mlp.experts)
+    block = first_block(model, layers, short)  # routed tokens only
+    mappings, skipped = find_mappings(block, "", [])
+    assert not any(m.smooth_name.endswith("post_attention_layernorm") for m in mappings)
+    assert any("did not run on the first batch" in s for s in skipped)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_experts", "linearize_experts", "routed_experts_only"]
+__all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_experts", "linearize_experts", "mixing_all_experts",
+           "routed_experts_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class LinearExperts(nn.ModuleList):
         )
         self.layout = layout
         self.calibrate_all = False
+        self.mix_all = False  # checking a transform: every expert's result reaches the output
         for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
             if name in fused._parameters:
                 if not down.is_meta:
@@ -137,6 +139,10 @@ class LinearExperts(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, *routing, **named) -> torch.Tensor:
         top_k_index, top_k_weights = (*routing, *named.values())[:2]
         out = torch.zeros_like(hidden_states)
+        if self.mix_all:  # an equal share of every expert on every token, whatever the routing
+            for expert in self:
+                out += self._expert(expert, hidden_states).to(out.dtype) / len(self)
+            return out
         for index, expert in enumerate(self):
             token, slot = torch.where(top_k_index == index)
             if self.calibrate_all:
@@ -230,6 +236,21 @@ def calibrating_all_experts(model: nn.Module, enabled: bool = True) -> contextli
     """Within, every expert of ``model`` sees every token (for its statistics); the layers'
     outputs still use only the routed experts."""
     return _all_experts_calibrating(model, True) if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def mixing_all_experts(module: nn.Module) -> Iterator[None]:
+    """Within, every ``LinearExperts`` of ``module`` returns the mean of all its experts on every
+    token instead of the routed mix: a check that a transform keeps the function then sees every
+    expert's weights, not only those the check's batch happens to route to."""
+    experts = [m for m in module.modules() if isinstance(m, LinearExperts) and not m.mix_all]
+    for m in experts:
+        m.mix_all = True
+    try:
+        yield
+    finally:
+        for m in experts:
+            m.mix_all = False
 
 
 def routed_experts_only(module: nn.Module) -> contextlib.AbstractContextManager[None]:

@@ -47,7 +47,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import RecipeError
-from llmpress.models.experts import routed_experts_only
+from llmpress.models.experts import ExpertMLP, routed_experts_only
 from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.hessians import HessianAccumulator
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
@@ -172,7 +172,7 @@ def _around(block: nn.Module, name: str) -> nn.Module:
     parts = name.split(".")[:-1]
     while parts:
         module = block.get_submodule(".".join(parts))
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, ExpertMLP)):  # an expert is run by its MoE layer, not called
             return module
         parts.pop()
     return block
@@ -268,6 +268,7 @@ class AWQModifier(SmoothingModifier):
         super().on_initialize(state)
         self.errors: list[tuple[str, float, float]] = []  # (smooth layer, error at s = 1, best error)
         self.clipped: list[str] = []  # layers apply_clip clipped
+        self._told_exact = False
         self._note = ""
 
     def usable(self, mappings: list[Mapping], skipped: list[str]) -> list[Mapping]:
@@ -289,6 +290,11 @@ class AWQModifier(SmoothingModifier):
                                "modifier after AWQ in this stage)")
             else:
                 kept.append(mapping)
+                exact = [n for n, m in zip(mapping.balance_names, mapping.balance) if not _quantized(m)]
+                if exact and not self._told_exact:
+                    self._told_exact = True
+                    logger.info("AWQModifier: balance layers no quantizer after AWQ rounds take the scales exactly "
+                                "(a router the recipe ignores, say): %s", ", ".join(exact[:4]))
         return kept
 
     def smooth(self, block: CalibrationBlock, mappings: list[Mapping]) -> None:
@@ -314,7 +320,8 @@ class AWQModifier(SmoothingModifier):
             score = _RunScore(replace(block, inputs=_spread(block.inputs, self.config.search_tokens)), owner)
         quantized = [_quantized(layer) for layer in mapping.balance]
         args = self._search_args(mapping.balance[quantized.index(True)])
-        w_mean = column_means(mapping.balance, args) if self.config.duo_scaling else None
+        searched = [layer for layer, on in zip(mapping.balance, quantized) if on]
+        w_mean = column_means(searched, args) if self.config.duo_scaling else None
         best, best_error, first_error = None, float("inf"), None
         try:
             for ratio, duo in grid(self.config.n_grid, self.config.duo_scaling):

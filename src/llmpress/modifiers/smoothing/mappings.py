@@ -23,6 +23,7 @@ resolved inside each block and checked the same way.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.models.experts import mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
@@ -98,21 +100,25 @@ def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
         linear.weight.copy_((linear.weight.float() * s.to(linear.weight.device)).to(linear.weight.dtype))
 
 
-def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor]]:
+def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor], set[str]]:
     """One forward of the block on its first batch: the innermost module that produced each
-    output tensor (by id), and each Linear's input."""
+    output tensor (by id), each column reader's input, and the names of the modules that ran."""
     produced: dict[int, tuple[str, nn.Module]] = {}
     keep: dict[int, torch.Tensor] = {}  # the tensors, so their ids stay theirs during the pass
     inputs: dict[str, torch.Tensor] = {}
+    called: set[str] = set()
     handles = []
     for name, module in block.module.named_modules():
         def after(mod, args, output, name=name):
+            called.add(name)
             if isinstance(output, torch.Tensor) and id(output) not in produced:
                 produced[id(output)] = (name, mod)  # children's hooks fire first: the innermost wins
                 keep[id(output)] = output
             if reads_columns(mod) and args and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == _columns(mod):
-                inputs[name] = args[0]
-                keep[id(args[0])] = args[0]
+                first = output[0] if isinstance(output, (tuple, list)) and output else output
+                if isinstance(mod, nn.Linear) or (isinstance(first, torch.Tensor) and first.shape[-1] == mod.weight.shape[0]):
+                    inputs[name] = args[0]  # a router: x @ W.T, its output as wide as W has rows
+                    keep[id(args[0])] = args[0]
 
         handles.append(module.register_forward_hook(after))
     try:
@@ -120,32 +126,35 @@ def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str
     finally:
         for handle in handles:
             handle.remove()
-    return produced, inputs, keep
+    return produced, inputs, keep, called
 
 
 def _through_views(produced: dict[int, tuple[str, nn.Module]], inputs: dict[str, torch.Tensor],
                    keep: dict[int, torch.Tensor]) -> dict[int, int]:
     """For each Linear input, the id of the tensor it stands for: itself, or the produced tensor
-    it is a view of (same memory, same elements, same last dimension). An MoE block reads its
+    it is a view of (same memory, elements, last dimension and stride). An MoE block reads its
     norm's output through views: ``view(-1, hidden)`` in its router and, calibrating all experts,
     in every expert, while a shared expert may read the output itself; all of them read one
     tensor."""
-    by_memory = {(t.data_ptr(), t.numel(), t.shape[-1]): i for i, t in keep.items() if i in produced}
-    canonical = {}
-    for x in inputs.values():
-        base = id(x) if id(x) in produced else by_memory.get((x.data_ptr(), x.numel(), x.shape[-1]), id(x))
-        canonical[id(x)] = base
-    return canonical
+    def where(t: torch.Tensor) -> tuple[int, ...]:
+        return t.data_ptr(), t.numel(), t.shape[-1], t.stride(-1)
+
+    by_memory: dict[tuple[int, ...], int] = {}
+    for i, t in keep.items():
+        if i in produced:
+            by_memory.setdefault(where(t), i)  # the first producer: the innermost module
+    return {id(x): id(x) if id(x) in produced else by_memory.get(where(x), id(x)) for x in inputs.values()}
 
 
-def _candidates(block: Any, linear_sources: bool) -> list[Mapping]:
-    produced, inputs, keep = _record_flow(block)
+def _candidates(block: Any, linear_sources: bool) -> tuple[list[Mapping], list[str]]:
+    produced, inputs, keep, called = _record_flow(block)
     canonical = _through_views(produced, inputs, keep)
     modules = dict(block.module.named_modules())
     readers: dict[int, list[str]] = {}
     for name, x in inputs.items():
         readers.setdefault(canonical[id(x)], []).append(name)
     found: list[Mapping] = []
+    skipped: list[str] = []
     for tensor_id, names in readers.items():
         source = produced.get(tensor_id)
         if source is None:
@@ -155,16 +164,28 @@ def _candidates(block: Any, linear_sources: bool) -> list[Mapping]:
         if isinstance(smooth, nn.Linear) and not linear_sources:
             continue
         if _per_channel_weight(smooth, width) and smooth_name not in names:
-            found.append(Mapping(smooth_name, smooth, names, [modules[n] for n in names]))
+            mapping = Mapping(smooth_name, smooth, names, [modules[n] for n in names])
+            # a reader that did not run on this batch (an expert no token reached, a branch for
+            # other inputs) cannot be seen to read the same tensor: the mapping would miss it
+            scope = os.path.commonprefix([n.split(".") for n in names]) if len(names) > 1 else names[0].split(".")[:-1]
+            under = ".".join(scope) + "." if scope else ""
+            idle = [n for n, m in modules.items() if n not in called and n.startswith(under) and reads_columns(m)
+                    and _columns(m) == width]
+            if idle:
+                skipped.append(f"{mapping.describe()} ({idle[0]} did not run on the first batch)")
+            else:
+                found.append(mapping)
     if linear_sources:  # through attention or a gated product: no module produced the input
-        linears = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear)]
+        order = {n: i for i, n in enumerate(modules)}
         for reader, x in inputs.items():
-            if canonical[id(x)] in produced:
+            if canonical[id(x)] in produced or not isinstance(modules[reader], nn.Linear):
                 continue
-            for name, linear in linears:
-                if name != reader and linear.out_features == x.shape[-1] and linears.index((name, linear)) < linears.index((reader, modules[reader])):
+            parent = reader.rpartition(".")[0]
+            for name, linear in modules.items():  # a Linear before it in the same module (v_proj -> o_proj)
+                if (isinstance(linear, nn.Linear) and name != reader and name.rpartition(".")[0] == parent
+                        and linear.out_features == x.shape[-1] and order[name] < order[reader]):
                     found.append(Mapping(name, linear, [reader], [modules[reader]]))
-    return found
+    return found, skipped
 
 
 @torch.no_grad()
@@ -180,7 +201,8 @@ def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start:
     scales = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
         apply_scales(mapping, scales)
-        out = hidden_of(block.run(block.module, block.inputs[:1])[0])
+        with mixing_all_experts(block.module):  # as the reference: every expert counts
+            out = hidden_of(block.run(block.module, block.inputs[:1])[0])
     except RuntimeError:  # the scales do not even fit (a shape the checks above missed)
         return False
     finally:
@@ -192,18 +214,30 @@ def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start:
     return bool((out.float() - reference.float()).norm() <= tolerance * added.norm().clamp(min=1e-12))
 
 
-def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: str) -> tuple[list[Mapping], list[str]]:
-    reference = hidden_of(block.run(block.module, block.inputs[:1])[0])
+def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: str,
+             skipped: list[str] | None = None) -> tuple[list[Mapping], list[str]]:
+    """The candidates that keep the block's function when scaled, checked with every expert of
+    an MoE block mixed into the output (``mixing_all_experts``: an expert this batch routes no
+    token to still counts). A mapping whose smooth layer, or every balance layer, is ignored is
+    left out; ignored balance layers among others take the scales (the function needs them) and
+    are not quantized."""
+    with mixing_all_experts(block.module):
+        reference = hidden_of(block.run(block.module, block.inputs[:1])[0])
     start = primary_input(*block.inputs[0])
-    kept, skipped = [], []
+    kept, skipped = [], list(skipped or [])
     smooths: set[int] = set()
+    balanced: set[int] = set()
     for mapping in candidates:
         if id(mapping.smooth) in smooths:  # one mapping per smooth layer: its scales are applied once
             skipped.append(f"{mapping.describe()} (its smooth layer is in an earlier mapping)")
             continue
+        if any(id(m) in balanced for m in mapping.balance):  # nor twice to one balance layer
+            skipped.append(f"{mapping.describe()} (a balance layer is in an earlier mapping)")
+            continue
         full = [f"{prefix}{n}" for n in [mapping.smooth_name, *mapping.balance_names]]
         modules = [mapping.smooth, *mapping.balance]
-        if any(matches(n, m, ignore) for n, m in zip(full, modules)):
+        ignored = [matches(n, m, ignore) for n, m in zip(full, modules)]
+        if ignored[0] or all(ignored[1:]):
             continue
         widths = {_columns(m) for m in mapping.balance}
         if len(widths) != 1 or not _per_channel_weight(mapping.smooth, widths.pop()):
@@ -213,6 +247,7 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
         elif keeps_function(block, mapping, reference, start if isinstance(start, torch.Tensor) else None):
             kept.append(Mapping(full[0], mapping.smooth, full[1:], mapping.balance))
             smooths.add(id(mapping.smooth))
+            balanced.update(id(m) for m in mapping.balance)
         else:
             skipped.append(f"{mapping.describe()} (scaling it changes the block's output)")
     return kept, skipped
@@ -221,7 +256,8 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
 def find_mappings(block: Any, prefix: str, ignore: list[str], linear_sources: bool = False) -> tuple[list[Mapping], list[str]]:
     """The block's mappings found by data flow and checked by running, with full names
     (``prefix`` + the name inside the block), and the candidates dropped (why)."""
-    return _checked(block, _candidates(block, linear_sources), ignore, prefix)
+    candidates, skipped = _candidates(block, linear_sources)
+    return _checked(block, candidates, ignore, prefix, skipped)
 
 
 def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], str]], ignore: list[str]) -> tuple[list[Mapping], list[str]]:
@@ -267,7 +303,9 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
                 found["abs_mean"] += x.abs().sum(0)
             counts[name] = counts.get(name, 0) + x.shape[0]
 
-        handles.append(mapping.balance[0].register_forward_pre_hook(seen))
+        # a balance layer that sees every token: not an expert (a router, a shared expert) where there is one
+        plain = [m for n, m in zip(mapping.balance_names, mapping.balance) if not re.search(r"\.experts\.\d+\.", n)]
+        handles.append((plain or mapping.balance)[0].register_forward_pre_hook(seen))
     try:
         block.run(block.module, block.inputs[:batches])
     finally:

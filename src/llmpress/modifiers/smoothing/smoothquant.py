@@ -73,7 +73,9 @@ class SmoothQuantModifier(SmoothingModifier):
             scales = activation_range / torch.log2(2 + activation_range)
         else:
             alpha = self.config.smoothing_strength
-            weight_range = 2.0 * torch.stack([m.weight.detach().abs().float().amax(dim=0) for m in mapping.balance]).amax(dim=0)
+            # the layers a quantizer will round (an ignored router takes the scales exactly)
+            rounded = [m for m in mapping.balance if getattr(m, "quantization_scheme", None) is not None] or mapping.balance
+            weight_range = 2.0 * torch.stack([m.weight.detach().abs().float().amax(dim=0) for m in rounded]).amax(dim=0)
             scales = activation_range.pow(alpha) / weight_range.pow(1 - alpha)
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
