@@ -233,8 +233,13 @@ class _LinearScore:
     def __init__(self, block: CalibrationBlock, owner: nn.Linear, original: torch.Tensor) -> None:
         self.owner, self.original = owner, original.float()
         inputs = HessianAccumulator(owner.in_features, original.device)
-        for args, _ in block.inputs_to(owner):
-            inputs.add(args[0])
+        # streamed: one batch of the block at a time, the owner's inputs summed as they come
+        handle = owner.register_forward_pre_hook(lambda module, args: inputs.add(args[0]))
+        try:
+            for batch in block.inputs:
+                block.run(block.module, [batch])
+        finally:
+            handle.remove()
         self.hessian = inputs.result()
 
     def __call__(self) -> float:

@@ -283,13 +283,19 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
     return _checked(block, candidates, ignore, prefix)
 
 
+class _Seen(Exception):
+    """Every mapping's input of this batch is in: the rest of the block need not run."""
+
+
 @torch.no_grad()
 def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Per input channel of each mapping, over the block's calibration tokens (the first
     ``batches`` batches, default all): ``min``, ``max`` and ``abs_mean`` (mean of ``|x|``), by
-    smooth layer name. One run of the block."""
+    smooth layer name. Each batch runs through the block only until the last mapping's input
+    has been seen (a Llama block stops before its MLP's products: a third of the work)."""
     stats: dict[str, dict[str, torch.Tensor]] = {}
     counts: dict[str, int] = {}
+    pending: set[str] = set()
     handles = []
     for mapping in mappings:
         def seen(module: nn.Module, args: tuple, name: str = mapping.smooth_name) -> None:
@@ -302,12 +308,20 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
                 torch.maximum(found["max"], x.amax(0), out=found["max"])
                 found["abs_mean"] += x.abs().sum(0)
             counts[name] = counts.get(name, 0) + x.shape[0]
+            pending.discard(name)
+            if not pending:
+                raise _Seen
 
         # a balance layer that sees every token: not an expert (a router, a shared expert) where there is one
         plain = [m for n, m in zip(mapping.balance_names, mapping.balance) if not re.search(r"\.experts\.\d+\.", n)]
         handles.append((plain or mapping.balance)[0].register_forward_pre_hook(seen))
     try:
-        block.run(block.module, block.inputs[:batches])
+        for batch in block.inputs[:batches]:
+            pending.update(m.smooth_name for m in mappings)
+            try:
+                block.run(block.module, [batch])
+            except _Seen:
+                pass
     finally:
         for handle in handles:
             handle.remove()
