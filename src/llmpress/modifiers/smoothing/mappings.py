@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.errors import LlmpressError
 from llmpress.models.experts import mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.observation import primary_input
@@ -283,8 +284,9 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
     return _checked(block, candidates, ignore, prefix)
 
 
-class _Seen(Exception):
-    """Every mapping's input of this batch is in: the rest of the block need not run."""
+class _Seen(LlmpressError):
+    """Every mapping's input of this batch is in: the rest of the block need not run (caught
+    right there; an LlmpressError as every exception the package defines)."""
 
 
 @torch.no_grad()
@@ -310,7 +312,7 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
             counts[name] = counts.get(name, 0) + x.shape[0]
             pending.discard(name)
             if not pending:
-                raise _Seen
+                raise _Seen("every mapping's input of this batch is seen")
 
         # a balance layer that sees every token: not an expert (a router, a shared expert) where there is one
         plain = [m for n, m in zip(mapping.balance_names, mapping.balance) if not re.search(r"\.experts\.\d+\.", n)]
