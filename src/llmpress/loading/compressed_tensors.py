@@ -20,6 +20,7 @@ from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod
 from llmpress.loading.dense import dense_linear
 from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
+from llmpress.models.classes import model_dtype
 from llmpress.models.linear import features, input_major, is_linear
 from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 from llmpress.quant.scheme import QuantizationScheme
@@ -86,7 +87,7 @@ class CompressedTensorsQuantizer(Quantizer):
             return
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        dtype = model_dtype(model)
         modules = attention_modules(model)
         for module in modules.values():
             KVCacheQuantizer.attach(module, args).expect_scales(module, heads, dtype)

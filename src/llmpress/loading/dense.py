@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmpress.formats import FORMATS
+from llmpress.models.classes import model_dtype
 from llmpress.models.linear import Conv1D
 from llmpress.quant.attach import attach_scheme, enable_input_quantization, set_module_buffer
 from llmpress.quant.scheme import QuantizationScheme
@@ -44,17 +45,10 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     """Swap every ``QuantizedLinear`` of ``model`` for its dense module, in place."""
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantizedLinear):
-            dtype = module.bias.dtype if module.bias is not None else _model_dtype(model)
+            dtype = module.bias.dtype if module.bias is not None else model_dtype(model)
             dense = dense_linear(
                 module.in_features, module.out_features, module.compressed_state(),
                 module.quantization_scheme, module.format, dtype, module.input_major,
             )
             model.set_submodule(name, dense)
     return model
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32

@@ -2,7 +2,7 @@
 (``classes``), checkpoint names ↔ model names (``keys``), and MoE experts held one ``Linear`` per
 expert (``experts``)."""
 
-from llmpress.models.classes import build, model_class
+from llmpress.models.classes import build, model_class, model_dtype
 from llmpress.models.experts import (
     ExpertMLP,
     LinearExperts,
@@ -22,5 +22,6 @@ __all__ = [
     "fused_experts",
     "linearize_experts",
     "model_class",
+    "model_dtype",
     "routed_experts_only",
 ]

@@ -1,14 +1,18 @@
 """Which model class a checkpoint is built as: the one its config names, as ``from_pretrained``
 does (``BertModel`` for a sentence-embedding checkpoint, ``LlavaForConditionalGeneration`` for a
-vision-language one), else the causal-LM Auto class, else the base model."""
+vision-language one), else the causal-LM Auto class, else the base model; and the dtype a built
+model computes in."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from llmpress.errors import UnsupportedModelError
 
-__all__ = ["build", "model_class"]
+__all__ = ["build", "model_class", "model_dtype"]
 
 
 def model_class(config: Any):
@@ -34,3 +38,8 @@ def build(cls, config: Any, **kwargs: Any):
     if hasattr(cls, "from_config") and cls.__module__.startswith("transformers.models.auto"):
         return cls.from_config(config, **kwargs)
     return cls._from_config(config, **kwargs)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 when it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

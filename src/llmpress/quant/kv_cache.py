@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import SchemeError
+from llmpress.quant.qdq import fake_quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["KVCacheQuantizer", "attention_modules", "kv_cache_args", "kv_cache_scheme_of"]
@@ -156,14 +157,7 @@ class KVCacheQuantizer:
                 self.absmax[name] = seen if name not in self.absmax else torch.maximum(self.absmax[name], seen)
         if not self.frozen:
             return key_states, value_states
-        return self._fake_quantize(key_states, module.k_scale), self._fake_quantize(value_states, module.v_scale)
-
-    def _fake_quantize(self, states: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        scale = scale.to(torch.float32)
-        low, high = self.args.q_range
-        scaled = (states.to(torch.float32) / scale).clamp_(low, high)
-        grid = scaled.to(torch.float8_e4m3fn).to(torch.float32) if self.args.is_float else scaled.round_()
-        return (grid * scale).to(states.dtype)
+        return fake_quantize(key_states, module.k_scale, None, self.args), fake_quantize(value_states, module.v_scale, None, self.args)
 
     def scale_shape(self, num_heads: int) -> tuple[int, ...]:
         return (num_heads, 1, 1) if self.args.strategy == QuantizationStrategy.ATTN_HEAD else (1,)

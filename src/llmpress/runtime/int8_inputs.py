@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from llmpress.quant.qdq import activation_qparams
+from llmpress.quant.qdq import activation_qparams, quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["MIN_ROWS", "Int8Inputs", "int8_inputs_supported"]
@@ -109,11 +109,8 @@ class Int8Inputs:
         """``x_q @ w_q.T`` scaled back, for ``flat`` ``[tokens, in]``: float32 ``[tokens, out]``."""
         scale, zero_point = activation_qparams(flat, self.inputs, input_scale, input_zero_point)
         scale = scale.to(torch.float32)
-        q_min, q_max = self.inputs.q_range
-        values = flat.to(torch.float32) / scale
-        if zero_point is not None:
-            values.add_(zero_point.to(torch.float32))
-        shifted = values.round_().clamp_(q_min, q_max).add_(_SHIFT).to(torch.uint8)
+        # int8 q + 128 as uint8 is q's bits with the sign bit flipped
+        shifted = quantize(flat, scale, zero_point, self.inputs).view(torch.uint8).bitwise_xor_(_SHIFT)
         out = _product(shifted, self.packed, self.ones, self.zeros)
         if self.split:
             out = out[:, : self.out_features] + out[:, self.out_features :]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
+from llmpress.models.classes import model_dtype
 from llmpress.models.experts import routed_experts_only
 from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 
@@ -46,7 +47,7 @@ class KVCacheCalibration:
                 expected="attention modules (…Attention) whose forward takes past_key_values",
                 fix="remove kv_cache_scheme for this model",
             )
-        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.dtype = model_dtype(model)
         for module in self.pending.values():
             KVCacheQuantizer.attach(module, self.args).observing = True
 
