@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from common import work_folder
-from gptq import bench_inputs, prepare_peer_runs, run_pairs
+from gptq import bench_inputs, prepare_peer_runs, rtn_perplexity, run_pairs
 
 CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
 
@@ -50,16 +50,6 @@ def read_back_perplexity(checkpoint: Path, windows) -> float:
     return perplexity(llmpress.load(checkpoint, dequantize=True, dtype=torch.float32), windows, progress=False).perplexity
 
 
-def rtn_perplexity(model_dir: Path, bits: int, symmetric: bool, windows) -> float:
-    import llmpress
-    from llmpress.evaluation import perplexity
-    from llmpress.modifiers import QuantizationModifier
-
-    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "symmetric": symmetric, "group_size": 128}}}
-    model = llmpress.oneshot(model_dir, QuantizationModifier(ignore=["lm_head"], config_groups=groups))
-    return perplexity(model, windows, progress=False).perplexity
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "random-1024"], choices=["tiny", "random-1024"])
@@ -84,7 +74,7 @@ def main() -> None:
             if name == "tiny":
                 row["ppl_ours"] = read_back_perplexity(work / f"{name}-{config}-llmpress", windows)
                 row["ppl_peer"] = read_back_perplexity(work / f"{name}-{config}-llmcompressor", windows)
-                row["ppl_rtn"] = rtn_perplexity(tiny, bits, symmetric, windows)
+                row["ppl_rtn"] = rtn_perplexity(tiny, bits, windows, symmetric)
             rows.append(row)
             print(json.dumps(row), flush=True)
 

@@ -140,12 +140,13 @@ def transformers_perplexity(checkpoint: Path, windows: torch.Tensor) -> float:
     return perplexity(model, windows, progress=False).perplexity
 
 
-def rtn_perplexity(model_dir: Path, bits: int, windows: torch.Tensor) -> float:
+def rtn_perplexity(model_dir: Path, bits: int, windows: torch.Tensor, symmetric: bool = True) -> float:
+    """Round-to-nearest with the benches' scheme (int weights, groups of 128, lm_head dense)."""
     import llmpress
     from llmpress.evaluation import perplexity
     from llmpress.modifiers import QuantizationModifier
 
-    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "group_size": 128}}}
+    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": bits, "symmetric": symmetric, "group_size": 128}}}
     model = llmpress.oneshot(model_dir, QuantizationModifier(ignore=["lm_head"], config_groups=groups))
     return perplexity(model, windows, progress=False).perplexity
 
