@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from llmpress.errors import SchemeError
-from llmpress.quant.qdq import fake_quantize
+from llmpress.quant.attach import set_module_buffer
+from llmpress.quant.qdq import compute_qparams, fake_quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["KVCacheQuantizer", "attention_modules", "kv_cache_args", "kv_cache_scheme_of"]
@@ -168,12 +169,11 @@ class KVCacheQuantizer:
         self.observing = False
         if set(self.absmax) != {"k", "v"}:
             return False
-        high = self.args.q_range[1]
         for name in ("k", "v"):
             absmax = self.absmax.pop(name)
-            scale = (absmax / high).clamp(min=torch.finfo(torch.float32).eps)
+            scale, _ = compute_qparams(-absmax, absmax, self.args)  # absmax / 448
             scale = scale.reshape(self.scale_shape(absmax.numel()))
-            _set_buffer(module, f"{name}_scale", scale.to(dtype))
+            set_module_buffer(module, f"{name}_scale", scale.to(dtype))
         self.frozen = True
         return True
 
@@ -181,7 +181,7 @@ class KVCacheQuantizer:
         """Scales for a checkpoint to fill (loading; on ``meta``, so a checkpoint without them is
         reported missing), quantizing from then on."""
         for name in ("k", "v"):
-            _set_buffer(module, f"{name}_scale", torch.empty(self.scale_shape(num_heads), dtype=dtype, device="meta"))
+            set_module_buffer(module, f"{name}_scale", torch.empty(self.scale_shape(num_heads), dtype=dtype, device="meta"))
         self.frozen = True
 
     def detach(self, module: nn.Module) -> None:
@@ -190,9 +190,3 @@ class KVCacheQuantizer:
             module._buffers.pop(name, None)
         delattr(module, _ATTR)
 
-
-def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    if name in module._buffers:
-        module._buffers[name] = value
-    else:
-        module.register_buffer(name, value)
