@@ -13,7 +13,10 @@ and measures, each in its own process at the machine's thread count:
   same fake-quantized inputs), relative L2 on 2 x 64 random tokens, on this model and on the shared
   tiny trained one. Beside it, the same dense view in float64 against float32: how far float
   rounding alone moves the logits once per-token int8 inputs round differently (on random weights,
-  a rounding flip in one layer grows through the next ones).
+  a rounding flip in one layer grows through the next ones);
+- each int8 × int8 module's output against float64 arithmetic on the same input (the input
+  fake-quantized as the scheme says, the dequantized weight): what the product itself adds, with
+  no earlier layer's rounding in it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,35 @@ def logits_gaps(checkpoint, work) -> tuple[float, float]:
     return rel(logits["llmpress"]), rel(logits["llmpress-exact-fp64"])
 
 
+def per_module_gap(checkpoint, tokens: int = 64) -> float:
+    """The largest relative L2 error of an int8 × int8 module's output, each against float64
+    arithmetic on the very input it got (one forward of 2 x ``tokens`` random tokens)."""
+    import torch.nn.functional as F
+
+    import llmpress
+    from llmpress.quant.qdq import fake_quantize_activation
+
+    model, gaps = llmpress.load(checkpoint), []
+
+    def check(module, args, out):
+        x = args[0]
+        if x.numel() < module.in_features * 32:  # decode-sized inputs take the bf16 kernel
+            return
+        inputs = module.quantization_scheme.input_activations
+        quantized = fake_quantize_activation(x, inputs, getattr(module, "input_scale", None), getattr(module, "input_zero_point", None))
+        reference = F.linear(quantized.double(), module.dequantized_weight(torch.float64))
+        gaps.append(float((out.double() - reference).norm() / reference.norm()))
+
+    hooks = [m.register_forward_hook(check) for m in model.modules() if getattr(m, "kernel", None) == "int8x8"]
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, tokens)))
+    for hook in hooks:
+        hook.remove()
+    if not gaps:
+        raise SystemExit(f"no module of {checkpoint} ran on the int8 x int8 product")
+    return max(gaps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -67,7 +99,8 @@ def main() -> None:
         decode = worker("decode", "--tool", tool, "--model", str(model), "--new-tokens", str(args.new_tokens))
         rows[label] = {**prefill, "tokens_per_s": decode["tokens_per_s"], "decode_rss_mb": decode["peak_rss_mb"]}
         print(json.dumps({label: rows[label]}), flush=True)
-    gaps = {"random-2048": logits_gaps(w8a8, work), "tiny": logits_gaps(compress_w8a8(fixture("tiny-llama"), work / "tiny-w8a8"), work)}
+    tiny = compress_w8a8(fixture("tiny-llama"), work / "tiny-w8a8")
+    gaps = {"random-2048": (*logits_gaps(w8a8, work), per_module_gap(w8a8)), "tiny": (*logits_gaps(tiny, work), per_module_gap(tiny))}
 
     print(f"\nrandom-2048 Llama, batch 1, {torch.get_num_threads()} threads: prefill of {args.tokens} tokens,"
           f" greedy decode of {args.new_tokens} (ratios to fp32)")
@@ -76,10 +109,11 @@ def main() -> None:
     for label, r in rows.items():
         print(f"{label:<15} {r['prefill_s']:>10.2f} {base['prefill_s'] / r['prefill_s']:>5.2f}x"
               f" {r['tokens_per_s']:>13.1f} {r['tokens_per_s'] / base['tokens_per_s']:>5.2f}x {r['decode_rss_mb']:>12.0f}")
-    print("\nW8A8 logits against the dequantized view in fp32 (relative L2, 2 x 64 tokens)")
-    print(f"{'model':<12} {'llmpress.load':>14} {'fp64 view vs fp32 view':>23}")
-    for name, (gap, floor) in gaps.items():
-        print(f"{name:<12} {gap:>14.2e} {floor:>23.2e}")
+    print("\nW8A8 logits against the dequantized view in fp32 (relative L2, 2 x 64 tokens);"
+          " last column: the worst int8 x int8 module against float64 on its own input")
+    print(f"{'model':<12} {'llmpress.load':>14} {'fp64 view vs fp32 view':>23} {'per module':>11}")
+    for name, (gap, floor, module) in gaps.items():
+        print(f"{name:<12} {gap:>14.2e} {floor:>23.2e} {module:>11.2e}")
 
 
 if __name__ == "__main__":
