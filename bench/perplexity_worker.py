@@ -3,14 +3,18 @@ environment runs it (llmpress's pins, or llm-compressor's: transformers 5.17 + c
 one JSON line. The same computation as ``llmpress.evaluation.perplexity``: each window predicts
 its last ``seq_len - 1`` tokens, exp of the mean negative log-likelihood.
 
-    python bench/perplexity_worker.py CHECKPOINT WINDOWS.pt
+    python bench/perplexity_worker.py CHECKPOINT WINDOWS.pt [--dtype bfloat16] [--logits OUT.pt]
+
+``--dtype bfloat16`` loads in bf16 (compressed-tensors decompresses NVFP4 / MXFP4 to bf16 whatever
+the model's dtype, so those checkpoints run only in bf16 there); ``--logits`` also saves the
+logits of the first 4 windows (float32).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,9 +22,16 @@ from transformers import AutoModelForCausalLM
 
 @torch.no_grad()
 def main() -> None:
-    checkpoint, windows_path = sys.argv[1:3]
-    windows = torch.load(windows_path)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("windows")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--logits")
+    args = parser.parse_args()
+    windows = torch.load(args.windows)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
+    if args.logits:
+        torch.save(model(input_ids=windows[:4]).logits.float(), args.logits)
     scales = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if n.endswith(("k_scale", "v_scale"))})
     total, count = 0.0, 0
     for batch in windows.split(8):

@@ -83,9 +83,11 @@ def save_outlier_model(folder: Path) -> Path:
     return folder
 
 
-def transformers_reading(python: Path, checkpoint: Path, windows: Path) -> dict:
+def transformers_reading(python: Path, checkpoint: Path, windows: Path, *options: str) -> dict:
+    """Perplexity through transformers + compressed-tensors in ``python``'s environment
+    (``options``: the worker's ``--dtype``, ``--logits``), or the error it ended with."""
     env = {**os.environ, "PYTHONPATH": "", "TQDM_DISABLE": "1"}
-    result = subprocess.run([str(python), str(REPO / "bench" / "perplexity_worker.py"), str(checkpoint), str(windows)],
+    result = subprocess.run([str(python), str(REPO / "bench" / "perplexity_worker.py"), str(checkpoint), str(windows), *options],
                             capture_output=True, text=True, env=env)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1][:120]}

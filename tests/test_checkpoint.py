@@ -25,6 +25,13 @@ EXPECTED = {
     "W8A8": ("int-quantized", {"weight": torch.int8}),
     "FP8": ("float-quantized", {"weight": torch.float8_e4m3fn, "input_scale": torch.float32}),
     "FP8_DYNAMIC": ("float-quantized", {"weight": torch.float8_e4m3fn}),
+    "FP8_BLOCK": ("float-quantized", {"weight": torch.float8_e4m3fn, "weight_scale": torch.float32}),
+    "NVFP4A16": ("nvfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_scale": torch.float8_e4m3fn,
+                                          "weight_global_scale": torch.float32}),
+    "NVFP4": ("nvfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_global_scale": torch.float32,
+                                       "input_global_scale": torch.float32}),
+    "MXFP4A16": ("mxfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_scale": torch.uint8}),
+    "MXFP4": ("mxfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_scale": torch.uint8}),
 }
 
 

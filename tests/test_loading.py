@@ -56,7 +56,8 @@ def test_w4a16_logits_match_transformers(source, trained_w4a16):
 
 @pytest.mark.parametrize(
     ("preset", "kernel"),
-    [("W4A16", "int4"), ("W4A16_ASYM", "int4"), ("W8A8", "int8x8"), ("W8A16", "dequant"), ("FP8", "dequant"), ("FP8_DYNAMIC", "dequant")],
+    [("W4A16", "int4"), ("W4A16_ASYM", "int4"), ("W8A8", "int8x8"), ("W8A16", "dequant"), ("FP8", "dequant"), ("FP8_DYNAMIC", "dequant"),
+     ("NVFP4A16", "bf16"), ("NVFP4", "bf16"), ("MXFP4A16", "bf16"), ("MXFP4", "bf16"), ("FP8_BLOCK", "bf16")],
 )
 def test_every_preset_loads_into_runtime_modules(preset, kernel, tmp_path):
     model = make_tiny_llama(intermediate=256)

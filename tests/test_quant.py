@@ -28,7 +28,8 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     [
         ({"num_bits": 4, "strategy": "group", "group_size": 0}, "group_size > 0"),
         ({"num_bits": 9}, "num_bits"),
-        ({"num_bits": 4, "type": "float"}, "float8"),
+        ({"num_bits": 6, "type": "float"}, "float8"),
+        ({"num_bits": 4, "type": "float"}, "NVFP4"),  # fp4 per tensor: neither NVFP4's scales nor MXFP4's
         ({"strategy": "token"}, "dynamic=True"),
         ({"strategy": "channel", "group_size": 64}, "strategy='group'"),
         ({"observer": "maxmin"}, "unknown observer"),

@@ -1,9 +1,10 @@
 """Quantization state on a module: the scheme, its scales, and the input fake-quant hook.
 
 A quantized ``nn.Linear`` carries ``quantization_scheme`` and buffers ``weight_scale``
-(``weight_zero_point`` when asymmetric) and, for static activations, ``input_scale``. Its weight
-holds values on the quantization grid once frozen, so a plain forward already computes what the
-compressed model computes; input activations are fake-quantized by a forward pre-hook.
+(``weight_zero_point`` when asymmetric, ``weight_global_scale`` for NVFP4) and, for static
+activations, ``input_scale`` (NVFP4: ``input_global_scale``). Its weight holds values on the
+quantization grid once frozen, so a plain forward already computes what the compressed model
+computes; input activations are fake-quantized by a forward pre-hook.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmpress.quant.observers import weight_qparams
+from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize, fake_quantize_activation
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -21,6 +22,8 @@ __all__ = [
     "freeze_weight",
     "set_weight_qparams",
     "set_module_buffer",
+    "fused_families",
+    "share_global_scales",
     "set_input_scale",
     "enable_input_quantization",
     "detach_quantization",
@@ -53,14 +56,55 @@ def set_module_buffer(module: nn.Module, name: str, value: torch.Tensor | None) 
         module.register_buffer(name, value)
 
 
+#: Linears that vLLM fuses into one layer, by their names under one parent: NVFP4 gives them one
+#: global scale so that the fused layer is exact (as llm-compressor does)
+FUSED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa"))
+
+
+def fused_families(model: nn.Module) -> dict[nn.Module, tuple[nn.Module, ...]]:
+    """Each NVFP4 module's fused family (itself with its q/k/v or gate/up siblings under one
+    parent, where all of them are NVFP4), for ``share_global_scales``."""
+    families: dict[nn.Module, tuple[nn.Module, ...]] = {}
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        for names in FUSED_NAMES:
+            members = tuple(children.get(name) for name in names)
+            if all(m is not None and _has_global_scale(m) for m in members):
+                families.update(dict.fromkeys(members, members))
+    return families
+
+
+def share_global_scales(modules: list[nn.Module], families: dict[nn.Module, tuple[nn.Module, ...]]) -> None:
+    """Give each NVFP4 module of ``modules`` without one its ``weight_global_scale``: its fused
+    family's (``fused_families``: one scale from the family's largest magnitude), else its own.
+    Call it before the weights are rounded (it reads their magnitudes)."""
+    for module in modules:
+        if not _has_global_scale(module) or getattr(module, "weight_global_scale", None) is not None:
+            continue
+        members = families.get(module, (module,))
+        shared = weight_global_scale([m.weight for m in members])
+        for m in members:  # a copy each: a checkpoint keeps tensors shared between modules once
+            set_module_buffer(m, "weight_global_scale", shared.clone())
+
+
+def _has_global_scale(module: nn.Module) -> bool:
+    scheme = getattr(module, "quantization_scheme", None)
+    return scheme is not None and scheme.weights is not None and scheme.weights.has_global_scale
+
+
 def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> float:
     """Round the weight onto its quantization grid, store scale / zero point; return the
-    relative L2 error of the rounding (a per-module quality figure for reports)."""
+    relative L2 error of the rounding (a per-module quality figure for reports). NVFP4 uses
+    the module's ``weight_global_scale`` (set first by ``share_global_scales``), else its own."""
     args = module.quantization_scheme.weights
     weight = module.weight.data
-    scale, zero_point = weight_qparams(weight, args)
+    global_scale = getattr(module, "weight_global_scale", None)
+    if args.has_global_scale and global_scale is None:
+        global_scale = weight_global_scale([weight])
+        set_module_buffer(module, "weight_global_scale", global_scale)
+    scale, zero_point = weight_qparams(weight, args, global_scale)
     scale = scale.to(scale_dtype or weight.dtype)
-    quantized = fake_quantize(weight.float(), scale, zero_point, args)
+    quantized = fake_quantize(weight.float(), scale, zero_point, args, global_scale)
     error = float((quantized - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
     weight.copy_(quantized)  # in place: no second copy of the weight (and mmap pages stay shared)
     set_module_buffer(module, "weight_scale", scale)
@@ -69,13 +113,16 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
 
 
 def set_weight_qparams(
-    module: nn.Module, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+    module: nn.Module, weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+    global_scale: torch.Tensor | None = None,
 ) -> None:
     """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
     dtype = module.weight.dtype
     module.weight.data.copy_(weight)  # in place, as in freeze_weight
     set_module_buffer(module, "weight_scale", scale.to(dtype))
     set_module_buffer(module, "weight_zero_point", zero_point)
+    if global_scale is not None:
+        set_module_buffer(module, "weight_global_scale", global_scale)
 
 
 def set_input_scale(module: nn.Module, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
@@ -92,7 +139,8 @@ def enable_input_quantization(module: nn.Module) -> None:
 
     def hook(mod: nn.Module, inputs: tuple) -> tuple:
         scale, zero_point = getattr(mod, "input_scale", None), getattr(mod, "input_zero_point", None)
-        return (fake_quantize_activation(inputs[0], args, scale, zero_point), *inputs[1:])
+        global_scale = getattr(mod, "input_global_scale", None)
+        return (fake_quantize_activation(inputs[0], args, scale, zero_point, global_scale), *inputs[1:])
 
     setattr(module, _HOOK, module.register_forward_pre_hook(hook))
 
@@ -103,6 +151,6 @@ def detach_quantization(module: nn.Module) -> None:
     if handle is not None:
         handle.remove()
         setattr(module, _HOOK, None)
-    for name in ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point"):
+    for name in ("weight_scale", "weight_zero_point", "weight_global_scale", "input_scale", "input_zero_point", "input_global_scale"):
         set_module_buffer(module, name, None)
     module.quantization_scheme = None

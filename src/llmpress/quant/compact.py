@@ -20,14 +20,15 @@ from torch.utils.hooks import RemovableHandle
 
 from llmpress.memory import release_free_memory
 from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
-from llmpress.quant.qdq import dequantize, float_copy, grouped
+from llmpress.quant.qdq import dequantize, effective_scale, float_copy, grouped
 
 __all__ = ["CompactWeights"]
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``k * scale`` in ``dtype``: the on-grid weight."""
-    return dequantize(k, module.weight_scale, None, module.quantization_scheme.weights, dtype)
+    args = module.quantization_scheme.weights
+    return dequantize(k, module.weight_scale, None, args, dtype, getattr(module, "weight_global_scale", None))
 
 
 def _grid_values(module: nn.Module) -> torch.Tensor | None:
@@ -42,7 +43,7 @@ def _grid_values(module: nn.Module) -> torch.Tensor | None:
         return None
     w = weight.detach()
     try:
-        view, scale32, _ = grouped(float_copy(w), scale.to(torch.float32), None, args)
+        view, scale32, _ = grouped(float_copy(w), effective_scale(scale, args, getattr(module, "weight_global_scale", None)), None, args)
         ratio = view.div_(scale32).reshape(w.shape)
         del view
         if args.is_float:

@@ -10,32 +10,55 @@ from __future__ import annotations
 
 import torch
 
-from llmpress.quant.qdq import compute_qparams, num_groups, reduce_min_max
+from llmpress.quant.qdq import compute_qparams, fake_quantize, global_scale_of, num_groups, reduce_min_max, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
-__all__ = ["weight_qparams"]
+__all__ = ["fake_quantize_weight", "weight_global_scale", "weight_qparams"]
+
+
+def weight_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
+    """NVFP4's global scale shared by ``weights`` (one module's, or those vLLM fuses into one
+    layer: q/k/v, gate/up), from their largest magnitude, computed in their dtype."""
+    amax = torch.stack([w.detach().abs().amax() for w in weights]).amax()
+    return global_scale_of(amax)
+
+
+def fake_quantize_weight(weight: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """``weight`` on the grid of its own qparams (observer included; NVFP4: its own global
+    scale), as a search over candidate weights (AWQ's scales, clipping) scores them."""
+    global_scale = weight_global_scale([weight]) if args.has_global_scale else None
+    return fake_quantize(weight, *weight_qparams(weight, args, global_scale), args, global_scale)
 
 
 def weight_qparams(
-    weight: torch.Tensor, args: QuantizationArgs
+    weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale and zero point for a 2-D weight under ``args`` (observer included)."""
+    """Scale and zero point for a 2-D weight under ``args`` (observer included). NVFP4's group
+    scales are relative to ``global_scale`` (by default the weight's own)."""
+    if args.has_global_scale and global_scale is None:
+        global_scale = weight_global_scale([weight])
+    if args.has_global_scale and not args.uses_mse:  # group max / 6 in the weight's dtype, as compressed-tensors
+        return compute_qparams(*reduce_min_max(weight.detach(), args), args, global_scale)
     weight = weight.detach().to(torch.float32)
     min_vals, max_vals = reduce_min_max(weight, args)
     if not args.uses_mse:
-        return compute_qparams(min_vals, max_vals, args)
-    return _mse_qparams(weight, min_vals, max_vals, args)
+        return compute_qparams(min_vals, max_vals, args, global_scale)
+    if args.strategy == QuantizationStrategy.BLOCK:  # one min-max per tile: nothing to search per row
+        return compute_qparams(min_vals, max_vals, args, global_scale)
+    return _mse_qparams(weight, min_vals, max_vals, args, global_scale)
 
 
 _CANDIDATE_ELEMENTS = 1 << 19  # bound on the temporary [candidates, rows, cols] tensor
 
 
 def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                      args: QuantizationArgs, norm: float) -> torch.Tensor:
+                      args: QuantizationArgs, norm: float, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantization error |w - qdq(w)|^norm summed per unit, for a stack of candidate qparams
     ``[candidates, rows, units]``: one temporary of the candidates' size, updated in place."""
     rows, cols = weight.shape
-    if args.strategy == QuantizationStrategy.GROUP:
+    if global_scale is not None:  # NVFP4: the fp8 group scale over the global scale
+        scale = scale / global_scale
+    if args.is_grouped:
         groups = num_groups(cols, args.group_size)
         padded = torch.nn.functional.pad(weight, (0, groups * args.group_size - cols))  # zeros: no error
         blocks = padded.reshape(rows, groups, args.group_size)
@@ -43,14 +66,11 @@ def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: tor
         blocks = weight.reshape(rows, 1, cols)
     s = scale.unsqueeze(-1)
     x = blocks.unsqueeze(0) / s
-    q_min, q_max = args.q_range
-    if args.is_float:
-        x = x.clamp_(q_min, q_max).to(torch.float8_e4m3fn).to(torch.float32)
-    elif zero_point is None:
-        x.round_().clamp_(q_min, q_max)
+    if zero_point is None:
+        x = round_to_grid(x, args).to(torch.float32)
     else:
         zp = zero_point.unsqueeze(-1).to(torch.float32)
-        x.add_(zp).round_().clamp_(q_min, q_max).sub_(zp)
+        x = round_to_grid(x.add_(zp), args).to(torch.float32).sub_(zp)
     x.mul_(s).sub_(blocks)
     error = (x.square_() if norm == 2 else x.abs_().pow_(norm)).sum(dim=-1)
     if args.strategy == QuantizationStrategy.TENSOR:
@@ -58,7 +78,7 @@ def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: tor
     return error
 
 
-def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs):
+def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs, global_scale: torch.Tensor | None):
     """llm-compressor's search: shrink factors 1, 1 - 1/grid, ... (``int(maxshrink * grid)``
     of them) in order, each unit keeping the first factor with its lowest error, stopping once
     ``patience`` factors in a row improve no unit. Several factors are scored at once (bounded
@@ -77,8 +97,8 @@ def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs):
     idle = 0  # factors in a row that improved no unit
     for first in range(0, len(shrinks), chunk):
         factors = torch.tensor(shrinks[first : first + chunk], dtype=weight.dtype).reshape(-1, 1, 1)
-        scale, zero_point = compute_qparams(min_vals * factors, max_vals * factors, args)
-        error = _candidate_errors(weight, scale, zero_point, args, norm)
+        scale, zero_point = compute_qparams(min_vals * factors, max_vals * factors, args, global_scale)
+        error = _candidate_errors(weight, scale, zero_point, args, norm, global_scale)
         # each factor against the best before it (earlier chunks, then earlier factors here)
         before = error.cummin(dim=0).values.roll(1, dims=0)
         before[0] = float("inf")

@@ -22,7 +22,7 @@ from torch import nn
 
 from llmpress.models.linear import input_major
 from llmpress.quant.attach import set_weight_qparams
-from llmpress.quant.observers import weight_qparams
+from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize
 
 __all__ = ["PENDING_ATTR", "QAT_ATTR", "disable_qat", "enable_qat", "freeze_qat", "qat_snapshot", "qat_weight"]
@@ -34,12 +34,17 @@ QAT_ATTR = "llmpress_qat"
 PENDING_ATTR = "llmpress_quantize_pending"
 
 
-def _qparams(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The module's fixed grid when it has one, else the observer's qparams for ``weight``."""
+def _qparams(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The module's fixed grid when it has one, else the observer's qparams for ``weight``; and
+    NVFP4's global scale (the module's, else ``weight``'s own), None for other schemes."""
+    args = module.quantization_scheme.weights
+    global_scale = getattr(module, "weight_global_scale", None)
+    if args.has_global_scale and global_scale is None:
+        global_scale = weight_global_scale([weight])
     scale = getattr(module, "weight_scale", None)
     if scale is not None:  # the grid of an earlier stage stays fixed
-        return scale, getattr(module, "weight_zero_point", None)
-    return weight_qparams(weight.detach(), module.quantization_scheme.weights)
+        return scale, getattr(module, "weight_zero_point", None), global_scale
+    return (*weight_qparams(weight.detach(), args, global_scale), global_scale)
 
 
 def qat_weight(module: nn.Module) -> torch.Tensor:
@@ -48,8 +53,8 @@ def qat_weight(module: nn.Module) -> torch.Tensor:
     args = module.quantization_scheme.weights
     if args is None:
         return weight
-    scale, zero_point = _qparams(module, weight)
-    quantized = fake_quantize(weight, scale.to(weight.dtype), zero_point, args)
+    scale, zero_point, global_scale = _qparams(module, weight)
+    quantized = fake_quantize(weight, scale.to(weight.dtype), zero_point, args, global_scale)
     return weight + (quantized - weight).detach()
 
 
@@ -74,15 +79,17 @@ def qat_snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's tensors as if QAT were frozen now, leaving the module untouched (what a
     checkpoint saved mid-training holds)."""
     weight = module.weight.detach()
-    scale, zero_point = _qparams(module, weight)
     args = module.quantization_scheme.weights
     local = {k: v.detach() for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
     if args is None:  # activation-only scheme: the weight stays as it is
         return local
-    local["weight"] = fake_quantize(weight, scale.to(weight.dtype), zero_point, args)
+    scale, zero_point, global_scale = _qparams(module, weight)
+    local["weight"] = fake_quantize(weight, scale.to(weight.dtype), zero_point, args, global_scale)
     local["weight_scale"] = scale.to(weight.dtype)
     if zero_point is not None:
         local["weight_zero_point"] = zero_point
+    if global_scale is not None:
+        local["weight_global_scale"] = global_scale
     return local
 
 
@@ -96,6 +103,7 @@ def freeze_qat(module: nn.Module) -> float:
     weight = module.weight.detach()
     snapshot = qat_snapshot(module)
     error = float((snapshot["weight"].float() - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
-    set_weight_qparams(module, snapshot["weight"], snapshot["weight_scale"], snapshot.get("weight_zero_point"))
+    set_weight_qparams(module, snapshot["weight"], snapshot["weight_scale"], snapshot.get("weight_zero_point"),
+                       snapshot.get("weight_global_scale"))
     module.weight.requires_grad_(False)
     return error

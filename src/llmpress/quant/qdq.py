@@ -1,8 +1,14 @@
 """Quantize, dequantize and fake-quantize tensors: pure functions, no module state.
 
 Scales and zero points have the shapes compressed-tensors uses for a weight ``[out, in]``:
-``[1]`` per tensor, ``[out, 1]`` per channel, ``[out, ceil(in / group_size)]`` per group. When
-``in`` is not a multiple of the group size, the last group is simply shorter.
+``[1]`` per tensor, ``[out, 1]`` per channel, ``[out, ceil(in / group_size)]`` per group (and
+per ``tensor_group``), ``[ceil(out / rows), ceil(in / cols)]`` per block. When a dimension is not a
+multiple of its group or block, the last one is simply shorter.
+
+The grids: integers, fp8 e4m3, and fp4 e2m1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives,
+rounded to nearest with ties to the even mantissa, as compressed-tensors and the hardware do).
+NVFP4 (``tensor_group``) divides its fp8 group scales by one fp32 global scale per tensor:
+the value is ``q * scale / global_scale``. MX scales are powers of two.
 """
 
 from __future__ import annotations
@@ -11,13 +17,18 @@ import math
 
 import torch
 
-from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
+from llmpress.errors import SchemeError
+from llmpress.quant.scheme import FP4_E2M1_MAX, FP8_E4M3_MAX, QuantizationArgs, QuantizationStrategy
 
 __all__ = [
     "activation_qparams",
     "compute_qparams",
+    "global_scale_of",
+    "round_to_grid",
     "dequantize",
+    "effective_scale",
     "expand_to_columns",
+    "expand_to_weight",
     "fake_quantize",
     "fake_quantize_activation",
     "float_copy",
@@ -34,9 +45,54 @@ def num_groups(columns: int, group_size: int) -> int:
 
 def expand_to_columns(qparam: torch.Tensor, columns: int, args: QuantizationArgs) -> torch.Tensor:
     """Broadcast a per-group scale or zero point ``[out, n_groups]`` to ``[out, columns]``."""
-    if args.strategy != QuantizationStrategy.GROUP:
+    if not args.is_grouped:
         return qparam
     return qparam.repeat_interleave(args.group_size, dim=-1)[..., :columns]
+
+
+def expand_to_weight(qparam: torch.Tensor, shape: torch.Size, args: QuantizationArgs) -> torch.Tensor:
+    """A per-block qparam ``[row blocks, column blocks]`` broadcast to the weight's ``shape``."""
+    rows, cols = args.block_structure
+    return qparam.repeat_interleave(rows, dim=0)[: shape[0]].repeat_interleave(cols, dim=1)[:, : shape[1]]
+
+
+def round_to_grid(x: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """``x`` (already divided by its scale, zero point added) rounded onto the grid of
+    ``args``, in place where it can be: integers (int8 storage), fp8 (float8_e4m3fn storage) or
+    fp4 values (float32; ties to the even mantissa, a negative value rounding to zero keeps its
+    sign, as the packed code does)."""
+    q_min, q_max = args.q_range
+    if args.is_fp4:
+        x = x.clamp_(q_min, q_max)
+        magnitude = x.abs()
+        step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+        return magnitude.div_(step).round_().mul_(step).copysign_(x)
+    if args.is_float:
+        return x.clamp_(q_min, q_max).to(torch.float8_e4m3fn)
+    return x.round_().clamp_(q_min, q_max)
+
+
+def global_scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor scale from the tensor's largest magnitude ``amax`` (any dtype: the
+    division runs in it, as compressed-tensors computes it): fp8 max x fp4 max / amax, float32
+    ``[1]``. Modules fused at inference (q/k/v, gate/up) pass the largest amax among them."""
+    amax = amax.clamp(min=torch.finfo(amax.dtype).tiny)
+    scale = (FP8_E4M3_MAX * FP4_E2M1_MAX) / amax
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
+
+
+def effective_scale(scale: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The scale a value is divided by: NVFP4's fp8 group scale over its global scale."""
+    scale = scale.to(torch.float32)
+    if not args.has_global_scale:
+        return scale
+    if global_scale is None:
+        raise SchemeError(
+            "NVFP4 (strategy 'tensor_group') values need their global scale",
+            got="no global_scale", expected="weight_global_scale (weights) or input_global_scale (inputs)",
+            fix="pass global_scale= (llmpress.quant.qdq.global_scale_of(the tensor's absolute maximum))",
+        )
+    return scale / global_scale.to(torch.float32)
 
 
 def grouped(
@@ -46,7 +102,10 @@ def grouped(
     chosen once from the scale. Whole groups go as ``[out, groups, group_size]`` against
     ``[out, groups, 1]``, with no column-wide copy of the qparams; anything else (a shorter last
     group, a qparam of another shape) falls back to ``expand_to_columns``."""
-    if args.strategy == QuantizationStrategy.GROUP and x.dim() == 2:
+    if args.strategy == QuantizationStrategy.BLOCK:
+        expand = expand_to_weight
+        return x, expand(scale, x.shape, args), None if zero_point is None else expand(zero_point, x.shape, args)
+    if args.is_grouped and x.dim() == 2:
         rows, cols = x.shape
         size = args.group_size
         shape = (rows, cols // size)
@@ -73,6 +132,11 @@ def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tenso
     if args.strategy == QuantizationStrategy.TOKEN:
         flat = x.reshape(-1, x.shape[-1])
         return flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
+    if args.strategy == QuantizationStrategy.BLOCK:
+        (rows, cols), (size_r, size_c) = x.shape, args.block_structure
+        pad_r, pad_c = -rows % size_r, -cols % size_c
+        tiles = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r)).reshape((rows + pad_r) // size_r, size_r, -1, size_c)
+        return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
     rows, cols = x.shape
     groups = num_groups(cols, args.group_size)
     pad = groups * args.group_size - cols
@@ -82,17 +146,38 @@ def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tenso
     return grouped.amin(dim=-1), grouped.amax(dim=-1)
 
 
+def _mx_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """MXFP4's power-of-two group scale: 2^(e - 2), ``e`` the exponent of ``absmax`` rounded up
+    where its mantissa is 1.75 or more (``absmax`` near the next power of two would clip at 6
+    otherwise), as compressed-tensors and vLLM's reference compute it; stored as the uint8
+    code ``127 + e - 2`` (0 for an all-zero group)."""
+    mantissa, exponent = torch.frexp(absmax.to(torch.float32))  # absmax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype)  # 2^(exponent - 1) <= absmax; 1.75 x that rounds up
+    code = torch.where(absmax > 0, exponent + 127 - 2, torch.zeros_like(exponent)).clamp(0, 255)
+    return torch.exp2(code.to(torch.float32) - 127)
+
+
 def compute_qparams(
-    min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantizationArgs
+    min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale and zero point (``None`` when symmetric) from observed min and max."""
+    """Scale and zero point (``None`` when symmetric) from observed min and max. NVFP4's scales
+    are fp8 values relative to ``global_scale``; MX scales are powers of two."""
     min_vals = torch.clamp(min_vals, max=0.0)
     max_vals = torch.clamp(max_vals, min=0.0)
     q_min, q_max = args.q_range
     eps = torch.finfo(torch.float32).eps
     if args.symmetric:
         absmax = torch.maximum(min_vals.abs(), max_vals.abs())
+        if args.is_mx:
+            return _mx_scale(absmax), None
         half_range = q_max if args.is_float else (q_max - q_min) / 2
+        if args.has_global_scale:
+            if global_scale is None:
+                raise SchemeError("NVFP4 group scales are relative to a global scale", got="no global_scale",
+                                  expected="global_scale_of(absolute maximum of the tensor)", fix="pass global_scale=")
+            scale = (global_scale.to(torch.float32) * (absmax / half_range)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+            scale = scale.to(torch.float8_e4m3fn).to(torch.float32)
+            return scale.masked_fill_(scale == 0, 0.125), None  # fp8's smallest normal step, as compressed-tensors
         scale = (absmax / half_range).clamp(min=eps)
         return scale, None
     scale = ((max_vals - min_vals) / (q_max - q_min)).clamp(min=eps)
@@ -105,19 +190,18 @@ def quantize(
     scale: torch.Tensor,
     zero_point: torch.Tensor | None,
     args: QuantizationArgs,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Quantized values (int8 holding ``num_bits``-wide integers, or float8_e4m3fn). Works in
-    one float32 copy of ``x``."""
-    q_min, q_max = args.q_range
+    """Quantized values (int8 holding ``num_bits``-wide integers, float8_e4m3fn, or float32
+    fp4 grid values). Works in one float32 copy of ``x``. ``global_scale``: NVFP4's."""
     zero_point = None if args.is_float or zero_point is None else zero_point.to(torch.float32)
     values = float_copy(x)
-    view, scale, zero_point = grouped(values, scale.to(torch.float32), zero_point, args)
+    view, scale, zero_point = grouped(values, effective_scale(scale, args, global_scale), zero_point, args)
     view.div_(scale)
-    if args.is_float:
-        return view.clamp_(q_min, q_max).reshape(x.shape).to(torch.float8_e4m3fn)
     if zero_point is not None:
         view.add_(zero_point)
-    return view.round_().clamp_(q_min, q_max).reshape(x.shape).to(torch.int8)
+    q = round_to_grid(view, args).reshape(x.shape)
+    return q if args.is_float else q.to(torch.int8)
 
 
 def dequantize(
@@ -126,11 +210,12 @@ def dequantize(
     zero_point: torch.Tensor | None,
     args: QuantizationArgs,
     dtype: torch.dtype = torch.float32,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(q - zero_point) * scale`` in ``dtype``, worked in one float32 copy of ``q``."""
     zero_point = None if args.is_float or zero_point is None else zero_point.to(torch.float32)
     values = float_copy(q)
-    view, scale, zero_point = grouped(values, scale.to(torch.float32), zero_point, args)
+    view, scale, zero_point = grouped(values, effective_scale(scale, args, global_scale), zero_point, args)
     if zero_point is not None:
         view.sub_(zero_point)
     return view.mul_(scale).reshape(q.shape).to(dtype)
@@ -141,31 +226,39 @@ def fake_quantize(
     scale: torch.Tensor,
     zero_point: torch.Tensor | None,
     args: QuantizationArgs,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequantize(quantize(x))`` in ``x``'s dtype: what the model sees after compression."""
-    return dequantize(quantize(x, scale, zero_point, args), scale, zero_point, args, x.dtype)
+    q = quantize(x, scale, zero_point, args, global_scale)
+    return dequantize(q, scale, zero_point, args, x.dtype, global_scale)
 
 
 def activation_qparams(
     flat: torch.Tensor, args: QuantizationArgs, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The scale and zero point a module input ``[tokens, features]`` is quantized with: the
-    calibrated ones for static args, else computed from ``flat`` now (per token: ``[tokens, 1]``)."""
+    calibrated ones for static args, else computed from ``flat`` now (per token: ``[tokens, 1]``;
+    per group: ``[tokens, groups]``, NVFP4's against the calibrated ``global_scale``)."""
     if args.dynamic or scale is None:
         min_vals, max_vals = reduce_min_max(flat.detach(), args)
-        return compute_qparams(min_vals, max_vals, args)
+        return compute_qparams(min_vals, max_vals, args, global_scale)
     return scale, zero_point
 
 
 def fake_quantize_activation(
     x: torch.Tensor, args: QuantizationArgs, scale: torch.Tensor | None = None, zero_point: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fake-quantize a module input: dynamic args compute the scale from ``x`` now (per token
-    or per tensor); static args use the calibrated ``scale`` (and ``zero_point``, asymmetric).
+    """Fake-quantize a module input: dynamic args compute the scale from ``x`` now (per token,
+    per group or per tensor); static args use the calibrated ``scale`` (and ``zero_point``,
+    asymmetric); NVFP4's group scales are relative to the calibrated ``global_scale``.
     With gradients on, the gradient of the rounding is the identity (straight-through)."""
     flat = x.reshape(-1, x.shape[-1])
-    scale, zero_point = activation_qparams(flat, args, scale, zero_point)
-    quantized = fake_quantize(flat.detach(), scale.detach(), zero_point, args).reshape(x.shape)
+    if args.has_global_scale and global_scale is None:  # not calibrated: this input's own
+        global_scale = global_scale_of(flat.detach().abs().amax())
+    scale, zero_point = activation_qparams(flat, args, scale, zero_point, global_scale)
+    quantized = fake_quantize(flat.detach(), scale.detach(), zero_point, args, global_scale).reshape(x.shape)
     if x.requires_grad:  # training (QAT): the rounding passes gradients straight through
         return x + (quantized - x).detach()
     return quantized

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from llmpress.errors import SchemeError
 
 __all__ = [
+    "DynamicType",
     "QuantizationType",
     "QuantizationStrategy",
     "ActivationOrdering",
@@ -28,6 +29,10 @@ __all__ = [
 ]
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+FP4_E2M1_MAX = 6.0
+#: storage dtypes a scale may name (compressed-tensors writes them as "torch.<name>")
+SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "int32": torch.int32}
 OBSERVERS = ("minmax", "mse", "static_minmax", "memoryless_minmax", "memoryless_mse")
 
 
@@ -41,7 +46,13 @@ class QuantizationStrategy(str, Enum):
     CHANNEL = "channel"
     GROUP = "group"
     TOKEN = "token"
+    BLOCK = "block"  # one scale per block_structure [rows, cols] tile of a weight (FP8_BLOCK)
+    TENSOR_GROUP = "tensor_group"  # group scales relative to one global scale per tensor (NVFP4)
     ATTN_HEAD = "attn_head"  # one scale per attention head: KV-cache quantization only
+
+
+class DynamicType(str, Enum):
+    LOCAL = "local"  # NVFP4 inputs: group scales computed at run time against a calibrated global scale
 
 
 class ActivationOrdering(str, Enum):
@@ -61,7 +72,7 @@ class QuantizationArgs(BaseModel):
     group_size: int | None = None
     strategy: QuantizationStrategy | None = None
     block_structure: list[int] | None = None
-    dynamic: bool = False
+    dynamic: bool | DynamicType = False
     actorder: ActivationOrdering | None = None
     scale_dtype: Any | None = None
     zp_dtype: Any | None = None
@@ -77,6 +88,23 @@ class QuantizationArgs(BaseModel):
             return None
         return value
 
+    @field_validator("scale_dtype", "zp_dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, value: Any) -> Any:
+        """``torch.float8_e4m3fn``, ``"torch.float8_e4m3fn"`` or ``"float8_e4m3fn"``: kept as
+        compressed-tensors writes it (``"torch.float8_e4m3fn"``)."""
+        if value is None:
+            return None
+        name = str(value).removeprefix("torch.")
+        if name not in SCALE_DTYPES:
+            raise SchemeError(
+                f"unknown scale dtype {value!r}",
+                got=value,
+                expected=", ".join(f"torch.{n}" for n in SCALE_DTYPES),
+                fix="use torch.float8_e4m3fn (NVFP4), torch.uint8 (MX formats) or leave it out",
+            )
+        return f"torch.{name}"
+
     @model_validator(mode="after")
     def _check(self) -> QuantizationArgs:
         if self.type == QuantizationType.INT and not 1 <= self.num_bits <= 8:
@@ -86,12 +114,12 @@ class QuantizationArgs(BaseModel):
                 expected="1 <= num_bits <= 8",
                 fix="use num_bits=4 or num_bits=8 for integer quantization",
             )
-        if self.type == QuantizationType.FLOAT and self.num_bits != 8:
+        if self.type == QuantizationType.FLOAT and self.num_bits not in (4, 8):
             raise SchemeError(
                 "invalid num_bits for type='float'",
                 got=self.num_bits,
-                expected="8 (float8_e4m3fn)",
-                fix="use num_bits=8 with type='float', or type='int' for other widths",
+                expected="8 (float8_e4m3fn) or 4 (fp4 e2m1)",
+                fix="use num_bits=8 or 4 with type='float', or type='int' for other widths",
             )
         if self.type == QuantizationType.FLOAT and not self.symmetric:
             raise SchemeError(
@@ -100,24 +128,28 @@ class QuantizationArgs(BaseModel):
                 expected="symmetric=True",
                 fix="set symmetric: true, or use type='int' for asymmetric quantization",
             )
-        if self.block_structure is not None:
-            raise SchemeError(
-                "block quantization is not supported yet",
-                got=f"block_structure={self.block_structure}",
-                expected="block_structure=null",
-                fix="use strategy 'group' or 'channel'",
-            )
         self._infer_strategy()
-        if self.strategy == QuantizationStrategy.GROUP and (not self.group_size or self.group_size < 1):
+        if (self.block_structure is not None) != (self.strategy == QuantizationStrategy.BLOCK):
+            raise SchemeError(
+                "block_structure and strategy='block' go together",
+                got=f"strategy={self.strategy!r}, block_structure={self.block_structure}",
+                expected="strategy: block with block_structure: [rows, cols] (e.g. [128, 128]), or neither",
+                fix="set both, or remove block_structure",
+            )
+        if self.block_structure is not None and (len(self.block_structure) != 2 or min(self.block_structure) < 1):
+            raise SchemeError("block_structure is [rows, cols] of a weight tile", got=self.block_structure,
+                              expected="two positive sizes, e.g. [128, 128]", fix="use block_structure: [128, 128]")
+        self._check_microscaling()
+        if self.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP) and (not self.group_size or self.group_size < 1):
             raise SchemeError(
                 f"invalid group size {self.group_size}",
                 got=f"group_size={self.group_size}",
                 expected="group_size > 0 for strategy='group'",
                 fix="use group_size > 0 for strategy='group' (e.g. 128), or strategy='channel'",
             )
-        if self.strategy != QuantizationStrategy.GROUP and self.group_size not in (None, -1):
+        if not self.is_grouped and self.group_size not in (None, -1):
             raise SchemeError(
-                f"group_size={self.group_size} only applies to strategy='group'",
+                f"group_size={self.group_size} only applies to strategy='group' or 'tensor_group'",
                 got=f"strategy={self.strategy!r}",
                 expected="strategy='group'",
                 fix="set strategy: group, or remove group_size",
@@ -138,6 +170,33 @@ class QuantizationArgs(BaseModel):
             )
         return self  # observer None: the modifier's default (minmax for RTN, mse for GPTQ)
 
+    def _check_microscaling(self) -> None:
+        """fp4 weights come in two layouts: NVFP4 (tensor_group, 16) and MX (group, 32, e8m0
+        scales); ``dynamic: local`` belongs to tensor_group."""
+        if self.dynamic == DynamicType.LOCAL and self.strategy != QuantizationStrategy.TENSOR_GROUP:
+            raise SchemeError("dynamic: local applies to strategy 'tensor_group' only", got=f"strategy={self.strategy!r}",
+                              expected="strategy: tensor_group (NVFP4 inputs)", fix="use dynamic: true for other strategies")
+        if self.strategy == QuantizationStrategy.TENSOR_GROUP and not (self.is_float and self.num_bits == 4):
+            raise SchemeError("strategy 'tensor_group' is NVFP4's: fp4 values", got=f"type={self.type!r}, num_bits={self.num_bits}",
+                              expected="type: float, num_bits: 4", fix="use strategy 'group' for other types")
+        if self.scale_dtype == "torch.uint8" and not (self.is_float and self.strategy == QuantizationStrategy.GROUP
+                                                      and self.group_size == 32 and self.num_bits == 4):
+            raise SchemeError(
+                "power-of-two (uint8, e8m0) scales are MXFP4's: fp4 values in groups of 32",
+                got=f"type={self.type!r}, num_bits={self.num_bits}, strategy={self.strategy!r}, group_size={self.group_size}",
+                expected="type: float, num_bits: 4, strategy: group, group_size: 32",
+                fix="use the MXFP4A16 or MXFP4 preset (MXFP8 and MXFP6 are not supported yet)",
+            )
+        if self.is_float and self.num_bits == 4 and not (self.is_mx or (self.strategy == QuantizationStrategy.TENSOR_GROUP
+                                                                         and self.group_size == 16)):
+            raise SchemeError(
+                "fp4 values need NVFP4's or MXFP4's scales",
+                got=f"strategy={self.strategy!r}, group_size={self.group_size}, scale_dtype={self.scale_dtype}",
+                expected="strategy: tensor_group, group_size: 16 (NVFP4), or strategy: group, group_size: 32, "
+                         "scale_dtype: torch.uint8 (MXFP4)",
+                fix="use the NVFP4A16, NVFP4, MXFP4A16 or MXFP4 preset",
+            )
+
     def _infer_strategy(self) -> None:
         if self.group_size == -1:
             self.group_size = None
@@ -151,14 +210,45 @@ class QuantizationArgs(BaseModel):
         return self.type == QuantizationType.FLOAT
 
     @property
+    def is_fp4(self) -> bool:
+        return self.is_float and self.num_bits == 4
+
+    @property
+    def is_mx(self) -> bool:
+        """Power-of-two group scales stored as uint8 exponents (OCP microscaling, MXFP4)."""
+        return self.scale_dtype == "torch.uint8"
+
+    @property
+    def is_grouped(self) -> bool:
+        """Scales per group of ``group_size`` columns (``group``, and NVFP4's ``tensor_group``)."""
+        return self.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+
+    @property
+    def has_global_scale(self) -> bool:
+        """NVFP4: fp8 group scales relative to one fp32 global scale per tensor."""
+        return self.strategy == QuantizationStrategy.TENSOR_GROUP
+
+    @property
+    def observes_range(self) -> bool:
+        """Whether calibration data sets something of this (input) quantization: a static scale,
+        or NVFP4's global scale beside its dynamic group scales."""
+        return not self.dynamic or self.dynamic == DynamicType.LOCAL
+
+    @property
     def q_range(self) -> tuple[float, float]:
         """Smallest and largest representable quantized value."""
+        if self.is_fp4:
+            return -FP4_E2M1_MAX, FP4_E2M1_MAX
         if self.is_float:
             return -FP8_E4M3_MAX, FP8_E4M3_MAX
         return float(-(2 ** (self.num_bits - 1))), float(2 ** (self.num_bits - 1) - 1)
 
     @property
     def storage_dtype(self) -> torch.dtype:
+        """The dtype quantized values are held in: int8 (integers), float8_e4m3fn, or (fp4)
+        float32 holding grid values until a format packs them."""
+        if self.is_fp4:
+            return torch.float32
         return torch.float8_e4m3fn if self.is_float else torch.int8
 
     @property
@@ -216,6 +306,9 @@ def _args(**kw: Any) -> dict[str, Any]:
     return kw
 
 
+_NVFP4 = _args(num_bits=4, type="float", strategy="tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
+_MXFP4 = _args(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
+
 PRESET_SCHEMES: dict[str, dict[str, Any]] = {
     "W4A16": {"weights": _args(num_bits=4, symmetric=True, strategy="group", group_size=128)},
     "W4A16_ASYM": {"weights": _args(num_bits=4, symmetric=False, strategy="group", group_size=128)},
@@ -232,6 +325,14 @@ PRESET_SCHEMES: dict[str, dict[str, Any]] = {
         "weights": _args(num_bits=8, type="float", strategy="channel"),
         "input_activations": _args(num_bits=8, type="float", strategy="token", dynamic=True),
     },
+    "FP8_BLOCK": {
+        "weights": _args(num_bits=8, type="float", strategy="block", block_structure=[128, 128]),
+        "input_activations": _args(num_bits=8, type="float", strategy="group", group_size=128, dynamic=True),
+    },
+    "NVFP4A16": {"weights": _NVFP4},
+    "NVFP4": {"weights": _NVFP4, "input_activations": {**_NVFP4, "dynamic": "local", "observer": "static_minmax"}},
+    "MXFP4A16": {"weights": _MXFP4},
+    "MXFP4": {"weights": _MXFP4, "input_activations": {**_MXFP4, "dynamic": True}},
 }
 
 

@@ -11,6 +11,10 @@ fastest kernel that applies:
 - ``int8x8``: the same weights with 8-bit integer input activations (W8A8): from
   ``int8_inputs.MIN_ROWS`` tokens on, an int8 × int8 product on oneDNN (exact integers, see
   ``int8_inputs``); fewer tokens (decode) run as ``int8`` on the fake-quantized input;
+- ``bf16``: microscaling and block formats (NVFP4, MXFP4, FP8 block: no CPU kernel takes fp4
+  values or 16-column groups) keep the stored tensors and, from the first forward, their weight
+  dequantized once in bf16 (2 bytes a weight): few-token inputs (decode) multiply in bf16, which
+  reads half of fp32's bytes; longer ones (prefill) in the input's dtype;
 - ``dequant``: anything else (fp8, other widths or group sizes) keeps the stored tensors and
   decompresses them on the fly for each forward.
 
@@ -41,8 +45,9 @@ from llmpress.runtime import int8_inputs, kernels
 
 __all__ = ["QuantizedLinear"]
 
-_INPUT_TENSORS = ("input_scale", "input_zero_point")
+_INPUT_TENSORS = ("input_scale", "input_zero_point", "input_global_scale")
 _INT8 = ("int8", "int8x8")
+_STORED = ("dequant", "bf16")  # kernels that keep the stored tensors as they are
 
 
 class QuantizedLinear(nn.Module):
@@ -66,6 +71,8 @@ class QuantizedLinear(nn.Module):
         self.kernel = "empty"
         self.int4_group: int | None = None  # the kernel's group size (may be smaller than the scheme's)
         self._int8_inputs: int8_inputs.Int8Inputs | None = None  # packed on the first long input
+        self._dense: torch.Tensor | None = None  # kernel bf16: the weight, dequantized on the first forward
+        self._divisor: torch.Tensor | None = None  # and NVFP4's global scale, which divides its products
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -97,7 +104,8 @@ class QuantizedLinear(nn.Module):
             if name in state:
                 self.register_buffer(name, state.pop(name))
         kernel = self._choose_kernel(fmt)
-        if kernel == "dequant":
+        if kernel in _STORED:
+            self._dense = None
             self.format = fmt
             for name, value in state.items():
                 self.register_buffer(name, value)
@@ -117,7 +125,7 @@ class QuantizedLinear(nn.Module):
         """Take integer values ``q`` ``[out, in]`` (int8) with their scale / zero point, as a
         quantizer produces them: no packing round trip when a kernel applies."""
         kernel = self._choose_kernel(self.format)
-        if kernel != "dequant":
+        if kernel not in _STORED:
             self._load_values(kernel, q, scale, zero_point)
             return
         args = self.quantization_scheme.weights
@@ -165,6 +173,8 @@ class QuantizedLinear(nn.Module):
     def _choose_kernel(self, fmt: str) -> str:
         """The kernel for this module's scheme (and, for ``int4``, ``self.int4_group``)."""
         args = self.quantization_scheme.weights
+        if (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK) and not self.input_major:
+            return "bf16"
         if args.is_float or self.input_major:  # any format's unpack() gives integer schemes their integers
             return "dequant"
         if args.num_bits == 4 and args.strategy != QuantizationStrategy.TOKEN:
@@ -194,7 +204,7 @@ class QuantizedLinear(nn.Module):
         """This module's tensors as compressed-tensors stores them (local names), bias included."""
         if self.kernel == "empty":
             raise RuntimeError("QuantizedLinear has no weight yet: call load_compressed() first")
-        if self.kernel == "dequant":
+        if self.kernel in _STORED:
             state = self._stored()
         else:  # through the format's own codec, from the exact on-grid weight
             dense = {"weight": self.dequantized_weight(torch.float32), "weight_scale": self.weight_scale}
@@ -215,7 +225,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.default_dtype
-        if self.kernel == "dequant":
+        if self.kernel in _STORED:
             return FORMATS.get(self.format).decompress(self._stored(), self.quantization_scheme, dtype)["weight"]
         args = self.quantization_scheme.weights
         return dequantize(self.quantized_values(), self.weight_scale, self.weight_zero_point, args, dtype)
@@ -226,11 +236,14 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "int8x8" and x.is_cpu and x.numel() >= int8_inputs.MIN_ROWS * self.in_features and not x.requires_grad:
             return self._int8_product(x, inputs)
         if inputs is not None:
-            x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None))
+            x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None),
+                                         getattr(self, "input_global_scale", None))
         if self.kernel == "int4":
             out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
         elif self.kernel in _INT8:
             out = kernels.int8_matmul(x, self.int8_weight, self.int8_scale, self.int8_zero_correction)
+        elif self.kernel == "bf16":
+            out = self._bf16_product(x)
         elif self.kernel == "dequant":
             weight = self.dequantized_weight(x.dtype)
             out = F.linear(x, weight.t() if self.input_major else weight)
@@ -240,12 +253,33 @@ class QuantizedLinear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out
 
-    def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy is rebuilt from the buffers
-        self._int8_inputs = None
+    def _bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times the weight of a microscaling or block format. fp4 weights are held as
+        ``q * group scale`` in bf16, which is exact (a 2-bit value times an fp8 scale, or a
+        power of two), and NVFP4's global scale divides the product: prefill multiplies them in
+        ``x``'s dtype, exactly as the dense view; decode in bf16, at half of fp32's bytes. FP8
+        block weights in bf16 are not exact: prefill dequantizes them for the call."""
+        args = self.quantization_scheme.weights
+        if self._dense is None:  # once, from the stored tensors (which stay, for saving)
+            unpacked = FORMATS.get(self.format).unpack(self._stored(), self.quantization_scheme)
+            divisor = unpacked.get("weight_global_scale") if args.has_global_scale else None
+            ones = None if divisor is None else torch.ones_like(divisor)
+            self._dense = dequantize(unpacked["weight"], unpacked["weight_scale"], None, args, kernels.COMPUTE_DTYPE, ones)
+            self._divisor = divisor
+        if x.numel() < int8_inputs.MIN_ROWS * self.in_features:  # decode
+            out = F.linear(x.to(self._dense.dtype), self._dense).to(x.dtype)
+        elif args.is_fp4:
+            out = F.linear(x, self._dense.to(x.dtype))
+        else:
+            return F.linear(x, self.dequantized_weight(x.dtype))
+        return out if self._divisor is None else out.div_(self._divisor.to(out.dtype))
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy (the bf16 weight) is rebuilt from the buffers
+        self._int8_inputs = self._dense = None
         return super()._apply(fn, recurse)
 
     def __getstate__(self):  # deepcopy, pickle: oneDNN's packed weight has no storage to copy
-        return {**self.__dict__, "_int8_inputs": None}
+        return {**self.__dict__, "_int8_inputs": None, "_dense": None}
 
     def _int8_product(self, x: torch.Tensor, inputs) -> torch.Tensor:
         if self._int8_inputs is None:
@@ -257,8 +291,11 @@ class QuantizedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def runtime_bytes(self) -> int:
-        """Bytes held by this module's tensors (for reports), oneDNN's packed weight included."""
+        """Bytes held by this module's tensors (for reports), oneDNN's packed weight and the bf16
+        kernel's weight included."""
         packed = self._int8_inputs.nbytes() if self._int8_inputs is not None else 0
+        if self._dense is not None:
+            packed += self._dense.numel() * self._dense.element_size()
         return packed + sum(t.numel() * t.element_size() for t in self.buffers(recurse=False)) + (
             self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
         )

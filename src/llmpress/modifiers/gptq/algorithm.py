@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpress.errors import SchemeError
 from llmpress.modifiers.gptq.linalg import inverse_hessian_factor
 from llmpress.quant.observers import weight_qparams
-from llmpress.quant.qdq import expand_to_columns
+from llmpress.quant.qdq import expand_to_columns, expand_to_weight, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["GPTQResult", "HessianFactor", "factor_hessian", "gptq_quantize", "inverse_hessian_factor"]
@@ -34,23 +35,28 @@ class GPTQResult:
     dampening: float  # the dampening fraction that made the Hessian invertible
 
 
-def _channel_args(args: QuantizationArgs) -> QuantizationArgs:
+def _group_args(args: QuantizationArgs) -> QuantizationArgs:
+    """The args one group's columns ``[rows, group]`` are observed with: one scale per row
+    (NVFP4 keeps its own: one group of that width is one scale per row, against the global scale)."""
+    if args.has_global_scale:
+        return args
     return args.model_copy(update={"strategy": QuantizationStrategy.CHANNEL, "group_size": None})
 
 
-def _qparams(weight: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype):
+def _qparams(weight: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype, global_scale: torch.Tensor | None = None):
     """Observer qparams with the scale rounded to the dtype it will be stored in, so the grid
     GPTQ rounds onto is exactly the one the checkpoint describes."""
-    scale, zero_point = weight_qparams(weight, args)
+    scale, zero_point = weight_qparams(weight, args, global_scale)
     return scale.to(scale_dtype).to(torch.float32), zero_point
 
 
-def _upfront_qparams(weight: torch.Tensor, args: QuantizationArgs, actorder: bool, scale_dtype: torch.dtype):
+def _upfront_qparams(weight: torch.Tensor, args: QuantizationArgs, actorder: bool, scale_dtype: torch.dtype,
+                     global_scale: torch.Tensor | None):
     """Scale / zero point fixed before the update starts, or (None, None) when group qparams are
     computed as the update reaches each group (groups without activation ordering)."""
-    if args.strategy == QuantizationStrategy.GROUP and not actorder:
+    if args.is_grouped and not actorder:
         return None, None
-    return _qparams(weight, args, scale_dtype)
+    return _qparams(weight, args, scale_dtype, global_scale)
 
 
 def _per_column(scale, zero_point, weight: torch.Tensor, args: QuantizationArgs, perm: torch.Tensor | None):
@@ -58,6 +64,9 @@ def _per_column(scale, zero_point, weight: torch.Tensor, args: QuantizationArgs,
     if scale is None:
         return None, None
     cols = weight.shape[1]
+    if args.strategy == QuantizationStrategy.BLOCK:
+        scale = expand_to_weight(scale, weight.shape, args)
+        zero_point = None if zero_point is None else expand_to_weight(zero_point, weight.shape, args)
     scale = expand_to_columns(scale, cols, args).expand(weight.shape[0], cols)
     zero_point = None if zero_point is None else expand_to_columns(zero_point, cols, args).expand(weight.shape[0], cols)
     if perm is not None:
@@ -73,11 +82,11 @@ class _Rounding:
 
     def __init__(self, args: QuantizationArgs) -> None:
         self.q_min, self.q_max = args.q_range
-        self.is_float = args.is_float
+        self.args = args
 
     def __call__(self, w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
-        if self.is_float:
-            return torch.div(w, scale).clamp_(self.q_min, self.q_max).to(torch.float8_e4m3fn).float().mul_(scale)
+        if self.args.is_float:  # fp8, fp4
+            return round_to_grid(torch.div(w, scale), self.args).float().mul_(scale)
         q = torch.div(w, scale).round_()
         if zero_point is None:
             return q.clamp_(self.q_min, self.q_max).mul_(scale)
@@ -136,6 +145,7 @@ def gptq_quantize(
     scale_dtype: torch.dtype = torch.float32,
     overwrite_hessian: bool = False,
     input_major: bool = False,
+    global_scale: torch.Tensor | None = None,
 ) -> GPTQResult:
     """Quantize ``weight`` ``[rows, cols]`` (or the row blocks that stack into it) given the
     Hessian ``[cols, cols]`` of its inputs, or its ``factor_hessian`` (then ``dampening_frac``,
@@ -145,7 +155,10 @@ def gptq_quantize(
     ``input_major``: the weight is stored ``[cols, rows]`` (GPT-2's Conv1D) and quantized in that
     layout, as compressed-tensors reads it: each column's qparams (channel: one; group: one per
     group of rows) come from the column itself at its turn, after every earlier column's update,
-    and the result (weight, scales) is in the stored layout. One weight at a time."""
+    and the result (weight, scales) is in the stored layout. One weight at a time.
+
+    ``global_scale``: NVFP4's, ``[1]`` or one per row; fixed before the update, as the group
+    scales are taken relative to it."""
     factor = hessian if isinstance(hessian, HessianFactor) else factor_hessian(
         hessian, dampening_frac, actorder, overwrite=overwrite_hessian)
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
@@ -168,16 +181,25 @@ def gptq_quantize(
 
     perm, Hinv = factor.perm, factor.inverse
     by_column = input_major and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
-    fixed_scale, fixed_zp = (None, None) if by_column else _upfront_qparams(WT.t(), args, perm is not None, scale_dtype)
+    gs = None
+    if args.has_global_scale:
+        if global_scale is None or input_major:
+            raise SchemeError("GPTQ on NVFP4 needs each weight's global scale, on an [out, in] weight",
+                              got="input-major weight (Conv1D)" if input_major else "no global_scale",
+                              expected="an nn.Linear and its weight_global_scale", fix="add the module to ignore")
+        gs = global_scale.to(torch.float32).reshape(-1, 1).expand(rows, 1)
+    fixed_scale, fixed_zp = (None, None) if by_column else _upfront_qparams(WT.t(), args, perm is not None, scale_dtype, gs)
     col_scale, col_zp = _per_column(fixed_scale, fixed_zp, WT.t(), args, perm)
+    if col_scale is not None and gs is not None:  # the grid's own step: group scale over global scale
+        col_scale = col_scale / gs
     if perm is not None:
         WT = WT[perm]
 
     scale_rows = None if col_scale is None else col_scale.t().contiguous()
     zp_rows = None if col_zp is None else col_zp.t().contiguous()
-    group = args.group_size if args.strategy == QuantizationStrategy.GROUP and not by_column else None
+    group = args.group_size if args.is_grouped and not by_column else None
     group_scales, group_zps = [], []
-    channel = _channel_args(args)
+    channel = _group_args(args)
     row_loss = torch.zeros(rows, dtype=torch.float64, device=WT.device)
     scale = zp = None
     rounding = _Rounding(args)
@@ -208,10 +230,10 @@ def gptq_quantize(
                     scale = expand_to_columns(g_scale, rows, args)[0]
                     zp = None if g_zp is None else expand_to_columns(g_zp, rows, args)[0].float()
                 elif col % group == 0:  # a new group: qparams from its (already updated) columns
-                    g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype)
+                    g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype, gs)
                     group_scales.append(g_scale)
                     group_zps.append(g_zp)
-                    scale = g_scale[:, 0]
+                    scale = g_scale[:, 0] if gs is None else g_scale[:, 0] / gs[:, 0]
                     zp = None if g_zp is None else g_zp[:, 0].float()
                 w, err = w_rows[i], err_rows[i]
                 q = rounding(w, scale, zp)

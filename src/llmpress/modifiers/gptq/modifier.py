@@ -42,7 +42,7 @@ from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, names_of
-from llmpress.quant.attach import freeze_weight, set_weight_qparams
+from llmpress.quant.attach import freeze_weight, fused_families, set_weight_qparams, share_global_scales
 from llmpress.quant.scheme import QuantizationScheme
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ class GPTQModifier(Modifier):
         schemes = [_with_gptq_defaults(s) for s in self.config.resolved_schemes()]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__)
         self.pending = dict(self.modules)
+        self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
         self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         self.hessians = HessianCollector(offload=self.config.offload_hessians)
         self.inputs = InputRangeObserver(type(self).__name__)
@@ -141,6 +142,7 @@ class GPTQModifier(Modifier):
                 "%s: %d module(s) saw no calibration input and were rounded to nearest instead: %s",
                 type(self).__name__, len(unreached), ", ".join(unreached[:8]),
             )
+            share_global_scales([self.pending[n][0] for n in unreached], self.families)
             for name in unreached:
                 module, scheme = self.pending.pop(name)
                 self.hessians.release([name])
@@ -164,6 +166,8 @@ class GPTQModifier(Modifier):
     def quantize(self, names: list[str], where: str) -> None:
         """GPTQ on ``names``; modules that share a Hessian and a scheme go as one matrix."""
         self.hessians.end_of_first_pass()
+        # NVFP4: global scales from the weights as they are, fixed before any solve changes them
+        share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
         groups: dict[tuple[int, str, bool], list[str]] = {}
         for name in names:
             accumulator = self.hessians.of_module.get(name)
@@ -197,11 +201,14 @@ class GPTQModifier(Modifier):
         # row-wise qparams (channel, group) let modules sharing a Hessian quantize as one matrix;
         # an input-major weight's (Conv1D's) qparams run along its columns: it goes alone
         transposed = input_major(modules[0])
-        fuse = args.strategy in ("channel", "group") and not transposed
+        fuse = args.strategy in ("channel", "group", "tensor_group") and not transposed
         for batch in _row_batches(modules, FUSED_ELEMENTS if fuse else 0):
             weight = [m.weight.data for m in batch]
+            global_scale = None
+            if args.has_global_scale:  # one per row of the stacked matrix
+                global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(m.weight.shape[0]) for m in batch])
             result = gptq_quantize(weight, factor, args, block_size=self.config.block_size, scale_dtype=weight[0].dtype,
-                                   input_major=transposed)
+                                   input_major=transposed, global_scale=global_scale)
             del weight
             if len(batch) == 1:  # the whole result is the module's, in its own layout
                 set_weight_qparams(batch[0], result.weight, result.scale, result.zero_point)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
-from llmpress.quant.attach import enable_input_quantization, set_input_scale
-from llmpress.quant.qdq import compute_qparams
+from llmpress.quant.attach import enable_input_quantization, set_input_scale, set_module_buffer
+from llmpress.quant.qdq import compute_qparams, global_scale_of
 from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["InputRangeObserver", "has_static_inputs"]
@@ -20,7 +20,7 @@ __all__ = ["InputRangeObserver", "has_static_inputs"]
 
 def has_static_inputs(scheme: QuantizationScheme) -> bool:
     """Whether the scheme's input scale comes from calibration data."""
-    return scheme.input_activations is not None and not scheme.input_activations.dynamic
+    return scheme.input_activations is not None and scheme.input_activations.observes_range
 
 
 class InputRangeObserver:
@@ -42,7 +42,7 @@ class InputRangeObserver:
         args = scheme.input_activations
         if args is None:
             return
-        if not args.dynamic:
+        if args.observes_range:
             if name not in self.ranges:
                 raise UnsupportedModelError(
                     f"{self.modifier}: module {name!r} saw no calibration input",
@@ -51,6 +51,9 @@ class InputRangeObserver:
                     fix=f"add {name!r} to ignore, or check that the calibration data reaches it",
                 )
             low, high = self.ranges.pop(name)
-            scale, zero_point = compute_qparams(low.reshape(1), high.reshape(1), args)
-            set_input_scale(module, scale, zero_point)
+            if args.has_global_scale:  # NVFP4: group scales at run time, against this global scale
+                set_module_buffer(module, "input_global_scale", global_scale_of(torch.maximum(low.abs(), high.abs())))
+            else:
+                scale, zero_point = compute_qparams(low.reshape(1), high.reshape(1), args)
+                set_input_scale(module, scale, zero_point)
         enable_input_quantization(module)

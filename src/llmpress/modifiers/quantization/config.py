@@ -82,7 +82,7 @@ class SchemeFields(BaseModel):
     @property
     def needs_calibration(self) -> bool:
         return self.kv_cache_scheme is not None or any(
-            s.input_activations is not None and not s.input_activations.dynamic
+            s.input_activations is not None and s.input_activations.observes_range
             for s in self.resolved_schemes()
         )
 

@@ -39,6 +39,8 @@ from llmpress.quant.attach import (
     detach_quantization,
     enable_input_quantization,
     freeze_weight,
+    fused_families,
+    share_global_scales,
 )
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
 from llmpress.quant.scheme import QuantizationScheme
@@ -165,6 +167,7 @@ class QuantizationModifier(Modifier):
         for module, _ in self.modules.values():
             setattr(module, PENDING_ATTR, True)
         self.pending = dict(self.modules)  # not quantized yet
+        self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
         self.inputs = InputRangeObserver(type(self).__name__)
         self.calibrated = False
         self.training = False
@@ -181,7 +184,8 @@ class QuantizationModifier(Modifier):
             )
         unscaled = [
             n for n, (m, s) in self.pending.items()
-            if s.input_activations is not None and not s.input_activations.dynamic and getattr(m, "input_scale", None) is None
+            if s.input_activations is not None and s.input_activations.observes_range
+            and getattr(m, "input_scale", getattr(m, "input_global_scale", None)) is None
         ]
         if unscaled:
             raise SessionError(
@@ -228,6 +232,7 @@ class QuantizationModifier(Modifier):
         self.quantize_pending(list(self.pending))
 
     def quantize_pending(self, names: list[str]) -> None:
+        share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
         for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
             if hasattr(module, PENDING_ATTR):

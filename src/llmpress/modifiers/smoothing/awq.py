@@ -55,8 +55,7 @@ from llmpress.modifiers.smoothing.clip import clip_, clip_group, clip_limits, gr
 from llmpress.modifiers.smoothing.mappings import Mapping, apply_scales, channel_statistics
 from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
-from llmpress.quant.observers import weight_qparams
-from llmpress.quant.qdq import fake_quantize
+from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 if TYPE_CHECKING:
@@ -110,7 +109,7 @@ def column_means(layers: list[nn.Linear], args: QuantizationArgs) -> torch.Tenso
     for layer in layers:
         w = layer.weight.detach().abs().float()
         out, cols = w.shape
-        if args.strategy == QuantizationStrategy.GROUP and cols % args.group_size == 0:
+        if args.is_grouped and cols % args.group_size == 0:
             w = w.reshape(out, cols // args.group_size, args.group_size)
             w = (w / (w.amax(dim=-1, keepdim=True) + 1e-6)).reshape(out, cols)
         elif args.strategy == QuantizationStrategy.TENSOR:
@@ -338,7 +337,7 @@ class AWQModifier(SmoothingModifier):
                     if not on:  # unquantized: Q(W s) / s is W itself
                         continue
                     scaled = weight.float() * scales
-                    on_grid = fake_quantize(scaled, *weight_qparams(scaled, args), args)
+                    on_grid = fake_quantize_weight(scaled, args)
                     layer.weight.copy_((on_grid / scales).to(weight.dtype))
                 error = score()
                 first_error = error if first_error is None else first_error
@@ -376,12 +375,12 @@ class AWQModifier(SmoothingModifier):
                 scores[around] = _RunScore(replace(block, inputs=batches), around)
             original = layer.weight.detach().clone()
             try:
-                layer.weight.copy_(fake_quantize(original.float(), *weight_qparams(original.float(), args), args).to(original.dtype))
+                layer.weight.copy_(fake_quantize_weight(original.float(), args).to(original.dtype))
                 plain = scores[around]()
                 layer.weight.copy_(original)
                 clip_(layer, limits)
                 clipped = layer.weight.detach().float().clone()
-                layer.weight.copy_(fake_quantize(clipped, *weight_qparams(clipped, args), args).to(original.dtype))
+                layer.weight.copy_(fake_quantize_weight(clipped, args).to(original.dtype))
                 better = scores[around]() < plain
             finally:
                 layer.weight.copy_(original)

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.quant.observers import weight_qparams
-from llmpress.quant.qdq import fake_quantize
+from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["clip_", "clip_group", "clip_limits", "group_grams"]
@@ -32,7 +31,7 @@ def clip_group(args: QuantizationArgs, columns: int) -> int | None:
     a group that does not divide the columns)."""
     if args.strategy == QuantizationStrategy.CHANNEL:
         return columns
-    if args.strategy == QuantizationStrategy.GROUP and columns % args.group_size == 0:
+    if args.is_grouped and columns % args.group_size == 0:
         return args.group_size
     return None
 
@@ -78,7 +77,7 @@ def clip_limits(weight: torch.Tensor, gram: torch.Tensor, args: QuantizationArgs
     for step in range(int(MAX_SHRINK * STEPS)):
         limit = original * (1 - step / STEPS)
         clipped = torch.maximum(torch.minimum(w, limit), -limit).reshape(out, columns)
-        error = (fake_quantize(clipped, *weight_qparams(clipped, args), args).reshape(out, groups, size) - w)
+        error = (fake_quantize_weight(clipped, args).reshape(out, groups, size) - w)
         cost = torch.einsum("okg,kgh,okh->ok", error, gram, error).unsqueeze(-1)
         better = cost < best_error
         best = torch.where(better, limit, best)

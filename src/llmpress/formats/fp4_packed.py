@@ -1,0 +1,93 @@
+"""``nvfp4-pack-quantized`` and ``mxfp4-pack-quantized``: fp4 e2m1 weights two to a byte.
+
+Stored per module, as compressed-tensors writes them:
+
+- ``weight_packed`` uint8 ``[out, in / 2]``: element ``2j`` of a row in the low nibble, ``2j + 1``
+  in the high one; a nibble is ``sign << 3 | i``, ``i`` the index of the magnitude in
+  0, 0.5, 1, 1.5, 2, 3, 4, 6 (a negative value rounded to zero keeps its sign bit);
+- NVFP4: ``weight_scale`` float8_e4m3fn ``[out, in / 16]`` and ``weight_global_scale`` float32
+  ``[1]`` (a value is ``q * weight_scale / weight_global_scale``), and for NVFP4 inputs
+  ``input_global_scale``;
+- MXFP4: ``weight_scale`` uint8 ``[out, in / 32]``, the exponent of a power-of-two scale plus 127.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmpress.errors import CheckpointError
+from llmpress.formats.base import FORMATS, StateDict, drop_symmetric_zero_points
+from llmpress.quant.qdq import dequantize, quantize
+from llmpress.quant.scheme import QuantizationScheme
+
+__all__ = ["E2M1_VALUES", "pack_fp4", "unpack_fp4"]
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def pack_fp4(values: torch.Tensor) -> torch.Tensor:
+    """fp4 grid values ``[rows, cols]`` (cols even) two to a byte, uint8 ``[rows, cols / 2]``."""
+    rows, cols = values.shape
+    if cols % 2:
+        raise CheckpointError("fp4 weights pack two values to a byte", got=f"{cols} columns",
+                              expected="an even number of columns", fix="ignore this module, or pad its input features")
+    index = torch.bucketize(values.abs().to(torch.float32), E2M1_VALUES.to(values.device)).to(torch.uint8)
+    codes = (index | (torch.signbit(values).to(torch.uint8) << 3)).reshape(rows, cols // 2, 2)
+    return codes[..., 0] | (codes[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``pack_fp4``'s inverse: ``[rows, 2 * bytes]`` values in ``dtype``."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    magnitude = E2M1_VALUES.to(device=packed.device, dtype=dtype)[codes & 7]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def _encode_mx_scale(scale: torch.Tensor) -> torch.Tensor:
+    return (torch.log2(scale.to(torch.float32)) + 127).round().clamp(0, 255).to(torch.uint8)
+
+
+def _decode_mx_scale(code: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(code.to(torch.float32) - 127)
+
+
+class _Fp4Packed:
+    name = ""
+
+    @staticmethod
+    def compress(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        args = scheme.weights
+        out = drop_symmetric_zero_points(state, scheme)
+        weight = out.pop("weight")
+        q = quantize(weight, out["weight_scale"], None, args, out.get("weight_global_scale"))
+        out["weight_packed"] = pack_fp4(q)
+        scale = out["weight_scale"]
+        out["weight_scale"] = _encode_mx_scale(scale) if args.is_mx else scale.to(torch.float8_e4m3fn)
+        if "weight_global_scale" in out:
+            out["weight_global_scale"] = out["weight_global_scale"].to(torch.float32).reshape(1)
+        return out
+
+    @staticmethod
+    def unpack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        """``weight`` as float32 fp4 grid values and ``weight_scale`` as float32 scales."""
+        out = dict(state)
+        out["weight"] = unpack_fp4(out.pop("weight_packed"))
+        scale = out["weight_scale"]
+        out["weight_scale"] = _decode_mx_scale(scale) if scheme.weights.is_mx else scale.to(torch.float32)
+        return out
+
+    @classmethod
+    def decompress(cls, state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
+        out = cls.unpack(state, scheme)
+        out["weight"] = dequantize(out["weight"], out["weight_scale"], None, scheme.weights, dtype, out.get("weight_global_scale"))
+        return out
+
+
+@FORMATS.register("nvfp4-pack-quantized")
+class NVFP4PackedFormat(_Fp4Packed):
+    name = "nvfp4-pack-quantized"
+
+
+@FORMATS.register("mxfp4-pack-quantized")
+class MXFP4PackedFormat(_Fp4Packed):
+    name = "mxfp4-pack-quantized"
