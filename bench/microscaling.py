@@ -2,6 +2,7 @@
 separate processes, one run; every checkpoint read back three ways.
 
     python bench/microscaling.py [--configs rtn-nvfp4a16 ...] [--repeat 1] [--work DIR]
+    python bench/microscaling.py --decode [--work DIR]      # NVFP4A16 / MXFP4A16 speed in llmpress.load
 
 On the shared tiny trained Llama (fp32), with lm_head dense: RTN (``QuantizationModifier``) and
 GPTQ (``GPTQModifier``) with the presets ``NVFP4A16`` (fp4 e2m1 in groups of 16, fp8 group
@@ -13,6 +14,11 @@ compressed-tensors 0.20.1 in bf16, and transformers 5.17 + compressed-tensors 0.
 (compressed-tensors decompresses fp4 weights to bf16 only: in float32 its forward fails). The
 references are the fp32 model in float32 and in bf16. Last, llm-compressor's fp4 checkpoints in
 ``llmpress.load`` (float32) against transformers' bf16 run: relative L2 of the logits of 4 windows.
+
+``--decode``: the random 2048-hidden Llama of ``bench/load_and_run.py`` (8 layers, TinyLlama's
+shapes) as RTN NVFP4A16 and MXFP4A16 checkpoints, run by ``llmpress.load`` against the fp32 model
+in float32 and bf16, each in its own process at batch 1: greedy decode tokens/s, prefill of 512
+tokens, load time and peak RSS.
 """
 
 from __future__ import annotations
@@ -52,14 +58,44 @@ def logits_gap(checkpoint: Path, windows: torch.Tensor, work: Path) -> float:
     return float((ours - theirs).norm() / theirs.norm())
 
 
+def decode_speed(work: Path) -> None:
+    """Decode, prefill and load of fp4 checkpoints in llmpress.load against the dense model."""
+    from load_and_run import make_random_llama, worker
+
+    import llmpress
+    from llmpress.modifiers import QuantizationModifier
+
+    fp32 = make_random_llama(work / "random-2048")
+    rows = {}
+    for label, tool, model in [("fp32", "fp32", fp32), ("bf16", "bf16", fp32), ("NVFP4A16", "llmpress", work / "random-2048-nvfp4a16"),
+                               ("MXFP4A16", "llmpress", work / "random-2048-mxfp4a16")]:
+        if not (model / "config.json").exists():
+            llmpress.oneshot(fp32, QuantizationModifier(ignore=["lm_head"], scheme=label), output_dir=model)
+        load = worker("load", "--tool", tool, "--model", str(model))
+        decode = worker("decode", "--tool", tool, "--model", str(model), "--new-tokens", "32")
+        prefill = worker("prefill", "--tool", tool, "--model", str(model), "--tokens", "512")
+        rows[label] = {**load, "tokens_per_s": decode["tokens_per_s"], "decode_rss_mb": decode["peak_rss_mb"], **prefill}
+        print(json.dumps({label: rows[label]}), flush=True)
+    base = rows["fp32"]
+    print(f"\nrandom-2048 Llama, batch 1, {torch.get_num_threads()} threads (ratios to fp32)")
+    print(f"{'':<10} {'decode tok/s':>12} {'ratio':>6} {'prefill 512 s':>13} {'ratio':>6} {'load s':>7} {'decode RSS MB':>13}")
+    for label, r in rows.items():
+        print(f"{label:<10} {r['tokens_per_s']:>12.1f} {r['tokens_per_s'] / base['tokens_per_s']:>5.2f}x {r['prefill_s']:>13.2f}"
+              f" {base['prefill_s'] / r['prefill_s']:>5.2f}x {r['ready_s']:>7.1f} {r['decode_rss_mb']:>13.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
     parser.add_argument("--work", default=None)
+    parser.add_argument("--decode", action="store_true", help="decode / prefill speed of fp4 checkpoints instead")
     args = parser.parse_args()
     prepare_peer_runs()
     work = work_folder(args.work, "llmpress-microscaling-")
+    if args.decode:
+        decode_speed(work)
+        return
     models, tokens, windows = bench_inputs(work, ["tiny"])
     tiny = models["tiny"]
     torch.save(windows, work / "windows.pt")

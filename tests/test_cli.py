@@ -38,6 +38,26 @@ def test_eval_json_and_plot(w4a16_checkpoint, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_eval_compares_fp_nvfp4_and_mxfp4_in_one_table_and_plot(tmp_path, capsys):
+    """The trained model dense, as NVFP4A16 and as MXFP4A16 (RTN needs no data): one table with
+    each one's scheme, size and change against the first, and one plot."""
+    models = [str(trained_model_dir())]
+    for scheme in ("NVFP4A16", "MXFP4A16"):
+        models.append(str(tmp_path / scheme))
+        assert main(["oneshot", "--model", models[0], "--recipe", scheme, "--output", models[-1]]) == 0
+    capsys.readouterr()
+    png = tmp_path / "ppl.png"
+    args = ["eval", "--dataset", str(text_path("evaluation.txt")), "--max-windows", "4", "--plot", str(png)]
+    assert main([*args, *(a for m in models for a in ("--model", m))]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "scheme" in lines[0] and "vs first" in lines[0]
+    assert "dense float32" in lines[1] and "+0.00%" in lines[1]
+    assert "NVFP4A16" in lines[2] and "MXFP4A16" in lines[3]
+    sizes = [float(line.split()[-3]) for line in lines[1:4]]  # model, scheme (words), MB, perplexity, change
+    assert sizes[1] < sizes[0] / 2 and sizes[2] < sizes[0] / 2  # weights at ~4.5 bits, embeddings and lm_head dense
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_inspect(w4a16_checkpoint, capsys):
     assert main(["inspect", str(w4a16_checkpoint)]) == 0
     text = capsys.readouterr().out

@@ -178,3 +178,22 @@ def test_runtime_products_match_the_dequantized_weight(scheme, tmp_path):
         seen = x if inputs is None else fake_quantize_activation(x, inputs)
         expected = seen.double() @ reference.t()
         assert float((module(x).double() - expected).norm() / expected.norm()) < tolerance, rows
+
+
+def test_fp8_block_round_trips_through_transformers(tmp_path):
+    """An FP8_BLOCK checkpoint read by transformers + compressed-tensors gives the logits of
+    llmpress's own dense view. k/v_proj have 64 rows: a short row block. (compressed-tensors'
+    inputs in groups of 128 need features in 128s: intermediate 256, not 200.)"""
+    transformers = pytest.importorskip("transformers")
+    from conftest import make_tiny_llama, token_batches
+
+    import llmpress
+
+    llmpress.oneshot(make_tiny_llama(intermediate=256), "FP8_BLOCK", token_batches(), output_dir=tmp_path / "c")
+    assert llmpress.load(tmp_path / "c").model.layers[0].self_attn.k_proj.weight_scale.shape[0] == 1
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "c"), dtype=torch.float32).eval()
+    ours = llmpress.load(tmp_path / "c", dequantize=True)
+    ids = torch.tensor(token_batches(2, 16))
+    with torch.no_grad():
+        a, b = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
+    assert float((a - b).norm() / b.norm()) < 1e-6

@@ -62,9 +62,12 @@ def _positive_float(text: str) -> float:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from llmpress.evaluation.report import evaluate_models
+    import torch
 
-    results = evaluate_models(args.model, args.dataset, seq_len=args.seq_len, max_windows=args.max_windows, batch_size=args.batch_size)
+    from llmpress.evaluation.report import evaluate_models, format_table
+
+    results = evaluate_models(args.model, args.dataset, seq_len=args.seq_len, max_windows=args.max_windows, batch_size=args.batch_size,
+                              dtype=getattr(torch, args.dtype))
     if args.plot:
         from llmpress.evaluation.report import plot_results
 
@@ -72,9 +75,11 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         payload = results[0] if len(results) == 1 else results
         print(json.dumps(payload))
+    elif len(results) == 1:
+        row = results[0]
+        print(f"{row['model']} ({row['scheme']}): perplexity {row['perplexity']:.3f} over {row['tokens']} tokens ({row['seconds']:.1f}s)")
     else:
-        for row in results:
-            print(f"{row['model']}: perplexity {row['perplexity']:.3f} over {row['tokens']} tokens ({row['seconds']:.1f}s)")
+        print(format_table(results))
     return 0
 
 
@@ -190,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=_at_least(1), default=8)
     evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
     evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                          help="the dtype the models run in (default float32)")
     evaluate.set_defaults(run=_eval)
 
     generate = commands.add_parser("generate", help="greedy text generation from a (compressed) checkpoint")

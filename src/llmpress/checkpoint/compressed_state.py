@@ -72,8 +72,8 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
                 f"module {name!r} shares its weight with another module and cannot be compressed alone",
                 fix="quantize it through a modifier (which unties it) or add it to ignore",
             )
-        args = scheme.weights
-        if args is not None and args.strategy == "group" and module.weight.shape[-1] % args.group_size:
+        columns = module.weight.shape[-1]
+        if any(a is not None and a.is_grouped and columns % a.group_size for a in (scheme.weights, scheme.input_activations)):
             uneven.append(name)
         if not (save_compressed or in_training):
             continue  # dense and frozen: the state dict already holds it
@@ -87,7 +87,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         state.update({prefix + k: v for k, v in local.items()})
     if uneven:
         logger.warning(
-            "%d module(s) have a column count that is not a multiple of their group size (%s): "
+            "%d module(s) have a column count that is not a multiple of their (weight or input) group size (%s): "
             "llmpress reads them, but compressed-tensors (transformers, vLLM) may refuse to load them",
             len(uneven), ", ".join(uneven[:4]) + (" ..." if len(uneven) > 4 else ""),
         )

@@ -23,6 +23,12 @@ def describe_args(args: QuantizationArgs | None, what: str) -> str:
         return ""
     kind = f"fp{args.num_bits}" if args.is_float else f"int{args.num_bits}"
     strategy = f"group({args.group_size})" if args.strategy == "group" else str(args.strategy)
+    if args.has_global_scale:
+        strategy = f"group({args.group_size}) + global scale"
+    elif args.strategy == "block":
+        strategy = "block({}x{})".format(*args.block_structure)
+    if args.is_mx:
+        strategy += " pow2 scales"
     mode = "dynamic" if args.dynamic else ("sym" if args.symmetric else "asym")
     return f"{kind} {mode} {strategy} {what}"
 

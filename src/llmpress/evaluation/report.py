@@ -5,16 +5,52 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from llmpress.errors import DataError, MissingDependencyError
 from llmpress.evaluation.perplexity import evaluation_windows, perplexity
 
-__all__ = ["evaluate_models", "plot_results"]
+__all__ = ["evaluate_models", "format_table", "plot_results", "scheme_label"]
+
+_NOT_THE_GRID = {"observer", "observer_kwargs", "actorder", "zp_dtype"}  # how a grid was chosen, not which
+
+
+def _grid(args) -> dict | None:
+    return None if args is None else args.model_dump(mode="json", exclude=_NOT_THE_GRID)
+
+
+def scheme_label(folder: str | Path) -> str:
+    """What a checkpoint holds, in a few words: ``NVFP4A16`` (a preset's name where a config
+    group is one), the scheme described otherwise, or ``dense float32``."""
+    import json
+
+    from llmpress.checkpoint.inspect import describe_args
+    from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, preset_scheme
+
+    config_path = Path(folder) / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    if not groups:
+        return f"dense {config.get('dtype') or config.get('torch_dtype') or ''}".strip()
+    presets = {name: preset_scheme(name) for name in PRESET_SCHEMES}
+    labels = []
+    for group in groups.values():
+        scheme = QuantizationScheme(**{k: v for k, v in group.items() if k not in ("format", "targets")})
+        grid = (_grid(scheme.weights), _grid(scheme.input_activations))
+        named = [name for name, p in presets.items() if (_grid(p.weights), _grid(p.input_activations)) == grid]
+        parts = [describe_args(scheme.weights, "weights"), describe_args(scheme.input_activations, "inputs")]
+        labels.append(named[0] if named else ", ".join(p for p in parts if p))
+    return "; ".join(dict.fromkeys(labels))
 
 
 def evaluate_models(
-    models: list[str], dataset: str, *, seq_len: int = 256, max_windows: int = 200, batch_size: int = 8
+    models: list[str], dataset: str, *, seq_len: int = 256, max_windows: int = 200, batch_size: int = 8,
+    dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, Any]]:
+    """One row per checkpoint: its perplexity (computed in ``dtype``), what it holds and the
+    size of its weight files."""
     from llmpress.entrypoints import load_model_and_processor
+    from llmpress.loading.loader import model_folder
 
     text_path = Path(dataset)
     if not text_path.is_file():
@@ -22,13 +58,28 @@ def evaluate_models(
     text = text_path.read_text(encoding="utf-8")
     rows, windows = [], None
     for path in models:
-        model, tokenizer = load_model_and_processor(path)
+        model, tokenizer = load_model_and_processor(path, dtype=dtype)
         if tokenizer is None:
             raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
         windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)
         result = perplexity(model, windows, batch_size=batch_size)
-        rows.append({"model": path, **result.to_dict()})
+        folder = model_folder(path)
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
+        rows.append({"model": path, "scheme": scheme_label(folder), "weights_mb": size, **result.to_dict()})
     return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as an aligned table, each perplexity also against the first row's."""
+    names = [Path(r["model"]).name or r["model"] for r in rows]
+    width, scheme_width = max(5, *map(len, names)), max(6, *(len(r["scheme"]) for r in rows))
+    lines = [f"{'model':<{width}}  {'scheme':<{scheme_width}}  {'weights MB':>10}  {'perplexity':>10}  {'vs first':>8}"]
+    for name, row in zip(names, rows):
+        change = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
+        lines.append(f"{name:<{width}}  {row['scheme']:<{scheme_width}}  {row['weights_mb']:>10.1f}  {row['perplexity']:>10.3f}  {change:>+7.2f}%")
+    first = rows[0]
+    lines.append(f"({first['windows']} windows of {first['seq_len']} tokens, {first['tokens']} tokens predicted)")
+    return "\n".join(lines)
 
 
 def plot_results(rows: list[dict[str, Any]], png: str | Path) -> Path:
@@ -39,7 +90,7 @@ def plot_results(rows: list[dict[str, Any]], png: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MissingDependencyError("--plot needs matplotlib", fix="pip install matplotlib  (or 'llmpress[plot]')") from None
-    labels = [Path(r["model"]).name for r in rows]
+    labels = [f"{Path(r['model']).name}\n{r['scheme']}" if "scheme" in r else Path(r["model"]).name for r in rows]
     values = [r["perplexity"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(rows)), 3.5))
     bars = ax.bar(labels, values, color="#4C72B0")
