@@ -92,12 +92,14 @@ def plot_results(rows: list[dict[str, Any]], png: str | Path) -> Path:
         raise MissingDependencyError("--plot needs matplotlib", fix="pip install matplotlib  (or 'llmpress[plot]')") from None
     labels = [f"{Path(r['model']).name}\n{r['scheme']}" if "scheme" in r else Path(r["model"]).name for r in rows]
     values = [r["perplexity"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(rows)), 3.5))
-    bars = ax.bar(labels, values, color="#4C72B0")
-    ax.bar_label(bars, fmt="%.2f")
-    low = min(values)
-    ax.set_ylim(low * 0.95, max(values) * 1.03)
-    ax.set_ylabel("perplexity (lower is better)")
+    # horizontal bars, first model on top: long checkpoint names stay readable
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(rows)))
+    positions = range(len(rows))  # positions, not the labels themselves: two folders may share a name
+    bars = ax.barh(positions, values[::-1], color="#4C72B0")
+    ax.set_yticks(positions, labels[::-1])
+    ax.bar_label(bars, fmt="%.3f", padding=3)
+    ax.set_xlim(min(values) * 0.98, max(values) * 1.01)
+    ax.set_xlabel("perplexity (lower is better)")
     ax.set_title(f"Perplexity, {rows[0]['windows']} windows of {rows[0]['seq_len']} tokens")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
