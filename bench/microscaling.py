@@ -32,7 +32,7 @@ import torch
 from awq import read_back_perplexity
 from common import PEER_PYTHON, work_folder
 from gptq import bench_inputs, prepare_peer_runs, run_pairs
-from recipes import transformers_reading
+from recipes import table_cells, transformers_reading
 
 CONFIGS = {
     "rtn-nvfp4a16": ("QuantizationModifier", "NVFP4A16"),
@@ -123,16 +123,9 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        for tool, side in (("llmpress", "ours"), ("llmcompressor", "peer")):
-            read = r[tool]
-
-            def ppl(key):
-                return f"{read[key]['perplexity']:.3f}" if "perplexity" in read[key] else "fails"
-
-            ratios = f"{r['ratios']['compress_s']:>6.2f} {r['ratios']['rss_mb']:>9.2f}" if side == "ours" else f"{'':>6} {'':>9}"
-            gap = f"{read['logits_gap']:.2e}" if "logits_gap" in read else ""
-            print(f"{r['config']:<14} {tool:<14} {r[side]['compress_s']:>7.1f} {ratios} {read['llmpress.load']:>18.3f}"
-                  f" {ppl('transformers'):>22} {ppl('transformers-peer'):>19} {gap:>14}")
+        for tool, seconds, ratios, ours, theirs, theirs_peer in table_cells(r):
+            gap = f"{r[tool]['logits_gap']:.2e}" if "logits_gap" in r[tool] else ""
+            print(f"{r['config']:<14} {tool:<14} {seconds:>7.1f} {ratios} {ours:>18.3f} {theirs:>22} {theirs_peer:>19} {gap:>14}")
     print("\ntime: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
           "\nperplexity: 200 windows of 256 tokens of the shared evaluation text; logits: 4 windows.")
 

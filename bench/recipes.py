@@ -94,6 +94,18 @@ def transformers_reading(python: Path, checkpoint: Path, windows: Path, *options
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def table_cells(row: dict) -> list[tuple]:
+    """For each tool's line of a pair's row: tool, seconds, the ratio cells (llmpress's line only),
+    perplexity in llmpress.load, in transformers at llmpress's pins and at llm-compressor's."""
+    cells = []
+    for tool, side in (("llmpress", "ours"), ("llmcompressor", "peer")):
+        read = row[tool]
+        ppl = [f"{read[k]['perplexity']:.3f}" if "perplexity" in read[k] else "fails" for k in ("transformers", "transformers-peer")]
+        ratios = f"{row['ratios']['compress_s']:>6.2f} {row['ratios']['rss_mb']:>9.2f}" if side == "ours" else f"{'':>6} {'':>9}"
+        cells.append((tool, row[side]["compress_s"], ratios, read["llmpress.load"], *ppl))
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(RECIPES), choices=list(RECIPES))
@@ -129,17 +141,10 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        for tool, side in (("llmpress", "ours"), ("llmcompressor", "peer")):
-            read = r[tool]
-
-            def ppl(key):
-                return f"{read[key]['perplexity']:.3f}" if "perplexity" in read[key] else "fails"
-
-            seconds = f"{r[side]['compress_s']:>6.1f}"
-            ratios = f"{r['ratios']['compress_s']:>6.2f} {r['ratios']['rss_mb']:>9.2f}" if side == "ours" else f"{'':>6} {'':>9}"
-            scales = "yes" if read["transformers-peer"].get("kv_scales") else "no"
-            print(f"{r['config']:<13} {r['model']:<14} {tool:<14} {seconds:>13} {ratios} {read['llmpress.load']:>17.3f}"
-                  f" {ppl('transformers'):>17} {ppl('transformers-peer'):>15} {scales:>9}")
+        for tool, seconds, ratios, ours, theirs, theirs_peer in table_cells(r):
+            scales = "yes" if r[tool]["transformers-peer"].get("kv_scales") else "no"
+            print(f"{r['config']:<13} {r['model']:<14} {tool:<14} {seconds:>13.1f} {ratios} {ours:>17.3f}"
+                  f" {theirs:>17} {theirs_peer:>15} {scales:>9}")
     print("\nin-process: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
           "\nperplexity: 200 windows of 256 tokens of the shared evaluation text.")
 
