@@ -52,7 +52,7 @@ def test_nvfp4_needs_its_global_scale():
     {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
     {"num_bits": 8, "type": "float", "block_structure": [128, 128]},  # block without strategy
     {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 16, "dynamic": "local"},
-    {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.int4"},
+    {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.nosuch"},
 ])
 def test_bad_microscaling_schemes_are_refused(fields):
     with pytest.raises(SchemeError):
@@ -197,3 +197,43 @@ def test_fp8_block_round_trips_through_transformers(tmp_path):
     with torch.no_grad():
         a, b = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
     assert float((a - b).norm() / b.norm()) < 1e-6
+
+
+def test_half_precision_models_stay_finite(tmp_path):
+    """NVFP4 products are global-scale times too large before the division: never in fp16. MX
+    scales of all-zero groups (2^-127) stay float32, not 0 (0 / 0 would be NaN)."""
+    from conftest import make_tiny_llama, token_batches
+
+    import llmpress
+
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, "NVFP4A16", output_dir=tmp_path / "c")
+    ids = torch.tensor(token_batches(2, 16))
+    with torch.no_grad():
+        half = llmpress.load(tmp_path / "c", dtype=torch.float16)
+        for tokens in (ids, ids[:1, :1]):  # prefill, decode
+            assert torch.isfinite(half(input_ids=tokens).logits).all()
+    linear = _linear(32, 64, "MXFP4A16", torch.float16)
+    linear.weight.data[0, :32] = 0
+    freeze_weight(linear)
+    assert linear.weight_scale.dtype == torch.float32 and torch.isfinite(linear.weight).all()
+
+
+def test_frozen_nvfp4_checkpoints_run_in_llmpress_load(tmp_path):
+    """``save_compressed=False``: dense on-grid weights beside their scales and global scale."""
+    from conftest import make_tiny_llama, token_batches
+
+    import llmpress
+
+    llmpress.oneshot(make_tiny_llama(intermediate=256), "NVFP4A16", output_dir=tmp_path / "c", save_compressed=False)
+    ids = torch.tensor(token_batches(2, 16))
+    with torch.no_grad():
+        runtime = llmpress.load(tmp_path / "c")(input_ids=ids).logits
+        dense = llmpress.load(tmp_path / "c", dequantize=True)(input_ids=ids).logits
+    assert float((runtime - dense).norm() / dense.norm()) < 1e-5
+
+
+def test_compressed_tensors_spellings_are_read():
+    assert QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="LOCAL").dynamic == "local"
+    assert QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure="128x128").block_structure == [128, 128]
+    assert QuantizationArgs(num_bits=8, type="float", scale_dtype="torch.float8_e5m2").scale_dtype == "torch.float8_e5m2"

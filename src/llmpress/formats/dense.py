@@ -21,7 +21,8 @@ class DenseFormat:
     def unpack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
         """A frozen (dense, on-grid) weight back to its integer values with the stored scale."""
         out = dict(state)
-        out["weight"] = quantize(out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights)
+        out["weight"] = quantize(out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights,
+                                 out.get("weight_global_scale"))
         return out
 
     @staticmethod

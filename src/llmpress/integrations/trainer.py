@@ -52,7 +52,7 @@ def load_compressed_into(model: Any, folder: str) -> bool:
 
     weight = next(model.parameters())
     dense = load_checkpoint(folder, dtype=weight.dtype)
-    qparams = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point")
+    qparams = ("weight_scale", "weight_zero_point", "weight_global_scale", "input_scale", "input_zero_point", "input_global_scale")
     state = {k: v for k, v in dense.state_dict().items() if not k.endswith(qparams)}
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(qparams)]
@@ -65,7 +65,7 @@ def load_compressed_into(model: Any, folder: str) -> bool:
         )
     live = dict(model.named_modules())
     for name, module in dense.named_modules():
-        for buffer in ("weight_scale", "weight_zero_point"):
+        for buffer in ("weight_scale", "weight_zero_point", "weight_global_scale"):
             value = getattr(module, buffer, None)
             if name in live and isinstance(value, torch.Tensor):
                 set_module_buffer(live[name], buffer, value.to(live[name].weight.device))

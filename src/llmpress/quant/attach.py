@@ -22,6 +22,7 @@ __all__ = [
     "freeze_weight",
     "set_weight_qparams",
     "set_module_buffer",
+    "scale_dtype_for",
     "fused_families",
     "share_global_scales",
     "set_input_scale",
@@ -82,14 +83,23 @@ def share_global_scales(modules: list[nn.Module], families: dict[nn.Module, tupl
         if not _has_global_scale(module) or getattr(module, "weight_global_scale", None) is not None:
             continue
         members = families.get(module, (module,))
-        shared = weight_global_scale([m.weight for m in members])
+        # a member already rounded keeps its grid: the others take its scale
+        fixed = [m.weight_global_scale for m in members if getattr(m, "weight_global_scale", None) is not None]
+        shared = fixed[0] if fixed else weight_global_scale([m.weight for m in members])
         for m in members:  # a copy each: a checkpoint keeps tensors shared between modules once
-            set_module_buffer(m, "weight_global_scale", shared.clone())
+            if getattr(m, "weight_global_scale", None) is None:
+                set_module_buffer(m, "weight_global_scale", shared.clone())
 
 
 def _has_global_scale(module: nn.Module) -> bool:
     scheme = getattr(module, "quantization_scheme", None)
     return scheme is not None and scheme.weights is not None and scheme.weights.has_global_scale
+
+
+def scale_dtype_for(args, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight's scales are held in: the weight's, but float32 for MX power-of-two
+    scales (2^-127, an all-zero group's, is zero in fp16)."""
+    return torch.float32 if args is not None and args.is_mx else weight_dtype
 
 
 def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> float:
@@ -103,7 +113,7 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
         global_scale = weight_global_scale([weight])
         set_module_buffer(module, "weight_global_scale", global_scale)
     scale, zero_point = weight_qparams(weight, args, global_scale)
-    scale = scale.to(scale_dtype or weight.dtype)
+    scale = scale.to(scale_dtype or scale_dtype_for(args, weight.dtype))
     quantized = fake_quantize(weight.float(), scale, zero_point, args, global_scale)
     error = float((quantized - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
     weight.copy_(quantized)  # in place: no second copy of the weight (and mmap pages stay shared)
@@ -117,7 +127,7 @@ def set_weight_qparams(
     global_scale: torch.Tensor | None = None,
 ) -> None:
     """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
-    dtype = module.weight.dtype
+    dtype = scale_dtype_for(module.quantization_scheme.weights, module.weight.dtype)
     module.weight.data.copy_(weight)  # in place, as in freeze_weight
     set_module_buffer(module, "weight_scale", scale.to(dtype))
     set_module_buffer(module, "weight_zero_point", zero_point)

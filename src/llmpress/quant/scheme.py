@@ -30,9 +30,8 @@ __all__ = [
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 FP4_E2M1_MAX = 6.0
-#: storage dtypes a scale may name (compressed-tensors writes them as "torch.<name>")
-SCALE_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "float32": torch.float32, "int8": torch.int8, "int32": torch.int32}
+#: the scale dtypes compressed-tensors writes (as "torch.<name>"); any torch dtype is read
+SCALE_DTYPES = ("float8_e4m3fn", "uint8", "bfloat16", "float16", "float32")
 OBSERVERS = ("minmax", "mse", "static_minmax", "memoryless_minmax", "memoryless_mse")
 
 
@@ -96,14 +95,30 @@ class QuantizationArgs(BaseModel):
         if value is None:
             return None
         name = str(value).removeprefix("torch.")
-        if name not in SCALE_DTYPES:
+        if not isinstance(getattr(torch, name, None), torch.dtype):
             raise SchemeError(
                 f"unknown scale dtype {value!r}",
                 got=value,
-                expected=", ".join(f"torch.{n}" for n in SCALE_DTYPES),
+                expected=f"a torch dtype, e.g. {', '.join(f'torch.{n}' for n in SCALE_DTYPES)}",
                 fix="use torch.float8_e4m3fn (NVFP4), torch.uint8 (MX formats) or leave it out",
             )
         return f"torch.{name}"
+
+    @field_validator("dynamic", mode="before")
+    @classmethod
+    def _dynamic_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("block_structure", mode="before")
+    @classmethod
+    def _block_string(cls, value: Any) -> Any:
+        """compressed-tensors' older string form ``"128x128"``."""
+        if isinstance(value, str) and "x" in value:
+            try:
+                return [int(part) for part in value.split("x")]
+            except ValueError:
+                return value
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> QuantizationArgs:

@@ -266,13 +266,18 @@ class QuantizedLinear(nn.Module):
             ones = None if divisor is None else torch.ones_like(divisor)
             self._dense = dequantize(unpacked["weight"], unpacked["weight_scale"], None, args, kernels.COMPUTE_DTYPE, ones)
             self._divisor = divisor
+        # products of q * group scale are global-scale times too large: they run in a dtype with
+        # fp32's range (never fp16) and are divided before going back to x's dtype
+        wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         if x.numel() < int8_inputs.MIN_ROWS * self.in_features:  # decode
-            out = F.linear(x.to(self._dense.dtype), self._dense).to(x.dtype)
+            out = F.linear(x.to(self._dense.dtype), self._dense)
         elif args.is_fp4:
-            out = F.linear(x, self._dense.to(x.dtype))
+            out = F.linear(x.to(wide), self._dense.to(wide))
         else:
             return F.linear(x, self.dequantized_weight(x.dtype))
-        return out if self._divisor is None else out.div_(self._divisor.to(out.dtype))
+        if self._divisor is not None:
+            out = out.to(wide).div_(self._divisor.to(wide))
+        return out.to(x.dtype)
 
     def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy (the bf16 weight) is rebuilt from the buffers
         self._int8_inputs = self._dense = None

@@ -42,7 +42,7 @@ from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, names_of
-from llmpress.quant.attach import freeze_weight, fused_families, set_weight_qparams, share_global_scales
+from llmpress.quant.attach import freeze_weight, fused_families, scale_dtype_for, set_weight_qparams, share_global_scales
 from llmpress.quant.scheme import QuantizationScheme
 
 if TYPE_CHECKING:
@@ -207,7 +207,8 @@ class GPTQModifier(Modifier):
             global_scale = None
             if args.has_global_scale:  # one per row of the stacked matrix
                 global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(m.weight.shape[0]) for m in batch])
-            result = gptq_quantize(weight, factor, args, block_size=self.config.block_size, scale_dtype=weight[0].dtype,
+            result = gptq_quantize(weight, factor, args, block_size=self.config.block_size,
+                                   scale_dtype=scale_dtype_for(args, weight[0].dtype),
                                    input_major=transposed, global_scale=global_scale)
             del weight
             if len(batch) == 1:  # the whole result is the module's, in its own layout
