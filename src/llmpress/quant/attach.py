@@ -27,6 +27,7 @@ __all__ = [
     "share_global_scales",
     "set_input_scale",
     "enable_input_quantization",
+    "fake_quantize_module_input",
     "detach_quantization",
 ]
 
@@ -108,10 +109,8 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     the module's ``weight_global_scale`` (set first by ``share_global_scales``), else its own."""
     args = module.quantization_scheme.weights
     weight = module.weight.data
+    share_global_scales([module], {})  # NVFP4 without a family's scale: its own
     global_scale = getattr(module, "weight_global_scale", None)
-    if args.has_global_scale and global_scale is None:
-        global_scale = weight_global_scale([weight])
-        set_module_buffer(module, "weight_global_scale", global_scale)
     scale, zero_point = weight_qparams(weight, args, global_scale)
     scale = scale.to(scale_dtype or scale_dtype_for(args, weight.dtype))
     quantized = fake_quantize(weight.float(), scale, zero_point, args, global_scale)
@@ -148,11 +147,17 @@ def enable_input_quantization(module: nn.Module) -> None:
         return
 
     def hook(mod: nn.Module, inputs: tuple) -> tuple:
-        scale, zero_point = getattr(mod, "input_scale", None), getattr(mod, "input_zero_point", None)
-        global_scale = getattr(mod, "input_global_scale", None)
-        return (fake_quantize_activation(inputs[0], args, scale, zero_point, global_scale), *inputs[1:])
+        return (fake_quantize_module_input(mod, inputs[0], args), *inputs[1:])
 
     setattr(module, _HOOK, module.register_forward_pre_hook(hook))
+
+
+def fake_quantize_module_input(module: nn.Module, x: torch.Tensor, args) -> torch.Tensor:
+    """``x`` fake-quantized as ``module``'s input: with its calibrated ``input_scale`` /
+    ``input_zero_point`` / ``input_global_scale`` where it has them (the training hook and the
+    runtime module both quantize inputs this way)."""
+    return fake_quantize_activation(x, args, getattr(module, "input_scale", None), getattr(module, "input_zero_point", None),
+                                    getattr(module, "input_global_scale", None))
 
 
 def detach_quantization(module: nn.Module) -> None:

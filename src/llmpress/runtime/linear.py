@@ -38,8 +38,9 @@ from torch.nn import functional as F
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.pack_quantized import PACKED_ZERO_POINT_STRATEGIES
 from llmpress.models.linear import features, input_major
+from llmpress.quant.attach import fake_quantize_module_input
 from llmpress.quant.packing import bytewise, unpack_from_int32
-from llmpress.quant.qdq import dequantize, fake_quantize_activation
+from llmpress.quant.qdq import dequantize
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
 from llmpress.runtime import int8_inputs, kernels
 
@@ -236,8 +237,7 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "int8x8" and x.is_cpu and x.numel() >= int8_inputs.MIN_ROWS * self.in_features and not x.requires_grad:
             return self._int8_product(x, inputs)
         if inputs is not None:
-            x = fake_quantize_activation(x, inputs, getattr(self, "input_scale", None), getattr(self, "input_zero_point", None),
-                                         getattr(self, "input_global_scale", None))
+            x = fake_quantize_module_input(self, x, inputs)
         if self.kernel == "int4":
             out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
         elif self.kernel in _INT8:
