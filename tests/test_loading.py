@@ -12,7 +12,7 @@ from torch import nn
 
 import llmpress
 from llmpress.errors import CheckpointError, RecipeError
-from llmpress.runtime import QuantizedLinear
+from llmpress.runtime import QuantizedLinear, kernels
 
 LLMC_FIXTURE = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
 
@@ -82,14 +82,15 @@ def test_every_preset_loads_into_runtime_modules(preset, kernel, tmp_path):
 
 
 def test_uneven_shapes_fall_back_to_dequantization(tmp_path):
-    """up/down_proj have 200 rows/columns: no int4 kernel (it needs rows in 16s and whole groups),
-    so they dequantize on the fly; the attention projections still run on the kernel."""
+    """down_proj has 200 columns: no int4 kernel takes them (whole 32-column groups), so it
+    dequantizes on the fly; up_proj's 200 rows run on llmpress's kernel (PyTorch's needs rows in
+    16s); the attention projections on the kernel either way."""
     model = make_tiny_llama(intermediate=200)
     llmpress.oneshot(model, "W4A16", token_batches(), output_dir=tmp_path / "c")
     runtime = llmpress.load(tmp_path / "c")
     assert isinstance(runtime.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert runtime.model.layers[0].mlp.down_proj.kernel == "dequant"
-    assert runtime.model.layers[0].mlp.up_proj.kernel == "dequant"
+    assert runtime.model.layers[0].mlp.up_proj.kernel == ("int4" if kernels.int4_layout() == "blocks32" else "dequant")
     assert runtime.model.layers[0].self_attn.q_proj.kernel == "int4"
     ids = torch.tensor(token_batches(2, 16))
     assert rel(logits(runtime, ids), logits(llmpress.load(tmp_path / "c", dequantize=True), ids)) < 1e-2
@@ -205,8 +206,8 @@ def test_int4_packing_in_row_blocks_matches_the_whole_matrix():
 
     q = torch.randint(-8, 8, (256, 256), dtype=torch.int8)
     scale = torch.rand(256, 2) + 0.1
-    whole, table = kernels.int4_pack(q, scale, None, rows_per_chunk=256)
-    blocks, same_table = kernels.int4_pack(q, scale, None, rows_per_chunk=64)
+    whole, table = kernels.int4_pack(q, scale, None, rows_per_chunk=256, layout="aten")
+    blocks, same_table = kernels.int4_pack(q, scale, None, rows_per_chunk=64, layout="aten")
     assert torch.equal(whole, blocks) and torch.equal(table, same_table)
     assert torch.equal(kernels.int4_unpack(blocks, 128, table, 256), q)
 
@@ -218,14 +219,14 @@ def test_int4_byte_layout_equals_the_kernels_own_conversion(rows):
     q = torch.randint(-8, 8, (rows, 256), dtype=torch.int8, generator=torch.Generator().manual_seed(rows))
     reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q + 8).to(torch.int32), 8)
     scale = torch.rand(rows, 2) + 0.1
-    assert torch.equal(kernels.int4_pack(q, scale, None)[0], reference)
+    assert torch.equal(kernels.int4_pack(q, scale, None, layout="aten")[0], reference)
     unsigned = (q + 8).to(torch.int32)
     words = torch.zeros(rows, 256 // 8, dtype=torch.int32)
     for i in range(8):  # compressed-tensors' packing: value i of each word at bits 4i
         words |= unsigned[:, i::8] << (4 * i)
-    assert torch.equal(kernels.int4_pack_words(words, scale, None)[0], reference)
+    assert torch.equal(kernels.int4_pack_words(words, scale, None, layout="aten")[0], reference)
     assert kernels._kernel_block() in (32, 64, None)
-    table = kernels.int4_pack(q, scale, None)[1]  # reading back: bytes, and through the kernel
+    table = kernels.int4_pack(q, scale, None, layout="aten")[1]  # reading back: bytes, and through the kernel
     assert torch.equal(kernels.int4_unpack(reference, 128, table, 256), q)
     assert torch.equal(kernels._unpack_through_kernel(reference, 128, table, 256), q)
 

@@ -1,7 +1,11 @@
-"""PyTorch's CPU kernels for quantized weights, and the conversions into their layouts.
+"""CPU kernels for quantized weights, and the conversions into their layouts.
 
-Two kernels apply, both computing in bfloat16 (with fp32 activations they run 10x slower, so
-activations are cast to bf16 for the call and the result back):
+4-bit weights run on llmpress's own kernels (``native``: an integer product for decode, at
+memory speed; dequantized rows and a float32 product for prefill) where they build on this
+machine, in the layout ``blocks32`` (each 32 columns in 16 bytes, column k and k + 16 in one
+byte) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros). Elsewhere, and for 8-bit
+weights, PyTorch's kernels apply, both computing in bfloat16 (with fp32 activations they run
+10x slower, so activations are cast to bf16 for the call and the result back):
 
 - ``_weight_int4pack_mm_for_cpu``: 4-bit weights in groups of 32/64/128/256 columns, the weight
   packed by ``_convert_weight_to_int4pack_for_cpu`` from unsigned values ``u = q + 8``, with
@@ -17,10 +21,13 @@ import functools
 
 import torch
 
+from llmpress.runtime import native
+
 __all__ = [
     "COMPUTE_DTYPE",
     "INT4_GROUP_SIZES",
     "int4_group",
+    "int4_layout",
     "int4_matmul",
     "int4_pack",
     "int4_qparams",
@@ -41,7 +48,14 @@ def _has(op: str) -> bool:
     return hasattr(torch.ops.aten, op)
 
 
+def int4_layout() -> str:
+    """``blocks32`` where llmpress's own int4 kernels run here, else ``aten`` (PyTorch's)."""
+    return "blocks32" if native.available() else "aten"
+
+
 def int4_supported(out_features: int, in_features: int, group_size: int | None) -> bool:
+    if int4_layout() == "blocks32":  # any row count; groups of whole 32-column blocks
+        return group_size in INT4_GROUP_SIZES and in_features > 0 and in_features % group_size == 0
     return (
         _has("_weight_int4pack_mm_for_cpu")
         and _has("_convert_weight_to_int4pack_for_cpu")
@@ -99,12 +113,29 @@ def _convert_in_blocks(rows: int, cols: int, fill, rows_per_chunk: int) -> torch
     return packed
 
 
+def _blocks32(u: torch.Tensor) -> torch.Tensor:
+    """Unsigned values ``u`` ``[out, in]`` (uint8, 0..15) in the ``blocks32`` layout ``[out, in / 2]``."""
+    rows, cols = u.shape
+    pairs = u.view(rows, cols // 32, 2, 16)
+    return torch.bitwise_or(pairs[:, :, 0], pairs[:, :, 1].bitwise_left_shift(4)).view(rows, cols // 2)
+
+
+def _native_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``[1, out, groups]`` scales, or ``[2, out, groups]`` scales and zeros ``-zp * scale``."""
+    scale = scale.to(torch.float32)
+    if zero_point is None:
+        return scale.unsqueeze(0).contiguous()
+    return torch.stack([scale, -zero_point.to(torch.float32) * scale]).contiguous()
+
+
 def int4_pack(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, rows_per_chunk: int = _PACK_ROWS
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, rows_per_chunk: int = _PACK_ROWS, layout: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
-    ``[out, groups]`` into the kernel's packed weight and ``[groups, out, 2]`` scale-zero table."""
-
+    ``[out, groups]`` into the kernel's packed weight and its scale-zero table (``layout``:
+    ``int4_layout()`` by default)."""
+    if (layout or int4_layout()) == "blocks32":
+        return _blocks32((q + 8).to(torch.uint8)), _native_table(scale, zero_point)
     block = _kernel_block()
     if block is not None and q.shape[0] % block == 0 and q.shape[1] % 2 == 0:
         low = (q[:, 0::2] + 8).to(torch.uint8)
@@ -118,7 +149,7 @@ def int4_pack(
 
 
 def int4_pack_words(
-    words: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, rows_per_chunk: int = _PACK_ROWS
+    words: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, rows_per_chunk: int = _PACK_ROWS, layout: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same as ``int4_pack`` straight from compressed-tensors' int32 words ``[out, in / 8]``:
     each byte holds two values already offset by 8 (low nibble first), which is what the kernel
@@ -126,6 +157,9 @@ def int4_pack_words(
     are rearranged into it directly, 5-6x faster than converting through int32 values."""
     data = words.contiguous().view(torch.uint8)
     rows, half = data.shape
+    if (layout or int4_layout()) == "blocks32":
+        u = torch.stack([data.bitwise_and(0xF), data.bitwise_right_shift(4)], dim=-1).view(rows, 2 * half)
+        return _blocks32(u), _native_table(scale, zero_point)
     block = _kernel_block()
     if block is not None and rows % block == 0:
         return _pack_bytes(data, block), _scale_zero_table(scale, zero_point)
@@ -179,8 +213,14 @@ def _scale_zero_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> t
     return torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()
 
 
+def _is_blocks32(table: torch.Tensor) -> bool:
+    return table.dtype == torch.float32  # PyTorch's kernel takes a bf16 table
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[..., in]``; the result has ``x``'s dtype."""
+    if _is_blocks32(table):
+        return native.int4_linear(x, packed, table, group_size)
     flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group_size, table)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
@@ -189,6 +229,11 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: t
 def int4_unpack(packed: torch.Tensor, group_size: int, table: torch.Tensor, in_features: int) -> torch.Tensor:
     """The signed values ``q`` ``[out, in]`` back from the kernel layout (exact): byte by byte
     where this CPU's layout is known, else through the kernel itself."""
+    if _is_blocks32(table):
+        rows = packed.shape[0]
+        pairs = packed.view(rows, -1, 1, 16)
+        u = torch.cat([pairs.bitwise_and(0xF), pairs.bitwise_right_shift(4)], dim=2)
+        return u.view(rows, in_features).view(torch.int8).sub(8)
     block = _kernel_block()
     rows = packed.shape[0]
     if block is not None and rows % block == 0 and packed.shape[1] * 2 == in_features:

@@ -1,0 +1,105 @@
+"""llmpress's own CPU kernels (``int4.cpp``): PyTorch operators built on first use.
+
+``torch.ops.llmpress.int4_linear`` and ``int4_dequantize`` are compiled once per source,
+compiler flags and PyTorch version by ``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE``
+(default ``~/.cache/llmpress``): about 15 s, once; later processes load the library in
+milliseconds. As operators they cost an eager call what an aten operator costs (a ctypes or
+Python-defined operator costs 3-10x more, which a decode step of 200 small products feels), and
+a ``torch.compile``d model calls them as opaque kernels.
+
+They are used where the CPU has AVX2 and FMA and the build succeeds (it needs a C++ compiler);
+otherwise ``available()`` is false and the runtime uses PyTorch's own int4 kernel.
+``LLMPRESS_NATIVE=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "int4_dequantize", "int4_linear"]
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int4.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-std=c++17"]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _build_dir() -> Path:
+    root = Path(os.environ.get("LLMPRESS_CACHE") or Path.home() / ".cache" / "llmpress")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*FLAGS, torch.__version__, sys.version]).encode()).hexdigest()[:16]
+    return root / "kernels" / key
+
+
+@functools.cache
+def available() -> bool:
+    """True where llmpress's int4 operators run on this machine (built or loaded on the first call)."""
+    if os.environ.get("LLMPRESS_NATIVE", "1") == "0" or not _cpu_has_avx2_fma():
+        return False
+    if hasattr(torch.ops.llmpress, "int4_linear"):
+        return True
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, which a venv that is not activated lacks on PATH
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass
+    build = _build_dir()
+    library = build / "llmpress_kernels.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            build.mkdir(parents=True, exist_ok=True)
+            logger.warning("building llmpress's int4 CPU kernels (once for this PyTorch, about 15 s) in %s", build)
+            cpp_extension.load(
+                name="llmpress_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
+                is_python_module=False, verbose=False,
+            )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        logger.warning("llmpress's int4 CPU kernels are not available (%s): PyTorch's int4 kernel runs instead", str(exc)[:300])
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes for ``torch.compile`` (the operators are opaque to it)."""
+
+    @torch.library.register_fake("llmpress::int4_linear")
+    def _(x, weight, table, group):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("llmpress::int4_dequantize")
+    def _(weight, table, group):
+        return table.new_empty(weight.shape[0], weight.shape[1] * 2)
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` ``[..., in]`` and a weight in blocks of 32 (uint8 ``[out, in / 2]``)
+    with its float32 ``[1 or 2, out, in / group]`` scales (and zeros); the result has ``x``'s
+    dtype. Up to 8 tokens take the integer product, more a float32 product on dequantized rows."""
+    return torch.ops.llmpress.int4_linear(x, weight, table, group)
+
+
+def int4_dequantize(weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:
+    """The weight as float32 ``[out, in]``."""
+    return torch.ops.llmpress.int4_dequantize(weight, table, group)

@@ -1,0 +1,106 @@
+"""llmpress's own int4 CPU operators (runtime/native): the integer product for decode and the
+dequantize-and-multiply for prefill against a float64 reference, the blocks32 layout's round
+trips, PyTorch's kernel still serving when they are off, and torch.compile calling them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmpress.quant import QuantizationArgs, QuantizationScheme
+from llmpress.quant.packing import pack_to_int32
+from llmpress.runtime import QuantizedLinear, kernels, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="llmpress's int4 kernels do not build on this machine")
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def grid(rows, cols, group, symmetric=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (rows, cols), dtype=torch.int8, generator=g)
+    scale = torch.rand(rows, cols // group, generator=g) + 0.05
+    zero_point = None if symmetric else torch.randint(-3, 4, (rows, cols // group), dtype=torch.int8, generator=g)
+    dense = q.double() - (0 if zero_point is None else zero_point.double().repeat_interleave(group, 1))
+    return q, scale, zero_point, dense * scale.double().repeat_interleave(group, 1)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize(("rows", "cols", "group"), [(96, 576, 64), (7, 256, 32), (50, 512, 256), (13, 384, 128)])
+def test_int4_linear_matches_float64(rows, cols, group, symmetric):
+    q, scale, zero_point, dense = grid(rows, cols, group, symmetric, seed=rows)
+    packed, table = kernels.int4_pack(q, scale, zero_point)
+    assert packed.dtype == torch.uint8 and table.dtype == torch.float32
+    for tokens in (1, 3, 8, 9, 40):  # up to 8: the integer product; more: float32 on dequantized rows
+        x = torch.randn(2, tokens, cols, generator=torch.Generator().manual_seed(tokens))
+        out = kernels.int4_matmul(x, packed, group, table)
+        assert out.shape == (2, tokens, rows) and out.dtype == torch.float32
+        assert rel(out, x.double() @ dense.t()) < (1e-4 if tokens <= 8 else 1e-6)
+    for dtype in (torch.bfloat16, torch.float16):  # bf16 runs as it is, other dtypes through float32
+        x = torch.randn(1, cols).to(dtype)
+        out = kernels.int4_matmul(x, packed, group, table)
+        assert out.dtype == dtype and rel(out, x.double() @ dense.t()) < 1e-2
+
+
+def test_activation_outliers_keep_their_precision():
+    """Each weight group of x is quantized to int16 on its own largest value: with one huge
+    channel the product stays more precise than bf16 activations (PyTorch's kernel), and the
+    groups without the outlier keep their full precision."""
+    q, scale, _, dense = grid(64, 512, 128)
+    packed, table = kernels.int4_pack(q, scale, None)
+    x = torch.randn(1, 512)
+    x[0, 7] = 1e4
+    reference = x.double() @ dense.t()
+    assert rel(kernels.int4_matmul(x, packed, 128, table), reference) < rel(x.bfloat16().double() @ dense.t(), reference) / 10
+    tail = x[:, 128:]  # the other groups alone
+    tail_dense = dense[:, 128:]
+    q_tail, scale_tail = q[:, 128:].contiguous(), scale[:, 1:].contiguous()
+    packed_tail, table_tail = kernels.int4_pack(q_tail, scale_tail, None)
+    assert rel(kernels.int4_matmul(tail, packed_tail, 128, table_tail), tail.double() @ tail_dense.t()) < 1e-4
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_blocks32_layout_round_trips(symmetric):
+    q, scale, zero_point, dense = grid(40, 320, 32, symmetric)
+    packed, table = kernels.int4_pack(q, scale, zero_point)
+    assert kernels.int4_layout() == "blocks32" and packed.shape == (40, 160)
+    assert torch.equal(kernels.int4_unpack(packed, 32, table, 320), q)
+    assert torch.equal(kernels.int4_pack_words(pack_to_int32(q, 4), scale, zero_point)[0], packed)
+    weight = native.int4_dequantize(packed, table, 32)
+    assert torch.allclose(weight.double(), dense, rtol=0, atol=1e-6)
+    if symmetric:  # (u - 8) * s by one fused multiply-add: exactly q * s
+        assert torch.equal(weight, q.float() * scale.repeat_interleave(32, 1))
+
+
+def test_bad_operands_are_refused_by_the_operator():
+    q, scale, _, _ = grid(16, 256, 64)
+    packed, table = kernels.int4_pack(q, scale, None)
+    with pytest.raises(RuntimeError, match="group"):
+        native.int4_linear(torch.randn(1, 256), packed, table, 48)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        native.int4_linear(torch.randn(1, 128), packed, table, 64)
+
+
+def test_pytorchs_kernel_serves_where_llmpress_kernels_are_off(monkeypatch):
+    monkeypatch.setattr(kernels, "int4_layout", lambda: "aten")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=64))
+    q, scale, _, dense = grid(96, 576, 64)
+    module = QuantizedLinear(576, 96, scheme)
+    module.load_quantized(q, scale)
+    assert module.kernel == "int4" and module.int4_table.dtype == torch.bfloat16  # PyTorch's layout
+    x = torch.randn(3, 576)
+    assert rel(module(x), x.double() @ dense.t()) < 1e-2
+
+
+def test_compiled_graph_calls_the_operator():
+    q, scale, _, dense = grid(64, 256, 64)
+    packed, table = kernels.int4_pack(q, scale, None)
+
+    def step(x):
+        return torch.nn.functional.silu(kernels.int4_matmul(x, packed, 64, table)) * 2
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    x = torch.randn(1, 256)
+    assert torch.allclose(compiled(x), step(x), rtol=1e-5, atol=1e-5)
