@@ -118,12 +118,25 @@ def test_generate_from_a_compressed_checkpoint(w4a16_checkpoint, capsys):
     captured = capsys.readouterr()
     assert code == 0
     assert captured.out.startswith("The Python") and len(captured.out) > len("The Python\n")
-    assert "8 tokens" in captured.err and "kernels: int4" in captured.err
+    assert "8 tokens" in captured.err and "linear layers: dense x1, int4 (" in captured.err  # lm_head stays dense
 
 
 def test_generate_quantizes_a_full_precision_checkpoint_on_load(capsys):
     code = main(["generate", "--model", str(trained_model_dir()), "--prompt", "def", "--max-new-tokens", "4", "--quantize", "8"])
-    assert code == 0 and "kernels: int8" in capsys.readouterr().err
+    assert code == 0 and "linear layers: dense x1, int8 x28" in capsys.readouterr().err
+
+
+def test_generate_compiled_decode_with_every_linear_in_int4(capsys):
+    """--quantize-lm-head puts the output projection on the int4 kernel too; --compile decodes
+    through torch.compile (static cache) and reports the one-off compile; greedy text is the
+    same as uncompiled."""
+    args = ["generate", "--model", str(trained_model_dir()), "--prompt", "def", "--max-new-tokens", "6", "--quantize", "4", "--quantize-lm-head"]
+    assert main(args) == 0
+    eager = capsys.readouterr()
+    assert "linear layers: int4 (" in eager.err and "dense" not in eager.err
+    assert main([*args, "--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert "compiled in" in compiled.err and compiled.out == eager.out
 
 
 def test_inspect_a_plain_checkpoint(capsys):

@@ -4,6 +4,7 @@ exact, and quantize-on-load picks a group that divides the columns."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from torch.nn import functional as F
 
 import llmpress
 from llmpress.formats import FORMATS
+from llmpress.loading.dense import dequantize_model
 from llmpress.quant import QuantizationArgs, QuantizationScheme, weight_qparams
 from llmpress.runtime import QuantizedLinear, kernels
 
@@ -73,9 +75,10 @@ def test_quantize_on_load_picks_a_group_that_divides_the_columns(tmp_path, caplo
     assert runtime["model.layers.0.mlp.down_proj"].quantization_scheme.weights.group_size == 128  # 1536 columns
     assert runtime["model.layers.0.self_attn.q_proj"].quantization_scheme.weights.group_size == 64
     ids = torch.tensor(token_batches(2, 16))
-    dense = llmpress.load(tmp_path / "fp32", quantization_config=llmpress.LlmpressConfig(bits=4), dequantize=True)
+    dense = dequantize_model(copy.deepcopy(model)).float()  # the same grid, dense, in float32
     with torch.no_grad():
-        assert rel(model(ids).logits, dense(ids).logits) < 2e-2
+        for tokens in (1, 16):  # decode and prefill products
+            assert rel(model(ids[:, :tokens]).logits, dense(ids[:, :tokens]).logits) < 2e-2
     model.save_pretrained(tmp_path / "q")
     groups = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["config_groups"]
     assert sorted(g["weights"]["group_size"] for g in groups.values()) == [64, 128]
@@ -92,3 +95,30 @@ def test_kernel_group_choice():
     # PyTorch's kernel needs rows in 16s; llmpress's own takes any
     assert kernels.int4_group(90, 512, "group", 128) == (128 if kernels.int4_layout() == "blocks32" else None)
     assert kernels.int4_group(96, 1024, "channel", None) == 256
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantize_on_load_can_take_the_output_projection(tmp_path, tied):
+    """``lm_head=True``: the output projection on the int4 kernel too; tied to the embedding it
+    becomes a quantized copy (the embedding stays for the lookup), saved and loaded back as two
+    tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "fp32")
+    model = llmpress.load(tmp_path / "fp32", quantization_config=llmpress.LlmpressConfig(bits=4, lm_head=True))
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.kernel == "int4"
+    assert not model.config.tie_word_embeddings
+    if tied:  # the 4-bit grid of the embedding itself
+        assert rel(model.lm_head.dequantized_weight(torch.float32), model.model.embed_tokens.weight.detach()) < 0.15
+    ids = torch.tensor(token_batches(2, 16)) % 512
+    dense = dequantize_model(copy.deepcopy(model)).float()
+    with torch.no_grad():
+        assert rel(model(ids).logits, dense(ids).logits) < 2e-2
+    model.save_pretrained(tmp_path / "q")
+    reloaded = llmpress.load(tmp_path / "q")
+    assert isinstance(reloaded.lm_head, QuantizedLinear)
+    with torch.no_grad():
+        assert rel(reloaded(ids).logits, model(ids).logits) < 1e-5

@@ -1,7 +1,7 @@
 """llmpress: compress language models into the compressed-tensors format.
 
 Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
-``CalibrationOptions``, ``load``, ``LlmpressConfig``, ``load_checkpoint``; modifiers in ``llmpress.modifiers``; errors in
+``CalibrationOptions``, ``load``, ``LlmpressConfig``, ``load_checkpoint``, ``compile_decode``; modifiers in ``llmpress.modifiers``; errors in
 ``llmpress.errors``.
 
 Importing the package is cheap: each name (and each subpackage, ``llmpress.quant`` say) is
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     )
     from llmpress.pipelines.training import TrainingOptions
     from llmpress.recipe import Recipe
+    from llmpress.runtime.decode import compile_decode
     from llmpress.session import Session, active_session
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ _HOMES = {
     "Session": "llmpress.session",
     "TrainingOptions": "llmpress.pipelines.training",
     "active_session": "llmpress.session",
+    "compile_decode": "llmpress.runtime.decode",
     "load": "llmpress.loading",
     "load_checkpoint": "llmpress.loading",
     "oneshot": "llmpress.entrypoints",
@@ -64,6 +66,7 @@ __all__ = [
     "Session",
     "TrainingOptions",
     "active_session",
+    "compile_decode",
     "errors",
     "load",
     "load_checkpoint",

@@ -55,6 +55,7 @@ if HfQuantizer is not None:
         of the config's method."""
 
         requires_calibration = False
+        is_compileable = True  # llmpress's int4 operator is opaque to torch.compile, which calls it as it is
 
         def __init__(self, quantization_config: Any, **kwargs: Any) -> None:
             from llmpress.loading.methods import make_quantizer

@@ -88,7 +88,10 @@ class LlmpressConfig(QuantizationConfig):
     ``group_size`` is the number of input columns sharing one scale; ``None`` means one scale per
     output channel. The default is 128 for 4 bits and per-channel for 8 bits, where the int8 CPU
     kernel applies (grouped int8 runs, but through on-the-fly dequantization). ``ignore`` lists
-    modules to keep in full precision (names, ``re:`` patterns or class names).
+    modules to keep in full precision (names, ``re:`` patterns or class names); by default the
+    output projection ``lm_head``. ``lm_head=True`` quantizes it too, as llama.cpp does: the
+    largest single product of a decode step (a quarter of the time of a small model); with
+    tied embeddings it becomes a quantized copy beside the embedding.
     """
 
     quant_method = QuantizationMethod.LLMPRESS.value
@@ -99,6 +102,7 @@ class LlmpressConfig(QuantizationConfig):
         group_size: int | None | str = "default",
         ignore: list[str] | None = None,
         symmetric: bool = True,
+        lm_head: bool = False,
         **unused: Any,
     ) -> None:
         if bits not in (4, 8):
@@ -113,7 +117,8 @@ class LlmpressConfig(QuantizationConfig):
             )
         self.bits = bits
         self.group_size = group_size
-        self.ignore = list(["lm_head"] if ignore is None else ignore)
+        self.ignore = list(([] if lm_head else ["lm_head"]) if ignore is None else ignore)
+        self.lm_head = bool(lm_head)
         self.symmetric = bool(symmetric)
 
     def scheme(self):

@@ -85,7 +85,6 @@ static void quantize_row(const void *x, int bf16, int64_t cols, int64_t group, i
     }
 }
 
-#define PREFETCH 1024 /* bytes ahead in each row: the next tile's rows are still read from memory, not waited on */
 #define TILE 4 /* weight rows per step: one load of x serves four rows, and four chains run at once */
 
 /* values[k] = row r0 + k of the weight times one quantized row of x, for k < n (n is TILE or 1;
@@ -108,7 +107,6 @@ static inline __attribute__((always_inline)) void gemv_rows(const uint8_t *w, co
             const int64_t offset = g * (group / 2) + b * 16;
             for (int k = 0; k < n; k++) {
                 const uint8_t *at = w + (r0 + k) * half + offset;
-                if ((offset & 63) == 0) _mm_prefetch((const char *)(at + PREFETCH), _MM_HINT_T0);
                 __m128i bytes = _mm_loadu_si128((const __m128i *)at);
                 __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low4));
                 __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
