@@ -64,8 +64,10 @@ def test_inspect(w4a16_checkpoint, capsys):
     assert main(["inspect", str(w4a16_checkpoint)]) == 0
     text = capsys.readouterr().out
     assert "pack-quantized" in text and "int4 sym group(128) weights" in text and "28 module(s)" in text
+    assert "on this CPU (llmpress.load): int4 (" in text  # the path each module would run on, nothing falls back
     assert main(["inspect", "--json", str(w4a16_checkpoint)]) == 0
-    assert json.loads(capsys.readouterr().out)["groups"][0]["modules"] == 28
+    group = json.loads(capsys.readouterr().out)["groups"][0]
+    assert group["modules"] == 28 and sum(group["cpu_paths"].values()) == 28 and "dequant" not in group["cpu_paths"]
 
 
 @pytest.mark.parametrize(

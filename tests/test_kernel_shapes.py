@@ -93,7 +93,7 @@ def test_kernel_group_choice():
     assert kernels.int4_group(96, 576, "group", 32) == 32
     assert kernels.int4_group(96, 600, "group", 128) is None  # 600 columns: no kernel group divides them
     # PyTorch's kernel needs rows in 16s; llmpress's own takes any
-    assert kernels.int4_group(90, 512, "group", 128) == (128 if kernels.int4_layout() == "blocks32" else None)
+    assert kernels.int4_group(90, 512, "group", 128) == (128 if kernels.int4_layout() == "blocks64" else None)
     assert kernels.int4_group(96, 1024, "channel", None) == 256
 
 

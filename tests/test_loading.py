@@ -90,7 +90,7 @@ def test_uneven_shapes_fall_back_to_dequantization(tmp_path):
     runtime = llmpress.load(tmp_path / "c")
     assert isinstance(runtime.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert runtime.model.layers[0].mlp.down_proj.kernel == "dequant"
-    assert runtime.model.layers[0].mlp.up_proj.kernel == ("int4" if kernels.int4_layout() == "blocks32" else "dequant")
+    assert runtime.model.layers[0].mlp.up_proj.kernel == ("int4" if kernels.int4_layout() == "blocks64" else "dequant")
     assert runtime.model.layers[0].self_attn.q_proj.kernel == "int4"
     ids = torch.tensor(token_batches(2, 16))
     assert rel(logits(runtime, ids), logits(llmpress.load(tmp_path / "c", dequantize=True), ids)) < 1e-2
@@ -103,7 +103,7 @@ def test_quantize_on_load(bits, tmp_path):
     model = llmpress.load(tmp_path / "fp32", quantization_config=config)
     assert kernels_of(model) == {"int4" if bits == 4 else "int8"}
     # float32 around llmpress's exact int4 kernel, bf16 around PyTorch's bf16 kernels
-    exact = bits == 4 and kernels.int4_layout() == "blocks32"
+    exact = bits == 4 and kernels.int4_layout() == "blocks64"
     assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == (torch.float32 if exact else torch.bfloat16)
     # the same RTN as a one-shot QuantizationModifier with the same scheme (fp32 everywhere)
     fp32 = llmpress.load(tmp_path / "fp32", quantization_config=config, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """llmpress's own int4 CPU operators (runtime/native): the integer product for decode and the
-dequantize-and-multiply for prefill against a float64 reference, the blocks32 layout's round
+dequantize-and-multiply for prefill against a float64 reference, the blocks64 layout's round
 trips, PyTorch's kernel still serving when they are off, and torch.compile calling them."""
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def test_activation_outliers_keep_their_precision():
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_blocks32_layout_round_trips(symmetric):
+def test_blocks64_layout_round_trips(symmetric):
     q, scale, zero_point, dense = grid(40, 320, 32, symmetric)
     packed, table = kernels.int4_pack(q, scale, zero_point)
-    assert kernels.int4_layout() == "blocks32" and packed.shape == (40, 160)
+    assert kernels.int4_layout() == "blocks64" and packed.shape == (40, 160)
     assert torch.equal(kernels.int4_unpack(packed, 32, table, 320), q)
     assert torch.equal(kernels.int4_pack_words(pack_to_int32(q, 4), scale, zero_point)[0], packed)
     weight = native.int4_dequantize(packed, table, 32)

@@ -53,10 +53,13 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
     for name, group in (qcfg.get("config_groups") or {}).items():
         scheme = schemes[name]
         parts = [describe_args(scheme.weights, "weights"), describe_args(scheme.input_activations, "inputs")]
-        count = None
+        count, paths = None, None
+        fmt = group.get("format") or qcfg.get("format")
         if assigned is not None:
-            count = sum(is_linear(m) and g == name for m, g in assigned.values())
-        groups.append({"name": name, "summary": ", ".join(p for p in parts if p), "targets": scheme.targets, "modules": count, "format": group.get("format") or qcfg.get("format")})
+            members = [m for m, g in assigned.values() if is_linear(m) and g == name]
+            count, paths = len(members), _cpu_paths(members, scheme, fmt)
+        groups.append({"name": name, "summary": ", ".join(p for p in parts if p), "targets": scheme.targets, "modules": count,
+                       "format": fmt, "cpu_paths": paths})
     recipe_path = folder / "recipe.yaml"
     return {
         "path": str(folder),
@@ -72,6 +75,20 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
         "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
         "sparsity": _describe_sparsity(qcfg.get("sparsity_config") or config.get(SPARSITY_KEY)),
     }
+
+
+def _cpu_paths(modules: list[nn.Module], scheme: QuantizationScheme, fmt: str | None) -> dict[str, int]:
+    """Which path of ``llmpress.load`` each module would run on here (the kernel choice alone:
+    no weights read)."""
+    from llmpress.formats import format_for
+    from llmpress.runtime import QuantizedLinear
+    from llmpress.runtime.decode import path_name
+
+    paths: dict[str, int] = {}
+    for module in modules:
+        kernel = path_name(QuantizedLinear.like(module, scheme).choose_kernel(fmt or format_for(scheme)))
+        paths[kernel] = paths.get(kernel, 0) + 1
+    return paths
 
 
 def _describe_sparsity(config: dict[str, Any] | None) -> str | None:

@@ -81,7 +81,7 @@ class LlmpressQuantizer(Quantizer):
         # 30-layer model). PyTorch's int4 / int8 kernels compute in bf16: with them the rest of
         # the model runs in bf16 too, which saves a cast at every layer and halves the memory
         # of embeddings and norms.
-        exact = self.config.bits == 4 and kernels.int4_layout() == "blocks32"
+        exact = self.config.bits == 4 and kernels.int4_layout() == "blocks64"
         self.dtype = dtype or (torch.float32 if exact else torch.bfloat16)
         return self.dtype
 

@@ -16,7 +16,7 @@ import logging
 
 from torch import nn
 
-__all__ = ["compile_decode", "kernel_report"]
+__all__ = ["compile_decode", "kernel_report", "path_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +38,25 @@ def compile_decode(model: nn.Module) -> nn.Module:
     return model
 
 
+def path_name(kernel: str) -> str:
+    """A ``QuantizedLinear.kernel`` as reports name it: whose int4 kernel runs, others as they are."""
+    from llmpress.runtime import kernels
+
+    if kernel != "int4":
+        return kernel
+    return "int4 (llmpress)" if kernels.int4_layout() == "blocks64" else "int4 (pytorch)"
+
+
 def kernel_report(model: nn.Module) -> dict[str, int]:
     """How many linear layers run on which path: ``int4 (llmpress)`` / ``int4 (pytorch)``,
     ``int8``, ``int8x8``, ``bf16``, ``dequant`` (decompressed at every call) or ``dense``."""
     from llmpress.models.linear import is_linear
-    from llmpress.runtime import QuantizedLinear, kernels
+    from llmpress.runtime import QuantizedLinear
 
-    int4 = "int4 (llmpress)" if kernels.int4_layout() == "blocks32" else "int4 (pytorch)"
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            name = int4 if module.kernel == "int4" else module.kernel
+            name = path_name(module.kernel)
         elif is_linear(module):
             name = "dense"
         else:

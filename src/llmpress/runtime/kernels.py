@@ -2,8 +2,8 @@
 
 4-bit weights run on llmpress's own kernels (``native``: an integer product for decode, at
 memory speed; dequantized rows and a float32 product for prefill) where they build on this
-machine, in the layout ``blocks32`` (each 32 columns in 16 bytes, column k and k + 16 in one
-byte) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros). Elsewhere, and for 8-bit
+machine, in the layout ``blocks64`` (each 64 columns in 32 bytes: 16-bit lane j holds columns
+j, j + 16, j + 32 and j + 48, see ``native/int4.cpp``) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros). Elsewhere, and for 8-bit
 weights, PyTorch's kernels apply, both computing in bfloat16 (with fp32 activations they run
 10x slower, so activations are cast to bf16 for the call and the result back):
 
@@ -49,13 +49,13 @@ def _has(op: str) -> bool:
 
 
 def int4_layout() -> str:
-    """``blocks32`` where llmpress's own int4 kernels run here, else ``aten`` (PyTorch's)."""
-    return "blocks32" if native.available() else "aten"
+    """``blocks64`` where llmpress's own int4 kernels run here, else ``aten`` (PyTorch's)."""
+    return "blocks64" if native.available() else "aten"
 
 
 def int4_supported(out_features: int, in_features: int, group_size: int | None) -> bool:
-    if int4_layout() == "blocks32":  # any row count; groups of whole 32-column blocks
-        return group_size in INT4_GROUP_SIZES and in_features > 0 and in_features % group_size == 0
+    if int4_layout() == "blocks64":  # any row count; columns in whole 64-column blocks
+        return group_size in INT4_GROUP_SIZES and in_features > 0 and in_features % group_size == 0 and in_features % 64 == 0
     return (
         _has("_weight_int4pack_mm_for_cpu")
         and _has("_convert_weight_to_int4pack_for_cpu")
@@ -113,11 +113,22 @@ def _convert_in_blocks(rows: int, cols: int, fill, rows_per_chunk: int) -> torch
     return packed
 
 
-def _blocks32(u: torch.Tensor) -> torch.Tensor:
-    """Unsigned values ``u`` ``[out, in]`` (uint8, 0..15) in the ``blocks32`` layout ``[out, in / 2]``."""
+def _blocks64(u: torch.Tensor) -> torch.Tensor:
+    """Unsigned values ``u`` ``[out, in]`` (uint8, 0..15) in the ``blocks64`` layout ``[out, in / 2]``:
+    per 64 columns, byte 2j = columns j | j + 16 (high nibble), byte 2j + 1 = j + 32 | j + 48."""
     rows, cols = u.shape
-    pairs = u.view(rows, cols // 32, 2, 16)
-    return torch.bitwise_or(pairs[:, :, 0], pairs[:, :, 1].bitwise_left_shift(4)).view(rows, cols // 2)
+    quarters = u.view(rows, cols // 64, 4, 16)
+    low = torch.bitwise_or(quarters[:, :, 0], quarters[:, :, 1].bitwise_left_shift(4))
+    high = torch.bitwise_or(quarters[:, :, 2], quarters[:, :, 3].bitwise_left_shift(4))
+    return torch.stack([low, high], dim=-1).view(rows, cols // 2)
+
+
+def _unblocks64(packed: torch.Tensor) -> torch.Tensor:
+    """``_blocks64`` undone: the unsigned values ``[out, in]`` (uint8)."""
+    rows, half = packed.shape
+    pairs = packed.view(rows, half // 32, 16, 2)
+    quarters = [pairs[..., 0].bitwise_and(0xF), pairs[..., 0].bitwise_right_shift(4), pairs[..., 1].bitwise_and(0xF), pairs[..., 1].bitwise_right_shift(4)]
+    return torch.stack(quarters, dim=2).view(rows, half * 2)
 
 
 def _native_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
@@ -134,8 +145,8 @@ def int4_pack(
     """Signed 4-bit values ``q`` ``[out, in]`` with per-group ``scale`` / ``zero_point``
     ``[out, groups]`` into the kernel's packed weight and its scale-zero table (``layout``:
     ``int4_layout()`` by default)."""
-    if (layout or int4_layout()) == "blocks32":
-        return _blocks32((q + 8).to(torch.uint8)), _native_table(scale, zero_point)
+    if (layout or int4_layout()) == "blocks64":
+        return _blocks64((q + 8).to(torch.uint8)), _native_table(scale, zero_point)
     block = _kernel_block()
     if block is not None and q.shape[0] % block == 0 and q.shape[1] % 2 == 0:
         low = (q[:, 0::2] + 8).to(torch.uint8)
@@ -157,9 +168,9 @@ def int4_pack_words(
     are rearranged into it directly, 5-6x faster than converting through int32 values."""
     data = words.contiguous().view(torch.uint8)
     rows, half = data.shape
-    if (layout or int4_layout()) == "blocks32":
+    if (layout or int4_layout()) == "blocks64":
         u = torch.stack([data.bitwise_and(0xF), data.bitwise_right_shift(4)], dim=-1).view(rows, 2 * half)
-        return _blocks32(u), _native_table(scale, zero_point)
+        return _blocks64(u), _native_table(scale, zero_point)
     block = _kernel_block()
     if block is not None and rows % block == 0:
         return _pack_bytes(data, block), _scale_zero_table(scale, zero_point)
@@ -213,13 +224,13 @@ def _scale_zero_table(scale: torch.Tensor, zero_point: torch.Tensor | None) -> t
     return torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()
 
 
-def _is_blocks32(table: torch.Tensor) -> bool:
+def _is_blocks64(table: torch.Tensor) -> bool:
     return table.dtype == torch.float32  # PyTorch's kernel takes a bf16 table
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[..., in]``; the result has ``x``'s dtype."""
-    if _is_blocks32(table):
+    if _is_blocks64(table):
         return native.int4_linear(x, packed, table, group_size)
     flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group_size, table)
@@ -229,11 +240,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: t
 def int4_unpack(packed: torch.Tensor, group_size: int, table: torch.Tensor, in_features: int) -> torch.Tensor:
     """The signed values ``q`` ``[out, in]`` back from the kernel layout (exact): byte by byte
     where this CPU's layout is known, else through the kernel itself."""
-    if _is_blocks32(table):
-        rows = packed.shape[0]
-        pairs = packed.view(rows, -1, 1, 16)
-        u = torch.cat([pairs.bitwise_and(0xF), pairs.bitwise_right_shift(4)], dim=2)
-        return u.view(rows, in_features).view(torch.int8).sub(8)
+    if _is_blocks64(table):
+        return _unblocks64(packed).view(torch.int8).sub(8)
     block = _kernel_block()
     rows = packed.shape[0]
     if block is not None and rows % block == 0 and packed.shape[1] * 2 == in_features:

@@ -106,7 +106,7 @@ class QuantizedLinear(nn.Module):
         for name in _INPUT_TENSORS:
             if name in state:
                 self.register_buffer(name, state.pop(name))
-        kernel = self._choose_kernel(fmt)
+        kernel = self.choose_kernel(fmt)
         if kernel in _STORED:
             self._dense = None
             self.format = fmt
@@ -127,7 +127,7 @@ class QuantizedLinear(nn.Module):
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
         """Take integer values ``q`` ``[out, in]`` (int8) with their scale / zero point, as a
         quantizer produces them: no packing round trip when a kernel applies."""
-        kernel = self._choose_kernel(self.format)
+        kernel = self.choose_kernel(self.format)
         if kernel not in _STORED:
             self._load_values(kernel, q, scale, zero_point)
             return
@@ -173,7 +173,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("int8_zero_correction", correction)
         self.kernel = kernel
 
-    def _choose_kernel(self, fmt: str) -> str:
+    def choose_kernel(self, fmt: str) -> str:
         """The kernel for this module's scheme (and, for ``int4``, ``self.int4_group``)."""
         args = self.quantization_scheme.weights
         if (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK) and not self.input_major:

@@ -1,19 +1,22 @@
-/* llmpress's CPU kernels for 4-bit weights (AVX2 + FMA), as the PyTorch operator
- * torch.ops.llmpress.int4_linear (eager calls and torch.compile'd graphs reach it alike). Threads
- * by OpenMP, the runtime PyTorch itself uses (at::parallel_for measured 1.5x slower here).
+/* llmpress's CPU kernels for 4-bit weights (AVX2 + FMA), as the PyTorch operators
+ * torch.ops.llmpress.int4_linear / int4_dequantize (eager calls and torch.compile'd graphs
+ * reach them alike). Threads by OpenMP, the runtime PyTorch itself uses (at::parallel_for
+ * measured 1.5x slower here).
  *
- * Weight layout ("blocks32"): w[row][cols / 2] bytes; each run of 32 columns is 16 bytes,
- * byte k holding u = q + 8 of column k in its low nibble and of column k + 16 in its high one.
+ * Weight layout ("blocks64"): w[row][cols / 2] bytes; each run of 64 columns is 32 bytes read as
+ * 16 little-endian 16-bit lanes, lane j holding u = q + 8 of columns j, j + 16, j + 32 and
+ * j + 48 in its four nibbles (lowest first). A shift and a mask give 16 values as 16-bit
+ * integers in place, with no widening shuffle.
  * table: float32 [1 or 2][rows][groups]: the scale s of each group, and its zero z (absent:
- * symmetric), meaning w = (u - 8) * s + z.
+ * symmetric), meaning w = (u - 8) * s + z. Groups are 32 columns or a multiple of 64.
  *
  * For few rows of x (decode) the product works in integers: each row of x is quantized per
  * weight group to int16 (step amax / 32767: error 1.5e-5 of the group's largest value, far
  * below bf16's rounding), u * x16 pairs are summed by _mm256_madd_epi16 into int32, and each
- * group's sum is scaled once. Every byte of the weight is read once per call, so the product
- * runs at memory speed instead of at the speed of converting nibbles to floats.
- * Longer inputs (prefill) dequantize rows of the weight to float32, a few MB at a time, for
- * float32 matrix products.
+ * group's sum is scaled once. Every byte of the weight is read once per call, one row at a time
+ * (a single stream per thread measured 1.5x faster than interleaving four rows), so the product
+ * runs near memory speed. Longer inputs (prefill) dequantize rows of the weight to float32, a
+ * few MB at a time, for float32 matrix products.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +35,7 @@ namespace {
 
 constexpr int64_t GEMV_MAX_ROWS = 8;  /* rows of x (tokens) that take the integer product */
 constexpr int64_t DEQUANT_ROWS = 512; /* weight rows dequantized at a time for longer inputs */
+constexpr int64_t SERIAL_BELOW = 1 << 16; /* weights x rows of x under which one thread does the product */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -85,74 +89,79 @@ static void quantize_row(const void *x, int bf16, int64_t cols, int64_t group, i
     }
 }
 
-#define TILE 4 /* weight rows per step: one load of x serves four rows, and four chains run at once */
-
-/* values[k] = row r0 + k of the weight times one quantized row of x, for k < n (n is TILE or 1;
- * the compiler specializes both from the constant bounds). */
-static inline __attribute__((always_inline)) void gemv_rows(const uint8_t *w, const float *scale, const float *zero,
-                                                             const int16_t *xq, const float *xstep, const float *xsum, int64_t r0,
-                                                             const int n, int64_t cols, int64_t group, float *values) {
-    const int64_t groups = cols / group, blocks = group / 32, half = cols / 2;
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    __m256 acc[TILE];
-    float corr[TILE];
-    for (int k = 0; k < n; k++) acc[k] = _mm256_setzero_ps(), corr[k] = 0.0f;
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i dot[TILE];
-        for (int k = 0; k < n; k++) dot[k] = _mm256_setzero_si256();
-        const int16_t *xg = xq + g * group;
-        for (int64_t b = 0; b < blocks; b++) {
-            __m256i xlo = _mm256_loadu_si256((const __m256i *)(xg + b * 32));
-            __m256i xhi = _mm256_loadu_si256((const __m256i *)(xg + b * 32 + 16));
-            const int64_t offset = g * (group / 2) + b * 16;
-            for (int k = 0; k < n; k++) {
-                const uint8_t *at = w + (r0 + k) * half + offset;
-                __m128i bytes = _mm_loadu_si128((const __m128i *)at);
-                __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low4));
-                __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-                dot[k] = _mm256_add_epi32(dot[k], _mm256_add_epi32(_mm256_madd_epi16(lo, xlo), _mm256_madd_epi16(hi, xhi)));
-            }
-        }
-        for (int k = 0; k < n; k++) {
-            float s = scale[(r0 + k) * groups + g];
-            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[k]), _mm256_set1_ps(s * xstep[g]), acc[k]);
-            corr[k] += ((zero ? zero[(r0 + k) * groups + g] : 0.0f) - 8.0f * s) * xsum[g]; /* w = u*s + (z - 8s) */
-        }
+/* The 16 values of quarter k (columns 16k .. 16k + 15 of a 64-column block) as 16-bit lanes. */
+static inline __m256i quarter(__m256i v, int k) {
+    const __m256i low4 = _mm256_set1_epi16(0x000f);
+    switch (k) {
+        case 0: return _mm256_and_si256(v, low4);
+        case 1: return _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        case 2: return _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+        default: return _mm256_srli_epi16(v, 12);
     }
-    for (int k = 0; k < n; k++) values[k] = hsum(acc[k]) + corr[k];
+}
+
+/* One row of the weight times one quantized row of x. */
+static inline float gemv_row(const uint8_t *wr, const float *scale, const float *zero, const int16_t *xq, const float *xstep,
+                             const float *xsum, int64_t cols, int64_t group) {
+    const int64_t groups = cols / group;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.0f;
+    if (group == 32) { /* two groups per 64-column block: quarters 0-1 and 2-3 */
+        for (int64_t g = 0; g < groups; g += 2) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wr + g * 16));
+            const int16_t *xb = xq + g * 32;
+            __m256i a = _mm256_add_epi32(_mm256_madd_epi16(quarter(v, 0), _mm256_loadu_si256((const __m256i *)xb)),
+                                         _mm256_madd_epi16(quarter(v, 1), _mm256_loadu_si256((const __m256i *)(xb + 16))));
+            __m256i b = _mm256_add_epi32(_mm256_madd_epi16(quarter(v, 2), _mm256_loadu_si256((const __m256i *)(xb + 32))),
+                                         _mm256_madd_epi16(quarter(v, 3), _mm256_loadu_si256((const __m256i *)(xb + 48))));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(scale[g] * xstep[g]), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(scale[g + 1] * xstep[g + 1]), acc);
+            corr += ((zero ? zero[g] : 0.0f) - 8.0f * scale[g]) * xsum[g];
+            corr += ((zero ? zero[g + 1] : 0.0f) - 8.0f * scale[g + 1]) * xsum[g + 1];
+        }
+        return hsum(acc) + corr;
+    }
+    const int64_t blocks = group / 64;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i dot = _mm256_setzero_si256();
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wr + g * (group / 2) + b * 32));
+            const int16_t *xb = xq + g * group + b * 64;
+            __m256i p0 = _mm256_madd_epi16(quarter(v, 0), _mm256_loadu_si256((const __m256i *)xb));
+            __m256i p1 = _mm256_madd_epi16(quarter(v, 1), _mm256_loadu_si256((const __m256i *)(xb + 16)));
+            __m256i p2 = _mm256_madd_epi16(quarter(v, 2), _mm256_loadu_si256((const __m256i *)(xb + 32)));
+            __m256i p3 = _mm256_madd_epi16(quarter(v, 3), _mm256_loadu_si256((const __m256i *)(xb + 48)));
+            dot = _mm256_add_epi32(dot, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[g] * xstep[g]), acc);
+        corr += ((zero ? zero[g] : 0.0f) - 8.0f * scale[g]) * xsum[g]; /* w = u*s + (z - 8s) */
+    }
+    return hsum(acc) + corr;
 }
 
 /* out[i][r] = sum_c x[i][c] * w[r][c] for i < m (x and out float32, or bf16 when bf16 is set). */
 void gemv(const uint8_t *w, const float *scale, const float *zero, const void *x, void *out, bool bf16, int64_t m, int64_t rows,
           int64_t cols, int64_t group) {
-    const int64_t groups = cols / group;
-    std::vector<int16_t> xq(m * cols);
-    std::vector<float> xstep(m * groups), xsum(m * groups);
+    const int64_t groups = cols / group, half = cols / 2;
+    static thread_local std::vector<int16_t> xq;
+    static thread_local std::vector<float> xstep, xsum;
+    xq.resize(m * cols), xstep.resize(m * groups), xsum.resize(m * groups);
     for (int64_t i = 0; i < m; i++)
         quantize_row(bf16 ? (const void *)((const uint16_t *)x + i * cols) : (const void *)((const float *)x + i * cols), bf16,
                      cols, group, xq.data() + i * cols, xstep.data() + i * groups, xsum.data() + i * groups);
-    const int64_t tiles = (rows + TILE - 1) / TILE;
-    const int threads = at::get_num_threads();
+    const int16_t *xqp = xq.data();
+    const float *xstepp = xstep.data(), *xsump = xsum.data();
+    /* small products run on the calling thread: waking the others costs more than they save */
+    const int threads = rows * cols * m >= SERIAL_BELOW ? at::get_num_threads() : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        {
-            for (int64_t i = 0; i < m; i++) {
-                float values[TILE];
-                const int16_t *xi = xq.data() + i * cols;
-                const float *stepi = xstep.data() + i * groups, *sumi = xsum.data() + i * groups;
-                if (t * TILE + TILE <= rows)
-                    gemv_rows(w, scale, zero, xi, stepi, sumi, t * TILE, TILE, cols, group, values);
-                else
-                    for (int64_t r = t * TILE; r < rows; r++)
-                        gemv_rows(w, scale, zero, xi, stepi, sumi, r, 1, cols, group, values + r - t * TILE);
-                for (int64_t k = 0; k < TILE && t * TILE + k < rows; k++) {
-                    int64_t at = i * rows + t * TILE + k;
-                    if (bf16)
-                        ((uint16_t *)out)[at] = f32_to_bf16(values[k]);
-                    else
-                        ((float *)out)[at] = values[k];
-                }
-            }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < m; i++) {
+            float value = gemv_row(w + r * half, scale + r * groups, zero ? zero + r * groups : nullptr, xqp + i * cols,
+                                   xstepp + i * groups, xsump + i * groups, cols, group);
+            if (bf16)
+                ((uint16_t *)out)[i * rows + r] = f32_to_bf16(value);
+            else
+                ((float *)out)[i * rows + r] = value;
         }
     }
 }
@@ -160,28 +169,23 @@ void gemv(const uint8_t *w, const float *scale, const float *zero, const void *x
 /* Rows [r0, r1) of the weight as float32 into out[(r1 - r0)][cols]. */
 void dequantize(const uint8_t *w, const float *scale, const float *zero, float *out, int64_t r0, int64_t r1, int64_t cols,
                 int64_t group) {
-    const int64_t groups = cols / group, blocks = group / 32, half = cols / 2;
-    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const int64_t groups = cols / group, half = cols / 2;
     const int threads = at::get_num_threads();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = r0; r < r1; r++) {
-        {
-            const uint8_t *wr = w + r * half;
-            float *o = out + (r - r0) * cols;
-            for (int64_t g = 0; g < groups; g++) {
-                float s = scale[r * groups + g];
-                __m256 vs = _mm256_set1_ps(s);
-                __m256 vb = _mm256_set1_ps((zero ? zero[r * groups + g] : 0.0f) - 8.0f * s);
-                for (int64_t b = 0; b < blocks; b++) {
-                    __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + g * (group / 2) + b * 16));
-                    __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-                    float *ob = o + g * group + b * 32;
-                    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-                    for (int k = 0; k < 4; k++) {
-                        __m256 u = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
-                        _mm256_storeu_ps(ob + 8 * k, _mm256_fmadd_ps(u, vs, vb)); /* exactly (u - 8) * s when z = 0 */
-                    }
-                }
+        const uint8_t *wr = w + r * half;
+        float *o = out + (r - r0) * cols;
+        for (int64_t c = 0; c < cols; c += 64) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wr + c / 2));
+            for (int k = 0; k < 4; k++) { /* columns c + 16k .. c + 16k + 15, in group (c + 16k) / group */
+                const int64_t g = (c + 16 * k) / group;
+                const float s = scale[r * groups + g];
+                __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps((zero ? zero[r * groups + g] : 0.0f) - 8.0f * s);
+                __m256i q = quarter(v, k);
+                __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(q)));
+                __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(q, 1)));
+                _mm256_storeu_ps(o + c + 16 * k, _mm256_fmadd_ps(lo, vs, vb)); /* exactly (u - 8) * s when z = 0 */
+                _mm256_storeu_ps(o + c + 16 * k + 8, _mm256_fmadd_ps(hi, vs, vb));
             }
         }
     }
@@ -192,7 +196,8 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && table.device().is_cpu(), "llmpress int4_linear runs on the CPU");
     TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.size(1) * 2 == cols && weight.is_contiguous(),
                 "llmpress int4_linear: weight must be contiguous uint8 [out, in / 2], in = ", cols);
-    TORCH_CHECK(group % 32 == 0 && group > 0 && cols % group == 0, "llmpress int4_linear: group ", group, " must be a multiple of 32 dividing ", cols);
+    TORCH_CHECK((group == 32 || group % 64 == 0) && group > 0 && cols % group == 0 && cols % 64 == 0, "llmpress int4_linear: group ", group,
+                " must be 32 or a multiple of 64 dividing ", cols, " (a multiple of 64)");
     TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 3 && (table.size(0) == 1 || table.size(0) == 2) &&
                     table.size(1) == rows && table.size(2) == cols / group && table.is_contiguous(),
                 "llmpress int4_linear: table must be contiguous float32 [1 or 2, out, in / group]");
@@ -201,32 +206,31 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     const uint8_t *w = weight.data_ptr<uint8_t>();
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = rows;
-    at::Tensor flat = x.reshape({-1, cols});
-    const int64_t m = flat.size(0);
-    at::Tensor out;
-    if (m <= GEMV_MAX_ROWS) {
-        bool bf16 = flat.scalar_type() == at::kBFloat16;
-        at::Tensor input = (bf16 || flat.scalar_type() == at::kFloat) ? flat.contiguous() : flat.to(at::kFloat).contiguous();
-        out = at::empty({m, rows}, input.options());
+    const int64_t m = cols > 0 ? x.numel() / cols : 0;
+    if (m <= GEMV_MAX_ROWS) { /* decode: no reshape, view or copy unless the input needs one (each costs a dispatch) */
+        const bool bf16 = x.scalar_type() == at::kBFloat16;
+        at::Tensor input = (bf16 || x.scalar_type() == at::kFloat) ? x : x.to(at::kFloat);
+        if (!input.is_contiguous()) input = input.contiguous();
+        at::Tensor out = at::empty(shape, input.options());
         gemv(w, scale, zero, input.data_ptr(), out.data_ptr(), bf16, m, rows, cols, group);
-    } else {
-        at::Tensor wide = flat.to(at::kFloat).contiguous();
-        std::vector<at::Tensor> parts;
-        for (int64_t r0 = 0; r0 < rows; r0 += DEQUANT_ROWS) {
-            int64_t r1 = std::min(rows, r0 + DEQUANT_ROWS);
-            at::Tensor dense = at::empty({r1 - r0, cols}, wide.options());
-            dequantize(w, scale, zero, dense.data_ptr<float>(), r0, r1, cols, group);
-            parts.push_back(at::mm(wide, dense.t()));
-        }
-        out = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+        return input.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
     }
+    at::Tensor wide = x.reshape({m, cols}).to(at::kFloat).contiguous();
+    std::vector<at::Tensor> parts;
+    for (int64_t r0 = 0; r0 < rows; r0 += DEQUANT_ROWS) {
+        int64_t r1 = std::min(rows, r0 + DEQUANT_ROWS);
+        at::Tensor dense = at::empty({r1 - r0, cols}, wide.options());
+        dequantize(w, scale, zero, dense.data_ptr<float>(), r0, r1, cols, group);
+        parts.push_back(at::mm(wide, dense.t()));
+    }
+    at::Tensor out = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
     return out.view(shape).to(x.scalar_type());
 }
 
 at::Tensor int4_dequantize(const at::Tensor &weight, const at::Tensor &table, int64_t group) {
     const int64_t rows = weight.size(0), cols = weight.size(1) * 2;
     TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && table.scalar_type() == at::kFloat && table.is_contiguous() &&
-                    group % 32 == 0 && cols % group == 0 && table.size(1) == rows && table.size(2) == cols / group,
+                    (group == 32 || group % 64 == 0) && cols % group == 0 && cols % 64 == 0 && table.size(1) == rows && table.size(2) == cols / group,
                 "llmpress int4_dequantize: weight uint8 [out, in / 2], table float32 [1 or 2, out, in / group]");
     const float *scale = table.data_ptr<float>();
     const float *zero = table.size(0) == 2 ? scale + rows * (cols / group) : nullptr;
