@@ -56,3 +56,20 @@ def peak_rss_mb() -> float:
 def median_run(runs: list[dict]) -> dict:
     """Per-figure medians over repeated runs."""
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def prefill_seconds(model, tokens: int, runs: int = 3) -> float:
+    """One forward of a batch-1 prompt of ``tokens`` random ids (no cache, last logits only): the
+    median of ``runs`` after a warm-up."""
+    import time
+
+    import torch
+
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+    times = []
+    with torch.no_grad():
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            model(ids, use_cache=False, logits_to_keep=1)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

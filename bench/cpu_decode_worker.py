@@ -5,7 +5,7 @@
 Variants: ``fp32`` and ``bf16`` (the dense model), ``int8`` and ``int4`` (quantize-on-load,
 ``lm_head`` in full precision), ``int4-all`` (the output projection in int4 too, as llama.cpp
 quantizes it). Measures the load, greedy decode at batch 1 from a one-token prompt (as
-llama-bench's tg: no prompt to process), one prefill forward, which kernel each linear runs on,
+llama-bench's tg: no prompt to process), one prefill forward (median of 3), which kernel each linear runs on,
 and for quantized variants the logits against the same weights dequantized in float32.
 """
 
@@ -17,6 +17,7 @@ import json
 import time
 
 import torch
+from common import prefill_seconds
 
 VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-all")
 
@@ -64,17 +65,6 @@ def decode(model, new_tokens: int, compile_decode: bool) -> dict:
     return {"tokens_per_s": rate, "first_generate_s": first, "compile_s": max(0.0, first - new_tokens / rate) if compile_decode else 0.0}
 
 
-def prefill(model, tokens: int) -> float:
-    ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
-    times = []
-    with torch.no_grad():
-        for _ in range(3):
-            start = time.perf_counter()
-            model(ids, use_cache=False, logits_to_keep=1)
-            times.append(time.perf_counter() - start)
-    return sorted(times[1:])[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -98,7 +88,7 @@ def main() -> None:
         result["logits_gap"] = logits_gap(model)
     result.update(decode(model, args.new_tokens, args.compile))
     if args.prefill:
-        result["prefill_tokens_per_s"] = args.prefill / prefill(model, args.prefill)
+        result["prefill_tokens_per_s"] = args.prefill / prefill_seconds(model, args.prefill)
     print(json.dumps(result))
 
 

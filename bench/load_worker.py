@@ -17,7 +17,7 @@ import json
 import time
 
 import torch
-from common import peak_rss_mb
+from common import peak_rss_mb, prefill_seconds
 
 
 def load(tool: str, model: str, quantization_config=None):
@@ -100,15 +100,7 @@ def main() -> None:
             elapsed = time.perf_counter() - start
         result["tokens_per_s"] = (out.shape[1] - ids.shape[1]) / elapsed
     elif args.task == "prefill":  # one forward of a batch-1 prompt, median of 3 after a warm-up
-        model = load(args.tool, args.model)
-        ids = torch.randint(3, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(2))
-        times = []
-        with torch.no_grad():
-            for _ in range(4):
-                start = time.perf_counter()
-                model(ids, use_cache=False, logits_to_keep=1)
-                times.append(time.perf_counter() - start)
-        result["prefill_s"] = sorted(times[1:])[1]
+        result["prefill_s"] = prefill_seconds(load(args.tool, args.model), args.tokens)
     else:
         model = load(args.tool, args.model)
         ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))

@@ -123,6 +123,22 @@ def _blocks64(u: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).view(rows, cols // 2)
 
 
+def _blocks64_from_bytes(data: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' bytes ``[out, in / 2]`` (column 2i in the low nibble of byte i, 2i + 1
+    in the high one) in the ``blocks64`` layout, nibble by nibble without unpacking: with the
+    four 8-byte quarters s0..s3 of each 32 source bytes (columns 0-15, 16-31, 32-47, 48-63),
+    output bytes 4k..4k+3 are lo(s0)|lo(s1)<<4, lo(s2)|lo(s3)<<4, hi(s0)|hi(s1)<<4 and
+    hi(s2)|hi(s3)<<4 of source byte k."""
+    rows, half = data.shape
+    s = data.view(rows, half // 32, 4, 8)
+    out = torch.empty(rows, half // 32, 8, 4, dtype=torch.uint8)
+    for first, target in ((0, 0), (2, 1)):  # low nibbles: columns 4k's pairs; from s0/s1, then s2/s3
+        a, b = s[:, :, first], s[:, :, first + 1]
+        torch.bitwise_or(a.bitwise_and(0xF), b.bitwise_and(0xF).bitwise_left_shift_(4), out=out[..., target])
+        torch.bitwise_or(a.bitwise_right_shift(4), b.bitwise_and(0xF0), out=out[..., target + 2])
+    return out.view(rows, half)
+
+
 def _unblocks64(packed: torch.Tensor) -> torch.Tensor:
     """``_blocks64`` undone: the unsigned values ``[out, in]`` (uint8)."""
     rows, half = packed.shape
@@ -169,8 +185,7 @@ def int4_pack_words(
     data = words.contiguous().view(torch.uint8)
     rows, half = data.shape
     if (layout or int4_layout()) == "blocks64":
-        u = torch.stack([data.bitwise_and(0xF), data.bitwise_right_shift(4)], dim=-1).view(rows, 2 * half)
-        return _blocks64(u), _native_table(scale, zero_point)
+        return _blocks64_from_bytes(data), _native_table(scale, zero_point)
     block = _kernel_block()
     if block is not None and rows % block == 0:
         return _pack_bytes(data, block), _scale_zero_table(scale, zero_point)

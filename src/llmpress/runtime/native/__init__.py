@@ -54,6 +54,20 @@ def available() -> bool:
         return False
     if hasattr(torch.ops.llmpress, "int4_linear"):
         return True
+    build = _build_dir()
+    library = build / "llmpress_kernels.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(build)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        logger.warning("llmpress's int4 CPU kernels are not available (%s): PyTorch's int4 kernel runs instead", str(exc)[:300])
+        return False
+    return True
+
+
+def _build(build: Path) -> None:
     from torch.utils import cpp_extension
 
     try:  # the ninja wheel's binary, which a venv that is not activated lacks on PATH
@@ -62,41 +76,17 @@ def available() -> bool:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass
-    build = _build_dir()
-    library = build / "llmpress_kernels.so"
-    try:
-        if library.exists():
-            torch.ops.load_library(str(library))
-        else:
-            build.mkdir(parents=True, exist_ok=True)
-            logger.warning("building llmpress's int4 CPU kernels (once for this PyTorch, about 15 s) in %s", build)
-            cpp_extension.load(
-                name="llmpress_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build),
-                is_python_module=False, verbose=False,
-            )
-    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
-        logger.warning("llmpress's int4 CPU kernels are not available (%s): PyTorch's int4 kernel runs instead", str(exc)[:300])
-        return False
-    _register_fakes()
-    return True
-
-
-def _register_fakes() -> None:
-    """Shapes for ``torch.compile`` (the operators are opaque to it)."""
-
-    @torch.library.register_fake("llmpress::int4_linear")
-    def _(x, weight, table, group):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    @torch.library.register_fake("llmpress::int4_dequantize")
-    def _(weight, table, group):
-        return table.new_empty(weight.shape[0], weight.shape[1] * 2)
+    build.mkdir(parents=True, exist_ok=True)
+    logger.warning("building llmpress's int4 CPU kernels (once for this PyTorch, about 15 s) in %s", build)
+    cpp_extension.load(
+        name="llmpress_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(build), is_python_module=False, verbose=False,
+    )
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[..., in]`` and a weight in blocks of 32 (uint8 ``[out, in / 2]``)
     with its float32 ``[1 or 2, out, in / group]`` scales (and zeros); the result has ``x``'s
-    dtype. Up to 8 tokens take the integer product, more a float32 product on dequantized rows."""
+    dtype. Up to 16 tokens take the integer product, more a float32 product on dequantized rows."""
     return torch.ops.llmpress.int4_linear(x, weight, table, group)
 
 
