@@ -122,7 +122,7 @@ def main() -> None:
               f" {o['ready_s']:>6.2f}/{p['ready_s']:<6.2f} {o['ready_s'] / p['ready_s']:>6.2f}"
               f" {o['peak_rss_mb']:>7.0f}/{p['peak_rss_mb']:<7.0f} {o['peak_rss_mb'] / p['peak_rss_mb']:>6.2f}")
     print("\nLogits vs transformers + compressed-tensors on the same int4 checkpoint (relative L2; 2 x 64 random tokens)")
-    print(f"{'model':<12} {'written by':<15} {'llmpress.load (bf16 kernels)':>29} {'dequantize=True (exact)':>24}")
+    print(f"{'model':<12} {'written by':<15} {'llmpress.load (CPU kernels)':>29} {'dequantize=True (exact)':>24}")
     for r in rows:
         for writer, gaps in r["logits"].items():
             print(f"{r['model']:<12} {writer:<15} {gaps['llmpress']:>29.2e} {gaps['llmpress-exact']:>24.2e}")

@@ -104,3 +104,18 @@ def test_compiled_graph_calls_the_operator():
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     x = torch.randn(1, 256)
     assert torch.allclose(compiled(x), step(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_dtype_cast_of_the_model_keeps_the_kernels_tables():
+    """model.to(torch.bfloat16) casts floating buffers: the int4 table keeps its float32 (its
+    dtype also says which layout the weight is in), the stored scales theirs (a later save
+    writes the same numbers), and the module computes as before."""
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=64))
+    q, scale, _, dense = grid(64, 256, 64)
+    module = QuantizedLinear(256, 64, scheme)
+    module.load_quantized(q, scale)
+    x = torch.randn(2, 256)
+    before = module(x)
+    module.to(torch.bfloat16)
+    assert module.int4_table.dtype == torch.float32 and module.int4_weight.dtype == torch.uint8
+    assert rel(module(x.bfloat16()), before) < 1e-2 and torch.equal(module.dequantized_weight(torch.float32), q.float() * scale.repeat_interleave(64, 1))

@@ -283,7 +283,15 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy (the bf16 weight) is rebuilt from the buffers
         self._int8_inputs = self._dense = None
-        return super()._apply(fn, recurse)
+        stored = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
+        result = super()._apply(fn, recurse)
+        for name, before in stored.items():
+            # a dtype cast (model.to(torch.bfloat16), .half()) would round the stored scales (a
+            # later save would write other numbers) and the int4 kernel's table (whose dtype also
+            # says which layout the weight is in): they keep their dtypes, on the new device
+            if self._buffers[name].dtype != before.dtype:
+                self._buffers[name] = before.to(self._buffers[name].device)
+        return result
 
     def __getstate__(self):  # deepcopy, pickle: oneDNN's packed weight has no storage to copy
         return {**self.__dict__, "_int8_inputs": None, "_dense": None}
