@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 from awq import read_back_perplexity
-from common import PEER_PYTHON, work_folder
+from common import work_folder
 from gptq import bench_inputs, prepare_peer_runs, run_pairs
-from recipes import table_cells, transformers_reading
+from recipes import readings, table_cells, transformers_reading
 
 CONFIGS = {
     "rtn-nvfp4a16": ("QuantizationModifier", "NVFP4A16"),
@@ -109,9 +109,7 @@ def main() -> None:
         row = {"config": config, **run_pairs("llmpress", path, tiny, tokens, work / f"tiny-{config}", args.repeat)}
         for tool in ("llmpress", "llmcompressor"):
             checkpoint = work / f"tiny-{config}-{tool}"
-            row[tool] = {"llmpress.load": read_back_perplexity(checkpoint, windows),
-                         "transformers": transformers_reading(Path(sys.executable), checkpoint, work / "windows.pt", "--dtype", "bfloat16"),
-                         "transformers-peer": transformers_reading(PEER_PYTHON, checkpoint, work / "windows.pt", "--dtype", "bfloat16")}
+            row[tool] = readings(checkpoint, windows, work / "windows.pt", "--dtype", "bfloat16")
             if tool == "llmcompressor" and "fp4" in config:
                 row[tool]["logits_gap"] = logits_gap(checkpoint, windows, work)
         rows.append(row)

@@ -94,6 +94,14 @@ def transformers_reading(python: Path, checkpoint: Path, windows: Path, *options
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def readings(checkpoint: Path, windows, windows_file: Path, *options: str) -> dict:
+    """A checkpoint's perplexity in its three readers: ``llmpress.load``, transformers at our
+    pins, transformers at llm-compressor's (``options``: the worker's, e.g. ``--dtype``)."""
+    return {"llmpress.load": read_back_perplexity(checkpoint, windows),
+            "transformers": transformers_reading(Path(sys.executable), checkpoint, windows_file, *options),
+            "transformers-peer": transformers_reading(PEER_PYTHON, checkpoint, windows_file, *options)}
+
+
 def table_cells(row: dict) -> list[tuple]:
     """For each tool's line of a pair's row: tool, seconds, the ratio cells (llmpress's line only),
     perplexity in llmpress.load, in transformers at llmpress's pins and at llm-compressor's."""
@@ -129,9 +137,7 @@ def main() -> None:
             row = {"config": config, "model": name, **run_pairs("llmpress", recipe, models[name], tokens, work / f"{name}-{config}", args.repeat)}
             for tool in ("llmpress", "llmcompressor"):
                 checkpoint = work / f"{name}-{config}-{tool}"
-                row[tool] = {"llmpress.load": read_back_perplexity(checkpoint, windows),
-                             "transformers": transformers_reading(Path(sys.executable), checkpoint, work / "windows.pt"),
-                             "transformers-peer": transformers_reading(PEER_PYTHON, checkpoint, work / "windows.pt")}
+                row[tool] = readings(checkpoint, windows, work / "windows.pt")
             rows.append(row)
             print(json.dumps(row), flush=True)
 

@@ -11,10 +11,11 @@ from typing import Protocol
 
 import torch
 
+from llmpress.quant.qdq import dequantize
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.registry import Registry
 
-__all__ = ["FormatCodec", "FORMATS", "drop_symmetric_zero_points"]
+__all__ = ["FormatCodec", "FORMATS", "dequantize_unpacked", "drop_symmetric_zero_points"]
 
 StateDict = dict[str, torch.Tensor]
 
@@ -44,3 +45,12 @@ def drop_symmetric_zero_points(state: StateDict, scheme: QuantizationScheme) -> 
         if args is None or args.symmetric:
             out.pop(f"{prefix}_zero_point", None)
     return out
+
+
+def dequantize_unpacked(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
+    """An ``unpack`` result with ``weight`` dequantized to ``dtype`` (in place): what every
+    codec's ``decompress`` is after its own ``unpack``. Zero point and global scale when stored."""
+    state["weight"] = dequantize(
+        state["weight"], state["weight_scale"], state.get("weight_zero_point"), scheme.weights, dtype, state.get("weight_global_scale")
+    )
+    return state

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from llmpress.errors import CheckpointError
-from llmpress.formats.base import FORMATS, StateDict, drop_symmetric_zero_points
-from llmpress.quant.qdq import dequantize, quantize
+from llmpress.formats.base import FORMATS, StateDict, dequantize_unpacked, drop_symmetric_zero_points
+from llmpress.quant.qdq import quantize
 from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["E2M1_VALUES", "pack_fp4", "unpack_fp4"]
@@ -82,9 +82,7 @@ class _Fp4Packed:
 
     @classmethod
     def decompress(cls, state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
-        out = cls.unpack(state, scheme)
-        out["weight"] = dequantize(out["weight"], out["weight_scale"], None, scheme.weights, dtype, out.get("weight_global_scale"))
-        return out
+        return dequantize_unpacked(cls.unpack(state, scheme), scheme, dtype)
 
 
 @FORMATS.register("nvfp4-pack-quantized")

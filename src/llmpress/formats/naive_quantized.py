@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from llmpress.formats.base import FORMATS, StateDict, drop_symmetric_zero_points
-from llmpress.quant.qdq import dequantize, quantize
+from llmpress.formats.base import FORMATS, StateDict, dequantize_unpacked, drop_symmetric_zero_points
+from llmpress.quant.qdq import quantize
 from llmpress.quant.scheme import QuantizationScheme
 
 
@@ -28,11 +28,7 @@ class _OneValuePerByte:
 
     @staticmethod
     def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
-        out = dict(state)
-        out["weight"] = dequantize(
-            out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights, dtype
-        )
-        return out
+        return dequantize_unpacked(dict(state), scheme, dtype)
 
 
 @FORMATS.register("int-quantized")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from llmpress.formats.base import FORMATS, StateDict, drop_symmetric_zero_points
+from llmpress.formats.base import FORMATS, StateDict, dequantize_unpacked, drop_symmetric_zero_points
 from llmpress.quant.packing import pack_to_int32, unpack_from_int32
-from llmpress.quant.qdq import dequantize, quantize
+from llmpress.quant.qdq import quantize
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
 
 PACKED_ZERO_POINT_STRATEGIES = (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
@@ -49,8 +49,4 @@ class PackQuantizedFormat:
 
     @staticmethod
     def decompress(state: StateDict, scheme: QuantizationScheme, dtype: torch.dtype) -> StateDict:
-        out = PackQuantizedFormat.unpack(state, scheme)
-        out["weight"] = dequantize(
-            out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights, dtype
-        )
-        return out
+        return dequantize_unpacked(PackQuantizedFormat.unpack(state, scheme), scheme, dtype)
