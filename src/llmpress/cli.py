@@ -22,6 +22,7 @@ __all__ = ["main", "run"]
 def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.data import CalibrationOptions
     from llmpress.entrypoints import oneshot
+    from llmpress.integrations.distributed import ranks_from_environment
     from llmpress.recipe import Recipe
 
     recipe = Recipe.from_any(args.recipe)
@@ -30,9 +31,25 @@ def _oneshot(args: argparse.Namespace) -> int:
         calibrate_all_experts=args.calibrate_all_experts,
     )
     start = time.perf_counter()
-    oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options)
-    print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
+    before = _folder_stamp(args.output)
+    with ranks_from_environment() as main_process:  # under torchrun: one rank of a process group
+        oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume)
+    if not main_process:
+        return 0
+    if before is not None and _folder_stamp(args.output) == before:
+        print(f"nothing to do: {args.output} is the finished checkpoint of this run")
+    else:
+        print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _folder_stamp(path: str) -> tuple[int, int] | None:
+    """What changes when a save replaces the folder (a new folder renamed into place)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -177,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate-all-experts", action=argparse.BooleanOptionalAction, default=True,
         help="MoE: every expert sees every calibration token for its statistics (default: on)",
     )
+    oneshot.add_argument("--resume", action="store_true",
+                         help="go on from the last finished layer of an interrupted run (its work folder: OUTPUT.llmpress-work)")
     oneshot.set_defaults(run=_oneshot)
 
     training = commands.add_parser(
@@ -236,7 +255,9 @@ def _import_library(command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks only warn
+    logging.basicConfig(level=logging.INFO if args.verbose and main_rank else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     _import_library(args.command)
     try:
         return args.run(args)

@@ -18,10 +18,12 @@ from torch import nn
 from llmpress.checkpoint import save_checkpoint
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
+from llmpress.integrations.distributed import is_distributed, same_on_every_rank, share_of
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.modifiers.base import TRAINING_EVENTS
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
+from llmpress.pipelines.resume import WorkFolder, run_fingerprint
 from llmpress.pipelines.training import TrainingOptions, run_training, stage_epochs
 from llmpress.recipe import Recipe, RecipeStage
 from llmpress.session import Session
@@ -69,9 +71,15 @@ def oneshot(
     processor: Any = None,
     calibration: CalibrationOptions | None = None,
     save_compressed: bool = True,
+    resume: bool = False,
 ) -> nn.Module:
     """Apply ``recipe`` to ``model`` stage by stage, calibrating on ``dataset``; save to
     ``output_dir`` when given; return the compressed model.
+
+    With ``output_dir``, a recipe of one stage keeps each finished layer in a work folder beside
+    it (``<output_dir>.llmpress-work``); ``resume=True`` goes on from the last finished layer of
+    an interrupted run of the same model, recipe, data and options (the same checkpoint as an
+    uninterrupted run), and does nothing, with a warning, when that run already finished.
 
     ``model`` is a module or a checkpoint folder (its tokenizer is loaded too when
     ``processor`` is not given). ``dataset`` is a text or JSON-lines file, a dataset folder, a
@@ -92,29 +100,63 @@ def oneshot(
         )
     if dataset is None:
         _require_no_calibration(recipe)
+    if is_distributed():
+        same_on_every_rank(recipe.to_yaml(), "the recipe")
     batches = _calibration_batches(dataset, processor, options)
     linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
+    work = _work_folder(model, recipe, batches, options, output_dir, resume)
+    if work is not None and work.finished:
+        logger.warning("%s is already the finished checkpoint of this run: nothing to do", output_dir)
+        return model
     for stage in recipe.stages:
-        _oneshot_stage(model, stage, batches, processor, options)
+        _oneshot_stage(model, stage, batches, processor, options, work)
     if output_dir is not None:
         save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
+    if work is not None:
+        work.finish()
     return model
 
 
+def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: CalibrationOptions, output_dir: str | Path | None,
+                 resume: bool) -> WorkFolder | None:
+    """The run's work folder (``pipelines/resume.py``) where it can resume: an output, one
+    stage, the layerwise pipeline."""
+    resumable = output_dir is not None and len(recipe.stages) == 1 and options.pipeline == "layerwise" and batches is not None
+    if not resumable:
+        if resume:
+            raise RecipeError(
+                "this run cannot resume",
+                got=f"{len(recipe.stages)} stage(s), pipeline {options.pipeline!r}, "
+                f"{'an' if output_dir is not None else 'no'} output folder, {'no ' if batches is None else ''}calibration data",
+                expected="one one-shot stage on the layerwise pipeline with calibration data, saved to an output folder",
+                fix="run without --resume",
+            )
+        return None
+    return WorkFolder.open(output_dir, run_fingerprint(model, recipe, batches, options), resume)
+
+
 def _calibration_batches(dataset: Any, processor: Any, options: CalibrationOptions) -> list[torch.Tensor] | None:
+    """The calibration batches; under torch.distributed, this rank's share of them (every rank
+    loads the same samples and batches them alike, then takes every ``world_size``-th batch: the
+    batches are those of one process, so are the statistics summed over them)."""
     if dataset is None:
         return None
-    return batch_samples(load_calibration_samples(dataset, processor, options), options.batch_size)
+    batches = batch_samples(load_calibration_samples(dataset, processor, options), options.batch_size)
+    if is_distributed():
+        same_on_every_rank([b.tolist() for b in batches], "the calibration samples")
+        batches = share_of(batches, "calibration batches")
+    return batches
 
 
-def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor: Any, options: CalibrationOptions) -> None:
+def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor: Any, options: CalibrationOptions,
+                   work: WorkFolder | None = None) -> None:
     logger.info("running one-shot stage %s", stage.name)
     model.eval()
     session = Session(Recipe([stage]))
     with session, calibrating_all_experts(model, options.calibrate_all_experts):
         session.initialize(model=model, calibration_data=batches, processor=processor)
         if options.pipeline == "layerwise":
-            run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential)
+            run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential, work=work)
         else:
             run_basic_calibration(model, session, batches or [])
         session.finalize()
@@ -156,6 +198,14 @@ def train(
     if dataset is None:
         raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
     recipe = Recipe.from_any(recipe)
+    if is_distributed() and any(is_training_stage(s) for s in recipe.stages):
+        raise RecipeError(
+            "llmpress.train runs its training stages in one process",
+            got=f"a training stage under torch.distributed ({torch.distributed.get_world_size()} ranks)",
+            expected="train() in a single process",
+            fix="train on several ranks with LlmpressTrainer (FSDP) or your own loop with a Session "
+            "(examples/prune_fsdp.py); oneshot() calibrates on several ranks",
+        )
     linearize_experts(model)
     options = training or TrainingOptions()
     calibration = calibration or CalibrationOptions()

@@ -4,8 +4,10 @@
 2. ``update_state(model=..., optimizer=..., ...)`` any number of times: it only records.
 3. ``initialize(**overrides)`` once: every modifier checks what it needs and sets up.
 4. Events: training (``batch_start``, ``loss_calculated``, ``optim_pre_step``, ``optim_post_step``,
-   ``batch_end``) and one-shot (``calibration_start``, ``block_start`` (a block is next: transforms act), ``modules_calibrated`` (a group of a block's
-   modules, when the pipeline goes module by module), ``layer_calibrated``, ``calibration_end``).
+   ``batch_end``) and one-shot (``calibration_start``, ``block_start`` (a block is next:
+   transforms act), ``modules_calibrated`` (a group of a block's modules, when the pipeline goes
+   module by module), ``layer_calibrated``, ``layer_restored`` (a resumed run put back a block an
+   earlier run finished), ``calibration_end``).
    ``optim_post_step`` counts optimizer steps; with ``steps_per_epoch`` they give the epoch, and
    a modifier with ``start`` / ``end`` (epochs) gets training events only inside that window.
 5. ``finalize()`` makes the result permanent and ends the session.
@@ -43,7 +45,7 @@ _NEXT: dict[str, tuple[str, ...]] = {
     "batch": ("loss_calculated", "optim_pre_step", "batch_end"),
     "optimizer": ("optim_post_step",),
     "stepped": ("loss_calculated", "batch_end"),
-    "calibration": ("block_start", "modules_calibrated", "layer_calibrated", "calibration_end"),
+    "calibration": ("block_start", "modules_calibrated", "layer_calibrated", "layer_restored", "calibration_end"),
 }
 _AFTER: dict[str, str] = {
     "batch_start": "batch",
@@ -228,6 +230,8 @@ class Session:
             self._losses_in_batch += 1
         elif name == "batch_end":
             self._check_loss_was_sent()
+        if name == "calibration_start":
+            self._check_ranks()
         if name == "calibration_end":
             self._end_observation()
         training = name in TRAINING_EVENTS
@@ -271,6 +275,21 @@ class Session:
         for modifier in self.modifiers:
             if modifier.window.close_if_passed(self.state.epoch):
                 modifier.on_window_end(self.state)
+
+    def _check_ranks(self) -> None:
+        from llmpress.integrations.distributed import is_distributed, world_size
+
+        if not is_distributed():
+            return
+        gathering = [type(m).__name__ for m in self.modifiers
+                     if (m.calibration_targets() or "block_start" in m.events or m.runs_blocks()) and not m.reduces_across_ranks]
+        if gathering:
+            raise SessionError(
+                f"{', '.join(gathering)} cannot calibrate on several ranks: it does not reduce what it gathers across them",
+                got=f"torch.distributed with {world_size()} ranks",
+                expected="modifiers with reduces_across_ranks = True (GPTQ, QuantizationModifier, AWQ, SmoothQuant)",
+                fix="run this recipe in one process",
+            )
 
     def _end_observation(self) -> None:
         if self.observation is not None:
@@ -326,6 +345,18 @@ class Session:
         """Every module of ``block`` has seen its calibration inputs; the block's outputs are
         computed (compressed) after this."""
         self.event("layer_calibrated", block=block)
+
+    def layer_restored(self, block: CalibrationBlock) -> None:
+        """``block`` is back as an earlier, interrupted run of this recipe finished it (a resumed
+        run): the modifiers count its modules done, without observing or compressing them."""
+        self.event("layer_restored", block=block)
+
+    @property
+    def restores_layers(self) -> bool:
+        """Whether every modifier that takes part in calibration can take a restored block
+        (``on_layer_restored``), so that a run can resume."""
+        return all("layer_restored" in m.events for m in self.modifiers
+                   if m.calibration_targets() or "block_start" in m.events or m.runs_blocks() or "layer_calibrated" in m.events)
 
     def calibration_end(self) -> None:
         self.event("calibration_end")

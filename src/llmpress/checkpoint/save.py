@@ -85,7 +85,7 @@ def _is_checkpoint_file(name: str) -> bool:
     return (
         (name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")))
         or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
-        or name in (RECIPE_NAME, "config.json", "generation_config.json")
+        or name in (RECIPE_NAME, "config.json", "generation_config.json", "llmpress_run.json")  # the run record: resume.py
     )
 
 

@@ -12,8 +12,16 @@ a default a subclass overrides:
 ``calibration_targets()`` modules whose inputs it observes while calibrating (none by default)
 ``observe(name, x)``      one such input, handed over by the session
 ``step_note()``           a short note for the pipeline's progress bar
+``reduces_across_ranks``  whether it reduces what it gathers over torch.distributed ranks
 ``events``                derived: the events it has an ``on_<event>`` hook for
 ========================  ===================================================================
+
+Under torch.distributed each rank calibrates on its share of the samples, and the reduction is
+the modifier's own: before it uses what it gathered (at ``modules_calibrated``,
+``layer_calibrated``, ``calibration_end``) it sums, mins or maxes it over the ranks with
+``llmpress.integrations.distributed`` (each helper is a no-op in one process), every rank in the
+same order, and every rank ends with the same model. A modifier that gathers calibration data
+without saying ``reduces_across_ranks = True`` is refused on several ranks.
 
 Hooks are methods named ``on_<event>`` (``on_calibration_start(state)``,
 ``on_layer_calibrated(state, block)``, ...) plus the lifecycle hooks ``on_initialize``,
@@ -54,7 +62,7 @@ __all__ = [
 MODIFIERS: Registry[type[Modifier]] = Registry("modifier", error=RecipeError)
 
 TRAINING_EVENTS = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
-ONESHOT_EVENTS = ("calibration_start", "block_start", "modules_calibrated", "layer_calibrated", "calibration_end")
+ONESHOT_EVENTS = ("calibration_start", "block_start", "modules_calibrated", "layer_calibrated", "layer_restored", "calibration_end")
 EVENTS = TRAINING_EVENTS + ONESHOT_EVENTS
 LIFECYCLE_HOOKS = ("initialize", "finalize", "window_start", "window_end")
 
@@ -195,6 +203,8 @@ class Modifier:
     """Base behaviour class. Subclasses set ``Config`` and define ``on_*`` hooks."""
 
     Config: ClassVar[type[BaseModel]] = ModifierConfig
+    #: what it gathers from calibration data is reduced over torch.distributed ranks (see above)
+    reduces_across_ranks: ClassVar[bool] = False
     #: the events this class has a hook for, derived when the class is defined
     events: ClassVar[frozenset[str]] = frozenset()
 

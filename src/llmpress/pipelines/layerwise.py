@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress.errors import SessionError
+from llmpress.integrations.distributed import is_main_process
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
 from llmpress.observation import primary_input
@@ -27,6 +29,7 @@ from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated
 from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block
 from llmpress.pipelines.reference import calibrate_block_reference
+from llmpress.pipelines.resume import WorkFolder
 from llmpress.pipelines.sequential import calibrate_block_by_module
 from llmpress.pipelines.tail import TailError, run_tail
 from llmpress.quant.compact import CompactWeights
@@ -44,11 +47,13 @@ KEPT_PER_BLOCK_WEIGHTS = 8
 
 @torch.no_grad()
 def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor],
-                              true_sequential: bool | None = None) -> None:
+                              true_sequential: bool | None = None, work: WorkFolder | None = None) -> None:
     """``true_sequential``: True calibrates each block's modules group by group, each on the
     outputs of the compressed ones before it, where the modifiers and the block allow; False: two
     passes per block; None: module by module while the activations it keeps stay within
-    ``KEPT_PER_BLOCK_WEIGHTS`` times the block's weights."""
+    ``KEPT_PER_BLOCK_WEIGHTS`` times the block's weights. ``work``: each finished block is kept
+    there, and the blocks an earlier run of it finished are put back instead of calibrated
+    (``resume.py``)."""
     if not session.needs_calibration_forward:
         session.calibration_start()
         session.calibration_end()
@@ -61,7 +66,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     session.calibration_start()
     held = CompactWeights(model)  # finished blocks wait as integers: one block in float at a time
     try:
-        _calibrate(model, blocks, session, batches, true_sequential, held)
+        _calibrate(model, blocks, session, batches, true_sequential, held, work)
     except BaseException:
         session.abandon_calibration()  # the modifiers' hooks leave the model
         raise
@@ -71,14 +76,14 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
 
 
 def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batches: list[torch.Tensor],
-               true_sequential: bool | None, held: CompactWeights) -> None:
+               true_sequential: bool | None, held: CompactWeights, work: WorkFolder | None) -> None:
     observation = session.observation
     device = next(model.parameters()).device
     inputs, reached = capture_block_inputs(model, blocks, batches, device, observation)
     share_repeated(inputs)
     inside = set(blocks.modules())
     tail = [m for m in observation.targets if m not in inside and m not in reached]  # e.g. a quantized lm_head
-    rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held)
+    rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held, work=work)
     if tail:
         try:
             run_tail(model, blocks, batches, [primary_input(*batch) for batch in inputs], rest, tail, device, observation)
@@ -90,16 +95,18 @@ def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batche
 
 
 def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, true_sequential: bool | None,
-                      outputs_needed_at_end: bool, held: CompactWeights) -> tuple | None:
+                      outputs_needed_at_end: bool, held: CompactWeights, work: WorkFolder | None) -> tuple | None:
     """Each block in turn; returns what the last block returns besides its hidden states."""
     watched = set(session.observation.targets)
     by_module = true_sequential is not False and session.calibrates_by_module
     if true_sequential and not by_module:
         logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
     planner = _Planner(automatic=true_sequential is None, by_module=by_module)
-    rest = None
-    bar = tqdm(blocks, desc="Calibrating layers", unit="layer")
-    for index, module in enumerate(bar):
+    start, rest = _restore_finished(blocks, inputs, session, held, work)
+    bar = tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process())
+    for index, module in enumerate(blocks):
+        if index < start:
+            continue
         block = CalibrationBlock(index, module, inputs, session.observation)
         session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
@@ -111,10 +118,36 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
             rest = calibrate_block_reference(block, session, [targets], outputs_needed)
         else:
             rest = calibrate_block_by_module(block, plan, session, outputs_needed)
-        bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
         held.hold(module)
+        if work is not None:
+            work.save_layer(index, module, held, inputs if outputs_needed else [], rest)
+        bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
+        bar.update()
         release_free_memory()  # the block's solver temporaries and float weights go back
+    bar.close()
     return rest
+
+
+def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, held: CompactWeights,
+                      work: WorkFolder | None) -> tuple[int, tuple | None]:
+    """Put back the blocks an earlier run of this one finished (``work``), and the inputs of the
+    next; returns how many, and what the last of them returned besides its hidden states."""
+    done = 0 if work is None else min(work.layers_done, len(blocks))
+    if not done:
+        return 0, None
+    if not session.restores_layers:
+        raise SessionError(
+            "this run cannot resume: a modifier of its recipe cannot take back a finished layer",
+            got=", ".join(type(m).__name__ for m in session.modifiers if "layer_restored" not in m.events),
+            expected="modifiers with an on_layer_restored hook (GPTQ, QuantizationModifier, AWQ, SmoothQuant)",
+            fix="run without --resume",
+        )
+    for index in range(done):
+        work.restore_layer(index, blocks[index], held)
+        session.layer_restored(CalibrationBlock(index, blocks[index], [], session.observation))
+    inputs[:], rest = work.last_inputs()
+    logger.info("resumed after layer %d of %d", done - 1, len(blocks))
+    return done, rest
 
 
 class _Planner:

@@ -109,14 +109,23 @@ class CompactWeights:
             k = _grid_values(module)
             if k is None:
                 continue
-            param: nn.Parameter = module.weight
-            freed += param.numel() * param.element_size()
-            guard = module.register_forward_pre_hook(_refuse_while_held)
-            self._held.append((module, param, _packed(k), guard))
-            placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            module.weight = nn.Parameter(placeholder, requires_grad=param.requires_grad)
-            param.data = torch.empty(0, dtype=param.dtype)  # the float storage goes back now
+            freed += module.weight.numel() * module.weight.element_size()
+            self.adopt(module, _packed(k))  # the float storage goes back now
         return freed
+
+    def integers_of(self, layer: nn.Module) -> dict[nn.Module, torch.Tensor]:
+        """The held integers (as stored: int4 packed in int32 words) of ``layer``'s modules."""
+        inside = set(layer.modules())
+        return {module: k for module, _, k, _ in self._held if module in inside}
+
+    def adopt(self, module: nn.Module, k: torch.Tensor) -> None:
+        """Hold ``module``'s weight as ``k`` (``integers_of``'s form, saved by an earlier run):
+        its float weight goes, and ``restore`` rebuilds it from ``k`` and the module's scales."""
+        param: nn.Parameter = module.weight
+        guard = module.register_forward_pre_hook(_refuse_while_held)
+        self._held.append((module, param, k, guard))
+        module.weight = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+        param.data = torch.empty(0, dtype=param.dtype)
 
     def restore(self) -> None:
         """Rebuild every held weight. One that cannot be rebuilt (out of memory, say) stays

@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError
+from llmpress.integrations.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
 from llmpress.models.linear import input_major
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
@@ -42,7 +43,15 @@ from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, names_of
-from llmpress.quant.attach import freeze_weight, fused_families, scale_dtype_for, set_weight_qparams, share_global_scales
+from llmpress.quant.attach import (
+    enable_input_quantization,
+    freeze_weight,
+    fused_families,
+    scale_dtype_for,
+    set_module_buffer,
+    set_weight_qparams,
+    share_global_scales,
+)
 from llmpress.quant.scheme import QuantizationScheme
 
 if TYPE_CHECKING:
@@ -77,6 +86,7 @@ def _labels(names: list[str]) -> dict[str, str]:
 @MODIFIERS.register("GPTQModifier")
 class GPTQModifier(Modifier):
     Config = GPTQModifierConfig
+    reduces_across_ranks = True  # Hessians summed onto the rank that solves; ranges and KV-cache magnitudes reduced
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data")
@@ -128,12 +138,21 @@ class GPTQModifier(Modifier):
             self._note = "GPTQ loss " + " ".join(f"{labels[n]} {loss:.3g}" for n, loss in losses.items())
             logger.info("%s layer %d: %s", type(self).__name__, block.index, self._note)
 
+    def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
+        """A resumed run put ``block`` back as an earlier run finished it: its modules are done."""
+        for name in names_of(block.module.modules(), self.pending):
+            module, _ = self.pending.pop(name)
+            enable_input_quantization(module)  # its input scale, if static, came back with the block
+        if self.kv_cache is not None:
+            self.kv_cache.layer_restored(block)
+
     def step_note(self) -> str:
         return self._note
 
     def on_calibration_end(self, state: State) -> None:
         if self.kv_cache is not None:
             self.kv_cache.calibration_end()
+        self.hessians.agree(list(self.pending), self._device)  # reached on any rank is reached
         reached = [n for n in self.pending if n in self.hessians.of_module]
         self.quantize(reached, "rest")
         unreached = list(self.pending)
@@ -143,6 +162,7 @@ class GPTQModifier(Modifier):
                 type(self).__name__, len(unreached), ", ".join(unreached[:8]),
             )
             share_global_scales([self.pending[n][0] for n in unreached], self.families)
+            self.inputs.reduce([n for n in unreached if has_static_inputs(self.pending[n][1])])
             for name in unreached:
                 module, scheme = self.pending.pop(name)
                 self.hessians.release([name])
@@ -164,10 +184,15 @@ class GPTQModifier(Modifier):
 
     # -- the work ------------------------------------------------------------------------------
     def quantize(self, names: list[str], where: str) -> None:
-        """GPTQ on ``names``; modules that share a Hessian and a scheme go as one matrix."""
+        """GPTQ on ``names``; modules that share a Hessian and a scheme go as one matrix.
+
+        Under torch.distributed (every rank calls this with the same ``names``) each Hessian is
+        summed onto one rank, the ranks solve their Hessians' modules side by side (balanced by
+        the solves' cost), and each result goes from its rank to the others."""
         self.hessians.end_of_first_pass()
         # NVFP4: global scales from the weights as they are, fixed before any solve changes them
         share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
+        self.hessians.agree([n for n in names if n in self.pending], self._device)
         groups: dict[tuple[int, str, bool], list[str]] = {}
         for name in names:
             accumulator = self.hessians.of_module.get(name)
@@ -176,15 +201,63 @@ class GPTQModifier(Modifier):
                 continue
             key = (id(accumulator), scheme.weights.model_dump_json(), input_major(self.pending[name][0]))
             groups.setdefault(key, []).append(name)
-        bar = tqdm(groups.values(), desc=f"GPTQ {where}", leave=False, disable=True if len(groups) < 2 else None)
+        owners = self._owners(groups)
+        for key, members in groups.items():  # each Hessian summed onto the rank that solves with it
+            if owners[key] is not None:
+                self.hessians.of_module[members[0]].reduce(owners[key])
+        mine = [members for key, members in groups.items() if owners[key] in (None, rank())]
+        bar = tqdm(mine, desc=f"GPTQ {where}", leave=False, disable=True if len(mine) < 2 else None)
         for members in bar:
             self._quantize_group(members)
             bar.set_postfix_str(", ".join(f"{n.rsplit('.', 1)[-1]} {self.losses[n]:.3g}" for n in members))
+        self._share_results(groups, owners)
+        self.inputs.reduce([n for n in names if n in self.pending and has_static_inputs(self.pending[n][1])])
         for name in names:  # a module that saw no input stays pending: calibration_end rounds it and says so
             if name in self.pending and (name in self.losses or self.pending[name][1].weights is None):
                 module, scheme = self.pending.pop(name)
                 self.inputs.apply_input_quantization(name, module, scheme)
         self.hessians.release([n for n in names if n not in self.pending])
+
+    @property
+    def _device(self) -> torch.device:
+        module = next(iter(self.modules.values()))[0] if self.modules else None
+        return module.weight.device if module is not None else torch.device("cpu")
+
+    def _owners(self, groups: dict[tuple, list[str]]) -> dict[tuple, int | None]:
+        """The rank that solves each group: groups sharing a Hessian go to one rank, the
+        Hessians spread over the ranks by the solves' cost (none in one process)."""
+        if world_size() == 1:
+            return dict.fromkeys(groups)
+        by_hessian: dict[int, float] = {}
+        for key, members in groups.items():
+            weight = self.pending[members[0]][0].weight
+            columns = weight.shape[0] if key[2] else weight.shape[-1]
+            rows = sum(self.pending[n][0].weight.numel() for n in members) / columns
+            by_hessian[key[0]] = by_hessian.get(key[0], 0.0) + columns**3 + rows * columns**2
+        hessians = list(by_hessian)
+        owner_of = dict(zip(hessians, assign_owners([by_hessian[h] for h in hessians])))
+        return {key: owner_of[key[0]] for key in groups}
+
+    def _share_results(self, groups: dict[tuple, list[str]], owners: dict[tuple, int | None]) -> None:
+        """Each solved module's weight, qparams and loss, from the rank that solved it to every
+        other rank (nothing to do in one process)."""
+        for key, members in groups.items():
+            owner = owners[key]
+            if owner is None:
+                continue
+            for name in members:
+                module = self.pending[name][0]
+                broadcast_tensor_(module.weight.data, owner)
+                sent = None
+                if rank() == owner:
+                    zero_point = getattr(module, "weight_zero_point", None)
+                    sent = (module.weight_scale.cpu(), None if zero_point is None else zero_point.cpu(), self.losses[name])
+                scale, zero_point, loss = broadcast_object(sent, owner)
+                if rank() != owner:
+                    device = module.weight.device
+                    set_module_buffer(module, "weight_scale", scale.to(device))
+                    set_module_buffer(module, "weight_zero_point", None if zero_point is None else zero_point.to(device))
+                    self.losses[name] = loss
 
     def _quantize_group(self, names: list[str]) -> None:
         start = time.perf_counter()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
+from llmpress.integrations.distributed import is_distributed, max_across_ranks
 from llmpress.quant.attach import enable_input_quantization, set_input_scale, set_module_buffer
 from llmpress.quant.qdq import compute_qparams, global_scale_of
 from llmpress.quant.scheme import QuantizationScheme
@@ -36,6 +37,22 @@ class InputRangeObserver:
             old_low, old_high = self.ranges[name]
             low, high = torch.minimum(low, old_low), torch.maximum(high, old_high)
         self.ranges[name] = (low, high)
+
+    def reduce(self, names: list[str]) -> None:
+        """Under torch.distributed: the ranges of ``names`` over every rank's batches (called by
+        every rank with the same ``names``; a module one rank never saw takes the others')."""
+        if not is_distributed() or not names:
+            return
+        bounds = torch.full((2, len(names)), float("-inf"))
+        for i, name in enumerate(names):
+            if name in self.ranges:
+                low, high = self.ranges[name]
+                bounds[0, i], bounds[1, i] = -low.cpu(), high.cpu()
+        device = next((low.device for low, _ in self.ranges.values()), torch.device("cpu"))
+        bounds = max_across_ranks(bounds.to(device)).cpu()
+        for i, name in enumerate(names):
+            if bounds[1, i] > float("-inf"):
+                self.ranges[name] = (-bounds[0, i].to(device), bounds[1, i].to(device))
 
     def apply_input_quantization(self, name: str, module: nn.Module, scheme: QuantizationScheme) -> None:
         """Freeze the module's input scale and switch its input quantization on."""

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
+from llmpress.integrations.distributed import gather_objects, is_distributed
 from llmpress.models.classes import model_dtype
 from llmpress.models.experts import routed_experts_only
 from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
@@ -64,10 +65,23 @@ class KVCacheCalibration:
                 block.run(block.module, [batch])  # unobserved, one batch at a time
         self._freeze(inside)
 
+    def layer_restored(self, block: CalibrationBlock) -> None:
+        """A resumed run put ``block`` back, its cache scales with it: quantize from now on."""
+        for name, module in list(self.pending.items()):
+            if any(module is sub for sub in block.module.modules()):
+                self.pending.pop(name)
+                quantizer = KVCacheQuantizer.of(module)
+                quantizer.observing = False
+                if getattr(module, "k_scale", None) is not None and getattr(module, "v_scale", None) is not None:
+                    quantizer.frozen = True
+                else:  # the earlier run saw no cache here and left it full precision
+                    quantizer.detach(module)
+
     def calibration_end(self) -> None:
         self._freeze(dict(self.pending))
 
     def _freeze(self, modules: dict[str, nn.Module]) -> None:
+        _reduce_across_ranks(modules)
         missed = []
         for name, module in modules.items():
             self.pending.pop(name)
@@ -80,3 +94,18 @@ class KVCacheCalibration:
                            "cache: %s", self.modifier, len(missed), ", ".join(missed[:4]))
         elif modules:
             logger.debug("%s: fp8 KV cache scales set for %s", self.modifier, ", ".join(modules))
+
+
+def _reduce_across_ranks(modules: dict[str, nn.Module]) -> None:
+    """Under torch.distributed: each cache's largest magnitudes over every rank's batches."""
+    if not is_distributed():
+        return
+    mine = {name: {k: v.cpu() for k, v in KVCacheQuantizer.of(m).absmax.items()} for name, m in modules.items()}
+    everyone = gather_objects(mine)
+    for name, module in modules.items():
+        quantizer = KVCacheQuantizer.of(module)
+        device = next(iter(quantizer.absmax.values())).device if quantizer.absmax else torch.device("cpu")
+        for part in ("k", "v"):
+            seen = [ranks[name][part] for ranks in everyone if part in ranks[name]]
+            if seen:
+                quantizer.absmax[part] = torch.stack(seen).amax(dim=0).to(device)

@@ -142,6 +142,7 @@ def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
 @MODIFIERS.register("QuantizationModifier")
 class QuantizationModifier(Modifier):
     Config = QuantizationModifierConfig
+    reduces_across_ranks = True  # static input ranges and KV-cache magnitudes reduced over the ranks
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data") if self.config.needs_calibration else ("model",)
@@ -213,6 +214,16 @@ class QuantizationModifier(Modifier):
         if self.kv_cache is not None:
             self.kv_cache.layer_calibrated(block)
 
+    def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
+        """A resumed run put ``block`` back as an earlier run finished it: its modules are done."""
+        for name in names_of(block.module.modules(), self.pending):
+            module, _ = self.pending.pop(name)
+            if hasattr(module, PENDING_ATTR):
+                delattr(module, PENDING_ATTR)
+            enable_input_quantization(module)  # its input scale, if static, came back with the block
+        if self.kv_cache is not None:
+            self.kv_cache.layer_restored(block)
+
     def on_calibration_end(self, state: State) -> None:
         self.calibrated = True
         self.quantize_pending(list(self.pending))
@@ -233,6 +244,8 @@ class QuantizationModifier(Modifier):
 
     def quantize_pending(self, names: list[str]) -> None:
         share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
+        if not self.training:  # under torch.distributed: the ranges over every rank's batches
+            self.inputs.reduce([n for n in names if n in self.pending and has_static_inputs(self.pending[n][1])])
         for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
             if hasattr(module, PENDING_ATTR):

@@ -47,6 +47,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import RecipeError
+from llmpress.integrations.distributed import sum_across_ranks, world_size
 from llmpress.models.experts import ExpertMLP, routed_experts_only
 from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.hessians import HessianAccumulator
@@ -216,11 +217,13 @@ class _RunScore:
             outputs = self.block.run(self.owner, self.inputs)
         for out, ref in zip(outputs, self.reference):
             out = hidden_of(out).float()
-            if not torch.isfinite(out).all():
-                return float("inf")
-            total += float((out - ref).square().sum())
+            # a non-finite output gives an infinite error (summed, not returned early: every
+            # rank of a distributed run takes part in the sum)
+            total += float((out - ref).square().sum()) if torch.isfinite(out).all() else float("inf")
             count += ref.numel()
-        return total / max(count, 1)
+        summed = sum_across_ranks(torch.tensor([total, float(count)], dtype=torch.float64))
+        total, count = float(summed[0]), float(summed[1])
+        return total / max(count, 1.0) if total == total else float("inf")
 
 
 class _LinearScore:
@@ -239,6 +242,7 @@ class _LinearScore:
                 block.run(block.module, [batch])
         finally:
             handle.remove()
+        inputs.reduce()  # over every rank's batches (torch.distributed)
         self.hessian = inputs.result()
 
     def __call__(self) -> float:
@@ -321,7 +325,7 @@ class AWQModifier(SmoothingModifier):
         if owner is mapping.balance[0] and len(mapping.balance) == 1:
             score = _LinearScore(block, owner, originals[0])
         else:
-            score = _RunScore(replace(block, inputs=_spread(block.inputs, self.config.search_tokens)), owner)
+            score = _RunScore(replace(block, inputs=_spread(block.inputs, self._search_tokens)), owner)
         quantized = [_quantized(layer) for layer in mapping.balance]
         args = self._search_args(mapping.balance[quantized.index(True)])
         searched = [layer for layer, on in zip(mapping.balance, quantized) if on]
@@ -363,7 +367,7 @@ class AWQModifier(SmoothingModifier):
             if size is not None:
                 layers.append(layer)
                 sizes.append(size)
-        batches = _spread(block.inputs, self.config.search_tokens)
+        batches = _spread(block.inputs, self._search_tokens)
         grams = group_grams(block, layers, sizes, batches)
         names = {m: n for n, m in block.module.named_modules()}
         scores: dict[nn.Module, _RunScore] = {}
@@ -392,6 +396,13 @@ class AWQModifier(SmoothingModifier):
         super().on_calibration_end(state)
         if self.config.apply_clip:
             logger.info("AWQModifier: clipping kept on %d layer(s): %s", len(self.clipped), ", ".join(self.clipped[:6]))
+
+    @property
+    def _search_tokens(self) -> int | None:
+        """Tokens the searches run on, on this rank (each rank of a distributed run takes its
+        share, so the search sees about ``search_tokens`` in all)."""
+        tokens = self.config.search_tokens
+        return None if tokens is None else max(1, tokens // world_size())
 
     @staticmethod
     def _search_args(layer: nn.Module) -> QuantizationArgs:

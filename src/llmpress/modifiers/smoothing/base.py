@@ -45,6 +45,8 @@ class SmoothingConfig(ModifierConfig, OneShotFields):
 class SmoothingModifier(Modifier):
     """Scales folded into each block at ``block_start``; subclasses say how (``smooth``)."""
 
+    reduces_across_ranks = True  # statistics and search errors summed over the ranks
+
     #: found mappings include Linear -> Linear ones (v_proj -> o_proj, up_proj -> down_proj)
     linear_sources: ClassVar[bool] = False
 
@@ -74,6 +76,10 @@ class SmoothingModifier(Modifier):
         if mappings:
             self.smooth(block, mappings)
             self.smoothed += [f"{m.smooth_name} -> {', '.join(m.balance_names)}" for m in mappings]
+
+    def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
+        """A resumed run put ``block`` back with its scales folded in: nothing left to do here."""
+        self.blocks += 1
 
     def usable(self, mappings: list[Mapping], skipped: list[str]) -> list[Mapping]:
         """The mappings this algorithm can use (the rest added to ``skipped``, with why)."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.integrations.distributed import sum_across_ranks
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
@@ -62,6 +63,8 @@ def group_grams(block: Any, layers: list[nn.Linear], groups: list[int], batches:
     finally:
         for handle in handles:
             handle.remove()
+    for layer in layers:  # over every rank's batches (torch.distributed)
+        sum_across_ranks(grams[layer])
     return grams
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import LlmpressError
+from llmpress.integrations.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
 from llmpress.models.experts import mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.observation import primary_input
@@ -327,6 +328,12 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
     finally:
         for handle in handles:
             handle.remove()
-    for name, found in stats.items():
-        found["abs_mean"] /= max(counts[name], 1)
+    for name in dict.fromkeys(m.smooth_name for m in mappings):  # over every rank's batches (torch.distributed)
+        found = stats[name]
+        count = torch.tensor([float(counts[name])], dtype=torch.float64, device=found["max"].device)
+        min_across_ranks(found["min"])
+        max_across_ranks(found["max"])
+        sum_across_ranks(found["abs_mean"])
+        sum_across_ranks(count)
+        found["abs_mean"] /= max(float(count.item()), 1.0)
     return stats

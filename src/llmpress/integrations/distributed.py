@@ -1,0 +1,183 @@
+"""torch.distributed, as llmpress uses it: which rank this is, the share of the calibration
+samples it takes, and the collectives the modifiers reduce their statistics with.
+
+Every helper works unchanged in a single process (it is then the identity, or a no-op), so a
+modifier writes its reduction once: ``sum_across_ranks(hessian)`` sums over the ranks under
+``torchrun`` and does nothing otherwise. Collectives must be called by every rank in the same
+order; the helpers never return early on one rank only.
+
+Backends: gloo on CPU tensors, NCCL on CUDA ones (``init_from_environment`` picks by device).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import pickle
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from llmpress.errors import DataError
+
+__all__ = [
+    "assign_owners",
+    "broadcast_object",
+    "broadcast_tensor_",
+    "gather_objects",
+    "init_from_environment",
+    "is_distributed",
+    "is_main_process",
+    "max_across_ranks",
+    "min_across_ranks",
+    "rank",
+    "ranks_from_environment",
+    "same_on_every_rank",
+    "share_of",
+    "sum_across_ranks",
+    "world_size",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    """Whether a process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def init_from_environment(device: torch.device | str = "cpu") -> bool:
+    """Initialise the default process group from ``torchrun``'s environment (``WORLD_SIZE`` > 1),
+    gloo for CPU and NCCL for CUDA. Returns True when it initialised one (the caller destroys it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    logger.info("rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+    return True
+
+
+@contextmanager
+def ranks_from_environment(device: torch.device | str = "cpu") -> Iterator[bool]:
+    """``init_from_environment`` for the length of a ``with`` block, the process group destroyed
+    after it (when it made one); yields whether this is the main process."""
+    started = init_from_environment(device)
+    try:
+        yield is_main_process()
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def share_of(items: Sequence[T], what: str = "calibration samples") -> list[T]:
+    """This rank's share of ``items``: every ``world_size``-th one from its rank (all of them in
+    one process). Every rank must get at least one."""
+    size = world_size()
+    if size == 1:
+        return list(items)
+    if len(items) < size:
+        raise DataError(
+            f"{len(items)} {what} cannot be shared by {size} ranks",
+            got=f"{len(items)} {what}",
+            expected=f"at least one per rank ({size})",
+            fix="give more samples (--num-samples) or run fewer ranks",
+        )
+    return list(items[rank()::size])
+
+
+def _reduce(tensor: torch.Tensor, op: Any, dst: int | None) -> torch.Tensor:
+    if not is_distributed():
+        return tensor
+    if dst is None:
+        dist.all_reduce(tensor, op=op)
+    else:
+        dist.reduce(tensor, dst=dst, op=op)
+    return tensor
+
+
+def sum_across_ranks(tensor: torch.Tensor, dst: int | None = None) -> torch.Tensor:
+    """``tensor`` summed in place over the ranks: on every rank, or only on ``dst`` (the others'
+    copies are then undefined)."""
+    return _reduce(tensor, dist.ReduceOp.SUM if is_distributed() else None, dst)
+
+
+def min_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    return _reduce(tensor, dist.ReduceOp.MIN if is_distributed() else None, None)
+
+
+def max_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    return _reduce(tensor, dist.ReduceOp.MAX if is_distributed() else None, None)
+
+
+def broadcast_tensor_(tensor: torch.Tensor, src: int) -> torch.Tensor:
+    """``tensor`` overwritten in place by rank ``src``'s (same shape and dtype on every rank)."""
+    if is_distributed():
+        if tensor.is_contiguous():
+            dist.broadcast(tensor, src=src)
+        else:  # a transposed view, say: through a contiguous copy
+            staged = tensor.contiguous()
+            dist.broadcast(staged, src=src)
+            tensor.copy_(staged)
+    return tensor
+
+
+def broadcast_object(value: Any, src: int) -> Any:
+    """Rank ``src``'s ``value`` (picklable; small tensors, numbers) on every rank."""
+    if not is_distributed():
+        return value
+    box = [value if rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not is_distributed():
+        return [value]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def same_on_every_rank(value: Any, what: str) -> None:
+    """Raise on every rank when ``value`` (picklable) differs between ranks: a collective run
+    whose ranks disagree on what they run would otherwise hang or mix results."""
+    values = gather_objects(pickle.dumps(value))
+    if any(v != values[0] for v in values):
+        from llmpress.errors import SessionError
+
+        raise SessionError(f"the ranks disagree on {what}", got="different values on different ranks",
+                           expected="the same model, recipe and options on every rank")
+
+
+def assign_owners(costs: Sequence[float]) -> list[int]:
+    """A rank for each work item, largest first to the least loaded rank (the same answer on
+    every rank: it depends only on ``costs``)."""
+    size = world_size()
+    loads = [(0.0, r) for r in range(size)]
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, owner = heapq.heappop(loads)
+        owners[index] = owner
+        heapq.heappush(loads, (load + costs[index], owner))
+    return owners

@@ -1,0 +1,232 @@
+"""Resumable one-shot runs: a work folder beside the output keeps each finished layer.
+
+After each block, layer-by-layer calibration writes to ``<output>.llmpress-work/``:
+
+* ``layer-NNNNN.state.pt``: the block as compressed (weights on their grid as the integers
+  ``quant/compact.py`` holds them, scales, folded smoothing scales, KV-cache scales);
+* ``layer-NNNNN.inputs.rankR.pt``: the next block's inputs on each rank (the block's outputs);
+* ``progress.json``: what the run is (a fingerprint of the model, recipe, calibration batches,
+  options and ranks), how many layers are done, and each file's SHA-256.
+
+Every file is written to a temporary name and renamed into place, and ``progress.json`` names a
+layer only once its files are whole, so a kill at any point leaves the last finished layer
+readable. ``oneshot(..., resume=True)`` checks the fingerprint and each file's hash, puts the
+finished blocks back (the modifiers hear ``layer_restored``) and goes on from the next one:
+the checkpoint is the one an uninterrupted run writes, bit for bit. When the checkpoint is
+written, the run's fingerprint goes into it (``llmpress_run.json``) and the work folder goes.
+
+Resume covers recipes of one one-shot stage on the layerwise pipeline (what one-shot recipes
+almost always are); a run of several stages starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import llmpress
+from llmpress.errors import CheckpointError
+from llmpress.integrations.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
+from llmpress.quant.attach import set_module_buffer
+from llmpress.quant.compact import CompactWeights
+
+__all__ = ["WorkFolder", "run_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+PROGRESS = "progress.json"
+RUN_RECORD = "llmpress_run.json"  # in a finished checkpoint: the fingerprint of the run that wrote it
+HELD = "@held"  # suffix of a weight's key whose integers CompactWeights holds
+
+
+def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any) -> str:
+    """What makes two runs the same run: the model (config, every tensor's name, shape, dtype and
+    first and last values), the recipe, every calibration token, the options and the rank count."""
+    digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    digest.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        if tensor.numel() and not tensor.is_meta:
+            flat = tensor.detach().reshape(-1)
+            for part in (flat[:1024], flat[-1024:]):  # a few pages: the model stays where it was loaded
+                digest.update(part.cpu().float().numpy().tobytes())
+    digest.update(recipe.to_yaml().encode())
+    for batch in batches or []:
+        digest.update(batch.cpu().numpy().tobytes())
+    digest.update(repr(options).encode())
+    # each rank's batches are its share: the run is all of them, in rank order
+    return hashlib.sha256("".join(gather_objects(digest.hexdigest())).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> str:
+    """``data`` to ``path`` through a temporary file and a rename; returns its SHA-256."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _serialized(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+class WorkFolder:
+    """One run's work folder (see the module docstring)."""
+
+    def __init__(self, output_dir: str | Path, fingerprint: str) -> None:
+        output = Path(output_dir).absolute()
+        self.path = output.with_name(output.name + ".llmpress-work")
+        self.output = output
+        self.fingerprint = fingerprint
+        self.progress: dict[str, Any] = {"fingerprint": fingerprint, "llmpress": llmpress.__version__, "layers": 0, "files": {}}
+
+    # -- opening -----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, output_dir: str | Path, fingerprint: str, resume: bool) -> WorkFolder:
+        """The work folder of this run: what an earlier run of it left, with ``resume``; a new one
+        (an earlier folder replaced) without."""
+        work = cls(output_dir, fingerprint)
+        if resume and work.finished:
+            return work
+        found = work._read_progress()
+        if resume and found is not None:
+            if found.get("fingerprint") != fingerprint:
+                raise CheckpointError(
+                    f"the work folder {work.path} is of another run",
+                    got="a different model, recipe, calibration data, options or rank count",
+                    expected="the model, recipe, data and options of the interrupted run",
+                    fix=f"run without --resume to start over (it replaces {work.path.name}), or give the interrupted run's inputs",
+                )
+            work.progress = found
+            logger.warning("resuming: %d layer(s) of %s done", found["layers"], work.output)
+            return work
+        if resume:
+            logger.warning("--resume: no work folder of this run at %s: starting from the first layer", work.path)
+        if is_main_process() and work.path.exists():
+            shutil.rmtree(work.path)
+        if is_distributed():
+            torch.distributed.barrier()  # nobody writes before the old folder is gone
+        work.path.mkdir(parents=True, exist_ok=True)
+        return work
+
+    def _read_progress(self) -> dict[str, Any] | None:
+        file = self.path / PROGRESS
+        if not file.exists():
+            return None
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {file}", got=str(exc), expected="the progress file a run wrote",
+                                  fix="run without --resume to start over") from None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this run already wrote its checkpoint (which records the run's fingerprint)."""
+        try:
+            return json.loads((self.output / RUN_RECORD).read_text(encoding="utf-8")).get("fingerprint") == self.fingerprint
+        except (OSError, ValueError):
+            return False
+
+    @property
+    def layers_done(self) -> int:
+        return int(self.progress["layers"])
+
+    # -- writing -----------------------------------------------------------------------------
+    def save_layer(self, index: int, block: nn.Module, held: CompactWeights, inputs: list, rest: Any) -> None:
+        """Block ``index`` is finished: its state (rank 0) and the next block's inputs (each rank;
+        empty after the last block when nothing runs after it)."""
+        files: dict[str, str] = {}
+        if is_main_process():
+            name = f"layer-{index:05d}.state.pt"
+            files[name] = _atomic_write(self.path / name, _serialized(_block_state(block, held)))
+        name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
+        files[name] = _atomic_write(self.path / name, _serialized((inputs, rest)))
+        everyone = gather_objects(files)  # every rank's files are whole before progress names them
+        if is_main_process():
+            for written in everyone:
+                self.progress["files"].update(written)
+            self.progress["layers"] = index + 1
+            self._write_progress()
+            previous = self.path / f"layer-{index - 1:05d}.inputs.rank{{}}.pt"
+            for r in range(world_size()):  # only the last inputs are needed to go on
+                stale = Path(str(previous).format(r))
+                self.progress["files"].pop(stale.name, None)
+                stale.unlink(missing_ok=True)
+
+    def finish(self) -> None:
+        """The checkpoint is written: it records the run, and the work folder goes."""
+        if is_distributed():
+            torch.distributed.barrier()
+        if not is_main_process():
+            return
+        record = {"fingerprint": self.fingerprint, "llmpress": llmpress.__version__}
+        _atomic_write(self.output / RUN_RECORD, json.dumps(record, indent=1).encode())
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _write_progress(self) -> None:
+        _atomic_write(self.path / PROGRESS, json.dumps(self.progress, indent=1).encode())
+
+    # -- reading -----------------------------------------------------------------------------
+    def _load(self, name: str) -> Any:
+        file = self.path / name
+        expected = self.progress["files"].get(name)
+        data = file.read_bytes() if file.exists() else None
+        if expected is None or data is None or hashlib.sha256(data).hexdigest() != expected:
+            raise CheckpointError(
+                f"the work folder {self.path} is damaged: {name} is missing or not what was written",
+                got="a file that does not match its SHA-256 in progress.json",
+                expected="the files of the finished layers, as written",
+                fix="run without --resume to start over",
+            )
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+    def restore_layer(self, index: int, block: nn.Module, held: CompactWeights) -> None:
+        """Put block ``index`` back as it was when it finished."""
+        state = self._load(f"layer-{index:05d}.state.pt")
+        modules = dict(block.named_modules())
+        for key, tensor in state.items():
+            path, _, attribute = key.removesuffix(HELD).rpartition(".")
+            module = modules[path]
+            parameter = dict(module.named_parameters(recurse=False)).get(attribute)
+            if key.endswith(HELD):
+                held.adopt(module, tensor)
+            elif parameter is not None:
+                parameter.data = tensor
+            else:
+                set_module_buffer(module, attribute, tensor)
+
+    def last_inputs(self) -> tuple[list, Any]:
+        """This rank's inputs of the first block not done, and what the last done block returned
+        besides its hidden states."""
+        return self._load(f"layer-{self.layers_done - 1:05d}.inputs.rank{rank()}.pt")
+
+
+def _block_state(block: nn.Module, held: CompactWeights) -> dict[str, torch.Tensor]:
+    """Every tensor of ``block``'s state dict: held weights as their integers (key + ``@held``),
+    the rest as they are."""
+    integers = held.integers_of(block)
+    modules = dict(block.named_modules())
+    state = {}
+    for key, tensor in block.state_dict().items():
+        path, _, name = key.rpartition(".")
+        module = modules[path]
+        if module in integers and name == "weight":
+            state[key + HELD] = integers[module]
+        elif not tensor.is_meta:
+            state[key] = tensor
+    return state

@@ -1,0 +1,166 @@
+"""Resumable one-shot runs: a run stopped after some layers, resumed, writes the checkpoint an
+uninterrupted run writes, bit for bit; the work folder is checked before it is trusted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, checkpoint_tensors, token_batches
+
+import llmpress
+from llmpress.data import CalibrationOptions
+from llmpress.errors import CheckpointError, RecipeError
+from llmpress.pipelines.resume import WorkFolder
+
+#: every kind of state a finished layer holds: smoothing folded into norms, int8 weights with
+#: static input scales (hooks that must come back), an fp8 KV cache's scales
+RECIPE = """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier: {smoothing_strength: 0.5}
+    GPTQModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
+          input_activations: {num_bits: 8, type: int, symmetric: true, strategy: tensor, dynamic: false}
+      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}
+"""
+OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2)
+
+
+def four_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).eval()
+
+
+class Stop(Exception):
+    pass
+
+
+def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=None, monkeypatch=None):
+    if stop_after is not None:
+        original = WorkFolder.save_layer
+
+        def save_then_stop(self, index, *args):
+            original(self, index, *args)
+            if index == stop_after:
+                raise Stop
+
+        monkeypatch.setattr(WorkFolder, "save_layer", save_then_stop)
+    try:
+        return llmpress.oneshot(str(tmp_path / "model"), recipe, samples or token_batches(count=6), output_dir=out,
+                                calibration=OPTIONS, resume=resume)
+    finally:
+        if stop_after is not None:
+            monkeypatch.setattr(WorkFolder, "save_layer", original)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    four_layers().save_pretrained(tmp_path / "model")
+    return tmp_path
+
+
+def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, monkeypatch, caplog):
+    whole = run(model_dir, model_dir / "whole")
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch)
+    assert not (model_dir / "cut").exists()
+    progress = json.loads((model_dir / "cut.llmpress-work" / "progress.json").read_text())
+    assert progress["layers"] == 2
+    with caplog.at_level(logging.INFO, logger="llmpress"):
+        resumed = run(model_dir, model_dir / "cut", resume=True)
+    assert "resumed after layer 1 of 4" in caplog.text
+    one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert any(k.endswith("k_scale") for k in one) and any(k.endswith("input_scale") for k in one)
+    ids = torch.tensor([token_batches(count=1, seed=5)[0]])
+    with torch.no_grad():  # the returned model computes what the uninterrupted one does (input hooks back on)
+        assert torch.equal(resumed(input_ids=ids).logits, whole(input_ids=ids).logits)
+    # finished: the work folder is gone, the checkpoint records the run
+    assert not (model_dir / "cut.llmpress-work").exists() and (model_dir / "cut" / "llmpress_run.json").exists()
+
+
+def test_resume_of_a_finished_run_does_nothing(model_dir, caplog):
+    run(model_dir, model_dir / "out")
+    stamp = os.stat(model_dir / "out")
+    with caplog.at_level(logging.WARNING, logger="llmpress"):
+        run(model_dir, model_dir / "out", resume=True)
+    assert "already the finished checkpoint" in caplog.text
+    assert os.stat(model_dir / "out").st_ino == stamp.st_ino
+    # another save into the folder drops the record: the folder is no longer that run's
+    llmpress.oneshot(str(model_dir / "model"), RECIPE + RECIPE.replace("quant_stage", "second_stage"), token_batches(count=6),
+                     output_dir=model_dir / "out", calibration=OPTIONS)
+    assert not (model_dir / "out" / "llmpress_run.json").exists()
+
+
+def test_a_work_folder_of_another_run_is_refused(model_dir, monkeypatch):
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "out", stop_after=0, monkeypatch=monkeypatch)
+    with pytest.raises(CheckpointError, match="of another run"):
+        run(model_dir, model_dir / "out", resume=True, samples=token_batches(count=6, seed=1))
+    other = RECIPE.replace("group_size: 32", "group_size: 16")
+    with pytest.raises(CheckpointError, match="of another run"):
+        run(model_dir, model_dir / "out", resume=True, recipe=other)
+
+
+def test_a_damaged_work_folder_is_refused(model_dir, monkeypatch):
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "out", stop_after=1, monkeypatch=monkeypatch)
+    state = model_dir / "out.llmpress-work" / "layer-00001.state.pt"
+    state.write_bytes(state.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="damaged"):
+        run(model_dir, model_dir / "out", resume=True)
+    run(model_dir, model_dir / "out")  # without --resume: starts over
+    assert (model_dir / "out" / "config.json").exists()
+
+
+def test_a_recipe_of_several_stages_cannot_resume(model_dir):
+    two_stages = RECIPE + RECIPE.replace("quant_stage", "second_stage")
+    with pytest.raises(RecipeError, match="cannot resume"):
+        run(model_dir, model_dir / "out", resume=True, recipe=two_stages)
+
+
+def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
+    """The command, killed with SIGKILL while it calibrates its third layer, then ``--resume``."""
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join('{"input_ids": %s}' % s for s in token_batches(count=6)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+    def command(out, *extra):
+        return [sys.executable, "-m", "llmpress", "oneshot", "--model", str(model_dir / "model"), "--recipe", str(recipe),
+                "--dataset", str(data), "--output", str(out), "--seq-len", "32", "--num-samples", "6", *extra]
+
+    subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True, timeout=300)
+    progress = tmp_path / "cut.llmpress-work" / "progress.json"
+    process = subprocess.Popen(command(tmp_path / "cut"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["layers"] == 2:
+            break
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert json.loads(progress.read_text())["layers"] == 2, "the run was not killed in its third layer"
+    done = subprocess.run(command(tmp_path / "cut", "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one, two = checkpoint_tensors(tmp_path / "whole"), checkpoint_tensors(tmp_path / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    again = subprocess.run(command(tmp_path / "cut", "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
