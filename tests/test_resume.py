@@ -102,6 +102,8 @@ def test_resume_of_a_finished_run_does_nothing(model_dir, caplog):
         run(model_dir, model_dir / "out", resume=True)
     assert "already the finished checkpoint" in caplog.text
     assert os.stat(model_dir / "out").st_ino == stamp.st_ino
+    run(model_dir, model_dir / "out")  # without --resume the same run runs again
+    assert os.stat(model_dir / "out").st_ino != stamp.st_ino
     # another save into the folder drops the record: the folder is no longer that run's
     llmpress.oneshot(str(model_dir / "model"), RECIPE + RECIPE.replace("quant_stage", "second_stage"), token_batches(count=6),
                      output_dir=model_dir / "out", calibration=OPTIONS)

@@ -33,7 +33,8 @@ def _oneshot(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     before = _folder_stamp(args.output)
     with ranks_from_environment() as main_process:  # under torchrun: one rank of a process group
-        oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume)
+        oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume,
+                return_model=False)
     if not main_process:
         return 0
     if before is not None and _folder_stamp(args.output) == before:

@@ -72,7 +72,8 @@ def oneshot(
     calibration: CalibrationOptions | None = None,
     save_compressed: bool = True,
     resume: bool = False,
-) -> nn.Module:
+    return_model: bool = True,
+) -> nn.Module | None:
     """Apply ``recipe`` to ``model`` stage by stage, calibrating on ``dataset``; save to
     ``output_dir`` when given; return the compressed model.
 
@@ -80,6 +81,11 @@ def oneshot(
     it (``<output_dir>.llmpress-work``); ``resume=True`` goes on from the last finished layer of
     an interrupted run of the same model, recipe, data and options (the same checkpoint as an
     uninterrupted run), and does nothing, with a warning, when that run already finished.
+
+    ``return_model=False`` (with ``output_dir``) returns None: the finished layers, held as
+    integers while calibration goes on, are written to the checkpoint as they are and never
+    rebuilt in float, so the run's peak memory stays that of about one layer (the command line
+    runs this way).
 
     ``model`` is a module or a checkpoint folder (its tokenizer is loaded too when
     ``processor`` is not given). ``dataset`` is a text or JSON-lines file, a dataset folder, a
@@ -105,16 +111,17 @@ def oneshot(
     batches = _calibration_batches(dataset, processor, options)
     linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
     work = _work_folder(model, recipe, batches, options, output_dir, resume)
-    if work is not None and work.finished:
+    if resume and work is not None and work.finished:
         logger.warning("%s is already the finished checkpoint of this run: nothing to do", output_dir)
-        return model
-    for stage in recipe.stages:
-        _oneshot_stage(model, stage, batches, processor, options, work)
+        return model if return_model else None
+    keep_held = output_dir is not None and not return_model
+    for number, stage in enumerate(recipe.stages):
+        _oneshot_stage(model, stage, batches, processor, options, work, keep_held=keep_held and number == len(recipe.stages) - 1)
     if output_dir is not None:
         save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
     if work is not None:
         work.finish()
-    return model
+    return model if return_model else None
 
 
 def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: CalibrationOptions, output_dir: str | Path | None,
@@ -149,14 +156,15 @@ def _calibration_batches(dataset: Any, processor: Any, options: CalibrationOptio
 
 
 def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor: Any, options: CalibrationOptions,
-                   work: WorkFolder | None = None) -> None:
+                   work: WorkFolder | None = None, keep_held: bool = False) -> None:
     logger.info("running one-shot stage %s", stage.name)
     model.eval()
     session = Session(Recipe([stage]))
     with session, calibrating_all_experts(model, options.calibrate_all_experts):
         session.initialize(model=model, calibration_data=batches, processor=processor)
         if options.pipeline == "layerwise":
-            run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential, work=work)
+            run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential, work=work,
+                                      spill=options.spill_activations, keep_held=keep_held)
         else:
             run_basic_calibration(model, session, batches or [])
         session.finalize()

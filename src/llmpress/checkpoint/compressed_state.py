@@ -18,6 +18,7 @@ from llmpress.formats import FORMATS, format_for
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.attach import quantized_modules
+from llmpress.quant.compact import held_weights
 from llmpress.quant.kv_cache import kv_cache_scheme_of
 from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.scheme import QuantizationScheme
@@ -33,7 +34,7 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, tensor in model.state_dict().items():
         key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-        if tensor.numel() and key in seen:
+        if tensor.numel() and not tensor.is_meta and key in seen:  # a held weight (meta) is its own
             continue
         seen.add(key)
         state[name] = tensor.detach()
@@ -43,6 +44,7 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to write: quantized modules compressed by their scheme's format."""
     state = unique_state_dict(model)
+    held = held_weights(model)  # finished layers still held as integers: rebuilt one module at a time
     uneven, transposed = [], []
     for name, module, scheme in quantized_modules(model):
         if input_major(module) and scheme.weights is not None and save_compressed:
@@ -75,6 +77,8 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         columns = module.weight.shape[-1]
         if any(a is not None and a.is_grouped and columns % a.group_size for a in (scheme.weights, scheme.input_activations)):
             uneven.append(name)
+        if held is not None and state[f"{prefix}weight"].is_meta:
+            state[f"{prefix}weight"] = held.weight_of(module)
         if not (save_compressed or in_training):
             continue  # dense and frozen: the state dict already holds it
         own = [*module._parameters, *module._buffers]

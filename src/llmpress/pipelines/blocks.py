@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ class CalibrationBlock:
     module: nn.Module
     inputs: Inputs
     observation: Observation | None = None
+    spill: Path | None = None  # where the module-by-module stages keep what they keep (kept.py), or in memory
 
     @torch.no_grad()
     def inputs_to(self, submodule: nn.Module) -> Inputs:

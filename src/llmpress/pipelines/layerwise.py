@@ -15,6 +15,8 @@ without a list of blocks are calibrated whole, with a warning.
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,13 +49,18 @@ KEPT_PER_BLOCK_WEIGHTS = 8
 
 @torch.no_grad()
 def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor],
-                              true_sequential: bool | None = None, work: WorkFolder | None = None) -> None:
+                              true_sequential: bool | None = None, work: WorkFolder | None = None,
+                              spill: bool = True, keep_held: bool = False) -> None:
     """``true_sequential``: True calibrates each block's modules group by group, each on the
     outputs of the compressed ones before it, where the modifiers and the block allow; False: two
     passes per block; None: module by module while the activations it keeps stay within
     ``KEPT_PER_BLOCK_WEIGHTS`` times the block's weights. ``work``: each finished block is kept
     there, and the blocks an earlier run of it finished are put back instead of calibrated
-    (``resume.py``)."""
+    (``resume.py``). ``spill``: what the stages of a block keep goes to files in the work folder
+    (else the system's temporary folder) and comes back one batch at a time (``kept.py``).
+    ``keep_held``: the finished layers' weights stay held as integers after calibration
+    (``held_weights(model)``), for a save that writes them without rebuilding the model in float;
+    the caller restores them (``held_weights(model).restore()``)."""
     if not session.needs_calibration_forward:
         session.calibration_start()
         session.calibration_end()
@@ -66,24 +73,29 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     session.calibration_start()
     held = CompactWeights(model)  # finished blocks wait as integers: one block in float at a time
     try:
-        _calibrate(model, blocks, session, batches, true_sequential, held, work)
+        folder = None if not spill else work.path if work is not None else Path(tempfile.gettempdir())
+        _calibrate(model, blocks, session, batches, true_sequential, held, work, folder)
     except BaseException:
         session.abandon_calibration()  # the modifiers' hooks leave the model
+        held.restore()
         raise
-    finally:
+    if keep_held:
+        held.attach(model)
+    else:
         held.restore()
     session.calibration_end()
 
 
 def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batches: list[torch.Tensor],
-               true_sequential: bool | None, held: CompactWeights, work: WorkFolder | None) -> None:
+               true_sequential: bool | None, held: CompactWeights, work: WorkFolder | None, spill: Path | None) -> None:
     observation = session.observation
     device = next(model.parameters()).device
     inputs, reached = capture_block_inputs(model, blocks, batches, device, observation)
     share_repeated(inputs)
     inside = set(blocks.modules())
     tail = [m for m in observation.targets if m not in inside and m not in reached]  # e.g. a quantized lm_head
-    rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held, work=work)
+    rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held, work=work,
+                             spill=spill)
     if tail:
         try:
             run_tail(model, blocks, batches, [primary_input(*batch) for batch in inputs], rest, tail, device, observation)
@@ -95,7 +107,8 @@ def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batche
 
 
 def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, true_sequential: bool | None,
-                      outputs_needed_at_end: bool, held: CompactWeights, work: WorkFolder | None) -> tuple | None:
+                      outputs_needed_at_end: bool, held: CompactWeights, work: WorkFolder | None,
+                      spill: Path | None = None) -> tuple | None:
     """Each block in turn; returns what the last block returns besides its hidden states."""
     watched = set(session.observation.targets)
     by_module = true_sequential is not False and session.calibrates_by_module
@@ -107,7 +120,7 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
     for index, module in enumerate(blocks):
         if index < start:
             continue
-        block = CalibrationBlock(index, module, inputs, session.observation)
+        block = CalibrationBlock(index, module, inputs, session.observation, spill)
         session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
         # the watched modules and every linear: each one is handed over (modules_calibrated) in

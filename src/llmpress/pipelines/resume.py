@@ -22,7 +22,6 @@ almost always are); a run of several stages starts over.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -68,21 +67,27 @@ def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] |
     return hashlib.sha256("".join(gather_objects(digest.hexdigest())).encode()).hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> str:
-    """``data`` to ``path`` through a temporary file and a rename; returns its SHA-256."""
+def _atomic_write(path: Path, value: Any) -> str:
+    """``torch.save(value)`` to ``path`` through a temporary file and a rename (streamed: no copy
+    of the value in memory); returns the file's SHA-256."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
-        handle.write(data)
+        if isinstance(value, bytes):
+            handle.write(value)
+        else:
+            torch.save(value, handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    return hashlib.sha256(data).hexdigest()
+    return _sha256(path)
 
 
-def _serialized(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class WorkFolder:
@@ -153,9 +158,9 @@ class WorkFolder:
         files: dict[str, str] = {}
         if is_main_process():
             name = f"layer-{index:05d}.state.pt"
-            files[name] = _atomic_write(self.path / name, _serialized(_block_state(block, held)))
+            files[name] = _atomic_write(self.path / name, _block_state(block, held))
         name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
-        files[name] = _atomic_write(self.path / name, _serialized((inputs, rest)))
+        files[name] = _atomic_write(self.path / name, (inputs, rest))
         everyone = gather_objects(files)  # every rank's files are whole before progress names them
         if is_main_process():
             for written in everyone:
@@ -185,15 +190,14 @@ class WorkFolder:
     def _load(self, name: str) -> Any:
         file = self.path / name
         expected = self.progress["files"].get(name)
-        data = file.read_bytes() if file.exists() else None
-        if expected is None or data is None or hashlib.sha256(data).hexdigest() != expected:
+        if expected is None or not file.exists() or _sha256(file) != expected:
             raise CheckpointError(
                 f"the work folder {self.path} is damaged: {name} is missing or not what was written",
                 got="a file that does not match its SHA-256 in progress.json",
                 expected="the files of the finished layers, as written",
                 fix="run without --resume to start over",
             )
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return torch.load(file, weights_only=True, mmap=True)
 
     def restore_layer(self, index: int, block: nn.Module, held: CompactWeights) -> None:
         """Put block ``index`` back as it was when it finished."""

@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
     for number, group in enumerate(plan.groups):
         if any(observation.watches(m) for m in group):  # else: nothing to observe, no run
             keep_for_next = number + 1 < len(plan.groups) or outputs_needed
-            stage = _Stage(plan, rows, kept, done, observation, group, keep_for_next)
+            stage = _Stage(plan, rows, kept, done, observation, group, keep_for_next, block.spill)
             with observation.only(()):  # the group's stand-ins hand their inputs over themselves
                 _run(block, stage)
             kept = stage.kept
@@ -91,7 +92,7 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
         return None
     if any(KVCacheQuantizer.of(m) is not None for m in block.module.modules()):
         kept = Kept()  # an fp8 KV cache set at layer_calibrated changes what the attention returns: run it again
-    last = _Stage(plan, rows, kept, done, observation)
+    last = _Stage(plan, rows, kept, done, observation, spill=block.spill)
     # nobody observes: experts take only their routed tokens, unless a stand-in waits inside them
     routed = routed_experts_only(block.module) if not _inside_experts(last.answers, plan) else nullcontext()
     with observation.paused(), routed:
@@ -123,8 +124,8 @@ class _Stage:
     in this stage (None: the outputs stage)."""
 
     def __init__(self, plan: BlockPlan, rows: list[int], previous: Kept, done: set[nn.Module], observation: Observation,
-                 group: list[nn.Module] | None = None, keep_for_next: bool = False) -> None:
-        self.plan, self.rows, self.observation, self.batch = plan, rows, observation, -1
+                 group: list[nn.Module] | None = None, keep_for_next: bool = False, spill: Path | None = None) -> None:
+        self.plan, self.rows, self.observation, self.batch, self.spill = plan, rows, observation, -1, spill
         self.calls: Counter[nn.Module] = Counter()
         self.answers: dict[nn.Module, Callable[..., Any]] = {}
         self.kept = Kept()
@@ -146,7 +147,7 @@ class _Stage:
         if group is not None:  # its modules hand their inputs to the modifiers; what follows answers zeros
             park = None
             if owner is not None:
-                park = self.kept.parked[owner] = KeptValues(rows)
+                park = self.kept.parked[owner] = KeptValues(rows, spill)
             for module in group:
                 zeros = ZeroAnswer(*plan.zeros[module]) if module in plan.zeros else None
                 self.answers[module] = self._member_answer(module, zeros, park)
@@ -162,7 +163,7 @@ class _Stage:
     def _keeper(self, module: nn.Module, keep: set[nn.Module]) -> KeptValues | None:
         if module not in keep:
             return None
-        self.kept.outputs[module] = KeptValues(self.rows)
+        self.kept.outputs[module] = KeptValues(self.rows, self.spill)
         return self.kept.outputs[module]
 
     def _kept_answer(self, module: nn.Module, values: KeptValues) -> Callable[..., Any]:

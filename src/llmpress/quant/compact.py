@@ -22,7 +22,16 @@ from llmpress.memory import release_free_memory
 from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, effective_scale, float_copy, grouped
 
-__all__ = ["CompactWeights"]
+__all__ = ["CompactWeights", "held_weights"]
+
+#: the model attribute naming its ``CompactWeights`` while a run keeps finished layers held past
+#: calibration (``oneshot`` writing the checkpoint from the integers, ``held_weights``)
+HELD_ATTR = "_llmpress_held_weights"
+
+
+def held_weights(model: nn.Module) -> CompactWeights | None:
+    """The ``CompactWeights`` holding some of ``model``'s weights as integers, if any."""
+    return getattr(model, HELD_ATTR, None)
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -127,6 +136,19 @@ class CompactWeights:
         module.weight = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
         param.data = torch.empty(0, dtype=param.dtype)
 
+    def weight_of(self, module: nn.Module) -> torch.Tensor | None:
+        """``module``'s float weight, rebuilt from its integers (a new tensor; it stays held),
+        or None when it is not held: what a save writes without rebuilding the whole model."""
+        for held, param, k, _ in self._held:
+            if held is module:
+                return _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
+        return None
+
+    def attach(self, model: nn.Module) -> None:
+        """Keep the held weights past calibration, findable from ``model`` (``held_weights``)."""
+        setattr(model, HELD_ATTR, self)
+        self._model = model
+
     def restore(self) -> None:
         """Rebuild every held weight. One that cannot be rebuilt (out of memory, say) stays
         held, guarded, with its integers; the others are still restored, then the error raised."""
@@ -146,5 +168,8 @@ class CompactWeights:
             del k, entry
             release_free_memory()  # the integers go back as the floats arrive
         self._held = failed
+        model = getattr(self, "_model", None)
+        if not failed and model is not None and getattr(model, HELD_ATTR, None) is self:
+            delattr(model, HELD_ATTR)
         if error is not None:
             raise error
