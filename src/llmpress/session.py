@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmpress.checkpoint.save_pretrained import route_save_pretrained
 from llmpress.errors import MissingStateError, SessionError
+from llmpress.integrations.distributed import require_reducing_modifiers
 from llmpress.modifiers.base import EVENTS, STATE_FIELDS, TRAINING_EVENTS, Modifier, State
 from llmpress.observation import Observation
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
@@ -231,7 +232,7 @@ class Session:
         elif name == "batch_end":
             self._check_loss_was_sent()
         if name == "calibration_start":
-            self._check_ranks()
+            require_reducing_modifiers(self.modifiers)  # on several ranks
         if name == "calibration_end":
             self._end_observation()
         training = name in TRAINING_EVENTS
@@ -275,21 +276,6 @@ class Session:
         for modifier in self.modifiers:
             if modifier.window.close_if_passed(self.state.epoch):
                 modifier.on_window_end(self.state)
-
-    def _check_ranks(self) -> None:
-        from llmpress.integrations.distributed import is_distributed, world_size
-
-        if not is_distributed():
-            return
-        gathering = [type(m).__name__ for m in self.modifiers
-                     if (m.calibration_targets() or "block_start" in m.events or m.runs_blocks()) and not m.reduces_across_ranks]
-        if gathering:
-            raise SessionError(
-                f"{', '.join(gathering)} cannot calibrate on several ranks: it does not reduce what it gathers across them",
-                got=f"torch.distributed with {world_size()} ranks",
-                expected="modifiers with reduces_across_ranks = True (GPTQ, QuantizationModifier, AWQ, SmoothQuant)",
-                fix="run this recipe in one process",
-            )
 
     def _end_observation(self) -> None:
         if self.observation is not None:

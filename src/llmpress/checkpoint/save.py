@@ -20,6 +20,7 @@ from llmpress.checkpoint.compressed_state import (
 )
 from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_config_for
 from llmpress.errors import CheckpointError
+from llmpress.integrations.fsdp import is_sharded, unwrap_if_fsdp
 from llmpress.models.keys import KeyMap
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ def save_checkpoint(
     recipe: Recipe | None = None,
     max_shard_size: int | str = "5GB",
     synchronize: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model`` (compressed when it is quantized), its config, tokenizer, recipe and
     remote-code files to ``output_dir``, atomically. Returns the folder.
@@ -51,13 +53,34 @@ def save_checkpoint(
     with followed by the stages applied since), which is what ``recipe.yaml`` holds otherwise.
     Under ``torch.distributed`` every rank calls it and the main one writes; with
     ``synchronize=False`` only the caller's rank is here (a Trainer saving on its main process)
-    and it writes without waiting for the others.
+    and it writes without waiting for the others. A model sharded by FSDP is gathered for the
+    save (``unwrap_if_fsdp``: every rank takes part), or, without ``synchronize``, takes its
+    whole tensors from ``state_dict`` (what a Trainer gathered).
     """
     synchronize = synchronize and torch.distributed.is_available() and torch.distributed.is_initialized()
-    if synchronize and torch.distributed.get_rank() != 0:
-        torch.distributed.barrier()  # the main process writes; the others wait for it
-        return Path(output_dir)
-    limit = parse_size(max_shard_size)
+    # FSDP: every rank takes part in gathering the parameters (with synchronize); the main one writes
+    with unwrap_if_fsdp(model, None if synchronize else _whole_state(model, state_dict)):
+        if not synchronize or torch.distributed.get_rank() == 0:
+            _write(output_dir, model, processor, save_compressed, recipe, parse_size(max_shard_size))
+    if synchronize:
+        torch.distributed.barrier()  # the others wait for the main process to finish writing
+    logger.info("saved %s checkpoint to %s", "compressed" if save_compressed else "dense", output_dir)
+    return Path(output_dir)
+
+
+def _whole_state(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    if state_dict is None and is_sharded(model):
+        raise CheckpointError(
+            "a sharded (FSDP) model saved by one rank alone: its parameters cannot be gathered",
+            got="synchronize=False without the gathered state_dict",
+            expected="every rank calling save_checkpoint (it gathers), or the whole state_dict passed in",
+            fix="call save_checkpoint / save_pretrained on every rank",
+        )
+    return state_dict
+
+
+def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compressed: bool, recipe: Recipe | None,
+           limit: int) -> None:
     state = compressed_state_dict(model, save_compressed)
     names = KeyMap(model)  # the names transformers' save_pretrained would write
     state = {names.to_checkpoint(key): tensor for key, tensor in state.items()}
@@ -73,10 +96,6 @@ def save_checkpoint(
         if recorded is not None and recorded.stages:
             (tmp / RECIPE_NAME).write_text(recorded.to_yaml(), encoding="utf-8")
         _copy_remote_code(tmp, model)
-    if synchronize:
-        torch.distributed.barrier()
-    logger.info("saved %s checkpoint to %s", "compressed" if save_compressed else "dense", output_dir)
-    return Path(output_dir)
 
 
 def _is_checkpoint_file(name: str) -> bool:

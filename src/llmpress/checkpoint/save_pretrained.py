@@ -34,6 +34,7 @@ from torch import nn
 
 from llmpress.checkpoint.save import save_checkpoint
 from llmpress.errors import CheckpointError
+from llmpress.integrations.fsdp import is_dtensor
 
 __all__ = ["route_save_pretrained", "upload_to_hub"]
 
@@ -93,9 +94,10 @@ def _save_pretrained(
     if is_main_process is False:
         return  # transformers' convention: only the main process calls with True, and writes
     _check_given_state_dict(model, state_dict)
-    # without is_main_process every rank calls (the main one writes, the others wait for it)
+    # without is_main_process every rank calls (the main one writes, the others wait for it); a
+    # sharded model saved by the main process alone takes its whole tensors from the given state dict
     folder = save_checkpoint(save_directory, model, save_compressed=save_compressed, max_shard_size=max_shard_size,
-                             synchronize=is_main_process is None)
+                             synchronize=is_main_process is None, state_dict=state_dict or None)
     if push_to_hub:
         upload_to_hub(folder, token=token, **hub)
 
@@ -122,19 +124,18 @@ def upload_to_hub(folder: Path, *, repo_id: str | None = None, token: str | bool
 
 def _check_given_state_dict(model: nn.Module, given: dict[str, torch.Tensor] | None) -> None:
     """llmpress saves the live modules (their schemes, masks, QAT state); a state dict handed in
-    (a Trainer gathering FSDP or ZeRO-3 shards) is only fine when the live tensors are whole."""
+    (a Trainer gathering FSDP shards) gives the whole tensors of a sharded model (``unwrap_if_fsdp``),
+    and must otherwise match the live tensors."""
     if not given:
         return
     live = dict(model.named_parameters())  # not state_dict(): under FSDP that is a collective
-    wrong = [k for k, v in given.items() if k in live and tuple(live[k].shape) != tuple(v.shape)]
-    sharded = [
-        n for n, p in live.items()
-        if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ in ("DTensor", "FlatParameter") or "_fsdp_wrapped_module" in n
-    ]
+    wrong = [k for k, v in given.items() if k in live and not is_dtensor(live[k]) and tuple(live[k].shape) != tuple(v.shape)]
+    sharded = [n for n, p in live.items() if p.is_meta or hasattr(p, "ds_id") or type(p).__name__ == "FlatParameter"
+               or "_fsdp_wrapped_module" in n]
     if wrong or sharded:
         raise CheckpointError(
-            "save_pretrained got a gathered state_dict while the model's own tensors are sharded",
+            "save_pretrained got a gathered state_dict while the model's own tensors are sharded in a way llmpress cannot read",
             got=f"{len(wrong) + len(sharded)} sharded or reshaped tensor(s), e.g. {(wrong or sharded)[:1]}",
-            expected="a model whose modules hold whole tensors (no FSDP / DeepSpeed ZeRO-3 sharding)",
-            fix="train without parameter sharding, or gather the model and call llmpress.save_checkpoint on it",
+            expected="whole tensors, or FSDP2 (fully_shard) DTensors",
+            fix="use FSDP2 (fully_shard / fsdp_version 2), or gather the model and call llmpress.save_checkpoint on it",
         )

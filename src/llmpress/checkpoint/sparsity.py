@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from llmpress.integrations.fsdp import whole
 from llmpress.models.linear import is_linear, linear_weight
 
 __all__ = ["SPARSITY_ATTR", "SPARSITY_KEY", "mark_sparse_modules", "sparsity_config_for", "sparsity_of", "structure_of"]
@@ -27,7 +28,7 @@ def _weight(module: nn.Module):
     weight = getattr(module, "weight", None)
     if weight is None and hasattr(module, "dequantized_weight"):  # a runtime QuantizedLinear
         weight = module.dequantized_weight()
-    return None if weight is None else linear_weight(weight, module)
+    return None if weight is None else linear_weight(whole(weight), module)  # FSDP: the whole weight (a collective)
 
 
 def sparsity_of(module: nn.Module) -> float:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from llmpress.errors import DataError
+from llmpress.errors import DataError, SessionError
 
 __all__ = [
     "assign_owners",
@@ -36,6 +36,7 @@ __all__ = [
     "min_across_ranks",
     "rank",
     "ranks_from_environment",
+    "require_reducing_modifiers",
     "same_on_every_rank",
     "share_of",
     "sum_across_ranks",
@@ -164,10 +165,24 @@ def same_on_every_rank(value: Any, what: str) -> None:
     whose ranks disagree on what they run would otherwise hang or mix results."""
     values = gather_objects(pickle.dumps(value))
     if any(v != values[0] for v in values):
-        from llmpress.errors import SessionError
-
         raise SessionError(f"the ranks disagree on {what}", got="different values on different ranks",
                            expected="the same model, recipe and options on every rank")
+
+
+def require_reducing_modifiers(modifiers: Sequence[Any]) -> None:
+    """On several ranks, refuse a modifier that gathers calibration data without reducing it
+    across them (``Modifier.reduces_across_ranks``): each rank would quantize with its own share."""
+    if not is_distributed():
+        return
+    gathering = [type(m).__name__ for m in modifiers
+                 if (m.calibration_targets() or "block_start" in m.events or m.runs_blocks()) and not m.reduces_across_ranks]
+    if gathering:
+        raise SessionError(
+            f"{', '.join(gathering)} cannot calibrate on several ranks: it does not reduce what it gathers across them",
+            got=f"torch.distributed with {world_size()} ranks",
+            expected="modifiers with reduces_across_ranks = True (GPTQ, QuantizationModifier, AWQ, SmoothQuant)",
+            fix="run this recipe in one process",
+        )
 
 
 def assign_owners(costs: Sequence[float]) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.sparsity import sparsity_of, structure_of
+from llmpress.integrations.fsdp import like, whole
 from llmpress.models.linear import linear_weight
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
@@ -34,9 +35,9 @@ class ConstantPruningModifier(Modifier):
         modules = prunable_modules(state.model, self.config.targets, self.config.ignore, type(self).__name__)
         self.masks: dict[str, tuple[nn.Module, torch.Tensor]] = {}
         for name, module in modules.items():
-            mask = module.weight.detach() != 0
+            mask = whole(module.weight.detach()) != 0  # FSDP: decided on the whole weight, the same on every rank
             if not bool(mask.all()):  # only modules that are sparse have zeros to keep
-                self.masks[name] = (module, mask)
+                self.masks[name] = (module, like(mask, module.weight))  # applied to this rank's shard
                 setattr(module, SPARSITY_ATTR, structure_of(linear_weight(mask, module)))
 
     def on_optim_post_step(self, state: State) -> None:

@@ -26,6 +26,7 @@ from pydantic import field_validator, model_validator
 from torch import nn
 
 from llmpress.checkpoint.sparsity import sparsity_of
+from llmpress.integrations.fsdp import like, whole
 from llmpress.models.linear import linear_weight
 from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import (
@@ -133,8 +134,9 @@ class MagnitudePruningModifier(Modifier):
     @torch.no_grad()
     def update_masks(self, sparsity: float) -> None:
         for name, module in self.modules.items():
-            keep = magnitude_mask(linear_weight(module.weight, module), sparsity, self.structure)
-            self.masks[name] = linear_weight(keep, module)  # back in the stored layout
+            # FSDP: the mask of the whole weight (its global share of zeros), applied shard by shard
+            keep = magnitude_mask(linear_weight(whole(module.weight), module), sparsity, self.structure)
+            self.masks[name] = like(linear_weight(keep, module), module.weight)  # back in the stored layout
         self.sparsity = sparsity
         self.apply()
         logger.debug("%s: sparsity %.4f", type(self).__name__, sparsity)
