@@ -1,4 +1,4 @@
-"""What the two pruning examples share: arguments, data, and the before/after report.
+"""What the pruning examples share: arguments, data, and the before/after report.
 
 Only the part that differs (Trainer or plain loop) lives in each example.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import llmpress
-from llmpress.checkpoint.sparsity import sparsity_of
+from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_of
 from llmpress.data import CalibrationOptions, load_calibration_samples
 from llmpress.entrypoints import load_model_and_processor
 from llmpress.evaluation import evaluation_windows, perplexity
@@ -55,7 +55,8 @@ def report(before: float, output: str | Path, windows: torch.Tensor) -> dict:
     """Reload the checkpoint, measure it, print a before/after table; return the figures."""
     model = llmpress.load_checkpoint(output)
     config = json.loads((Path(output) / "config.json").read_text())
-    sparse = config.get("quantization_config", {}).get("sparsity_config") or {}
+    # a quantized checkpoint records it in quantization_config, a pruned-only one under llmpress's key
+    sparse = config.get("quantization_config", {}).get("sparsity_config") or config.get(SPARSITY_KEY) or {}
     modules = dict(model.named_modules())
     sparsity = {name: sparsity_of(modules[name]) for name in sparse.get("targets", [])}
     after = perplexity(model, windows, progress=False).perplexity

@@ -122,6 +122,7 @@ def test_the_fsdp_example_runs_on_two_ranks(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("pruned (checkpoint)") == 1  # the main rank reports
+    assert "50.0% .. 50.0%" in done.stdout and "28 pruned modules" in done.stdout, done.stdout[-600:]
     tensors = checkpoint_tensors(tmp_path / "out")
     pruned = [name for name in tensors if name.endswith("_proj.weight")]
     assert pruned
