@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import checkpoint_tensors, make_tiny_llama, token_batches
+from conftest import GPTQ_W4_G32, checkpoint_tensors, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.pipelines.kept import KeptValues
 from llmpress.quant.compact import CompactWeights
 
-RECIPE = """
-quant_stage:
-  quant_modifiers:
-    GPTQModifier:
-      ignore: [lm_head]
-      config_groups:
-        group_0:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-"""
+RECIPE = GPTQ_W4_G32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,3 +65,42 @@ def test_the_checkpoint_is_written_from_the_held_integers(tmp_path, monkeypatch)
     weights = checkpoint_tensors(tmp_path / "dense")
     assert weights["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
     assert not any(t.is_meta for t in weights.values())
+
+
+def test_spill_files_are_written_over_by_the_next_stage(tmp_path):
+    """A finished KeptValues gives its file back; the next one in that folder writes over it
+    (pages the file cache holds already), and the run's end closes them."""
+    from llmpress.pipelines import kept as kept_module
+
+    first = KeptValues([4], spill=tmp_path)
+    first.put(0, torch.randn(4, 8))
+    file = first._file
+    del first
+    second = KeptValues([2], spill=tmp_path)
+    value = torch.randn(2, 8)
+    second.put(0, value)
+    assert second._file is file and torch.equal(second.get(0), value)
+    del second
+    kept_module.close_spill_files()
+    assert file.closed
+
+
+def test_a_quantized_weight_takes_the_place_of_a_mapped_one():
+    """``replace_weight``: a fresh result becomes the weight (no write into a copy-on-write
+    mapping); one module's rows of a stacked result are copied out, sharing nothing."""
+    from llmpress.quant.attach import replace_weight
+
+    first, second = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4, bias=False)
+    parameter = first.weight
+    stacked = torch.randn(8, 8)
+    replace_weight(first, stacked[:4])
+    replace_weight(second, stacked[4:])
+    assert first.weight is parameter  # the same Parameter, new data
+    assert torch.equal(first.weight, stacked[:4]) and torch.equal(second.weight, stacked[4:])
+    assert first.weight.untyped_storage().data_ptr() != stacked.untyped_storage().data_ptr()
+    fresh = torch.randn(4, 8)
+    replace_weight(first, fresh)
+    assert first.weight.data_ptr() == fresh.data_ptr()  # handed over, not copied
+    half = torch.nn.Linear(8, 4, bias=False).to(torch.bfloat16)
+    replace_weight(half, fresh)
+    assert half.weight.dtype == torch.bfloat16 and torch.equal(half.weight, fresh.to(torch.bfloat16))
