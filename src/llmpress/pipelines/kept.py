@@ -21,7 +21,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["KeptValues"]
+__all__ = ["KeptValues", "close_spill_files"]
+
+#: spill files that finished ``KeptValues`` gave back, by folder: the next one writes over them.
+#: Writing into pages the file cache already holds is several times faster than into new ones
+#: (1 -> 4 GB/s here), and the cache then holds about one stage's values, not a stream of new files.
+_FREE_FILES: dict[str, list[Any]] = {}
+
+
+def _spill_file(folder: str | os.PathLike) -> Any:
+    free = _FREE_FILES.get(os.fspath(folder))
+    return free.pop() if free else tempfile.TemporaryFile(dir=folder)
+
+
+def close_spill_files() -> None:
+    """Close (and so delete) the spill files kept for reuse: at the end of a calibration run."""
+    for files in _FREE_FILES.values():
+        for file in files:
+            file.close()
+    _FREE_FILES.clear()
 
 
 class KeptValues:
@@ -51,7 +69,7 @@ class KeptValues:
 
     def _write(self, index: int, tensor: torch.Tensor) -> None:
         if self._file is None:
-            self._file = tempfile.TemporaryFile(dir=self.spill)
+            self._file = _spill_file(self.spill)
             self._row = (tensor.dtype, tensor.shape[-1])
         raw = _bytes_of(tensor.contiguous())
         offset = self.starts[index] * tensor.shape[-1] * tensor.element_size()
@@ -96,8 +114,8 @@ class KeptValues:
         return self._read(index, value) if isinstance(value, _Spilled) else value
 
     def __del__(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._file is not None and not self._file.closed:  # for the next one to write over
+            _FREE_FILES.setdefault(os.fspath(self.spill), []).append(self._file)
 
 
 class _Spilled:

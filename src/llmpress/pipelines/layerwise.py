@@ -29,6 +29,7 @@ from llmpress.models.linear import is_linear
 from llmpress.observation import primary_input
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated
+from llmpress.pipelines.kept import close_spill_files
 from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block
 from llmpress.pipelines.reference import calibrate_block_reference
 from llmpress.pipelines.resume import WorkFolder
@@ -79,6 +80,8 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         session.abandon_calibration()  # the modifiers' hooks leave the model
         held.restore()
         raise
+    finally:
+        close_spill_files()
     if keep_held:
         held.attach(model)
     else:

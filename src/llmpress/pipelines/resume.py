@@ -5,8 +5,8 @@ After each block, layer-by-layer calibration writes to ``<output>.llmpress-work/
 * ``layer-NNNNN.state.pt``: the block as compressed (weights on their grid as the integers
   ``quant/compact.py`` holds them, scales, folded smoothing scales, KV-cache scales);
 * ``layer-NNNNN.inputs.rankR.pt``: the next block's inputs on each rank (the block's outputs);
-* ``progress.json``: what the run is (a fingerprint of the model, recipe, calibration batches,
-  options and ranks), how many layers are done, and each file's SHA-256.
+* ``progress.json``: the run's fingerprint (model, recipe, batches, options, ranks), the layers
+  done, each file's SHA-256.
 
 Every file is written to a temporary name and renamed into place, and ``progress.json`` names a
 layer only once its files are whole, so a kill at any point leaves the last finished layer
@@ -67,19 +67,34 @@ def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] |
     return hashlib.sha256("".join(gather_objects(digest.hexdigest())).encode()).hexdigest()
 
 
-def _atomic_write(path: Path, value: Any) -> str:
-    """``torch.save(value)`` to ``path`` through a temporary file and a rename (streamed: no copy
-    of the value in memory); returns the file's SHA-256."""
+class _Hashing:
+    """A file opened for writing that hashes what goes through it (no second read for the hash)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.digest, self.flush = handle, hashlib.sha256(), handle.flush
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+
+def _atomic_write(path: Path, value: Any, durable: bool = False) -> str:
+    """``torch.save(value)`` (or ``value`` as bytes) to ``path`` through a temporary file and a
+    rename, streamed (no copy in memory); returns the SHA-256 of what was written. ``durable``
+    syncs it to disk first (``progress.json``); a layer's files need not be: progress names them
+    by their hash, checked when a run resumes."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as handle:
+        stream = _Hashing(handle)
         if isinstance(value, bytes):
-            handle.write(value)
+            stream.write(value)
         else:
-            torch.save(value, handle)
+            torch.save(value, stream)
         handle.flush()
-        os.fsync(handle.fileno())
+        if durable:
+            os.fsync(handle.fileno())
     os.replace(tmp, path)
-    return _sha256(path)
+    return stream.digest.hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -96,8 +111,7 @@ class WorkFolder:
     def __init__(self, output_dir: str | Path, fingerprint: str) -> None:
         output = Path(output_dir).absolute()
         self.path = output.with_name(output.name + ".llmpress-work")
-        self.output = output
-        self.fingerprint = fingerprint
+        self.output, self.fingerprint = output, fingerprint
         self.progress: dict[str, Any] = {"fingerprint": fingerprint, "llmpress": llmpress.__version__, "layers": 0, "files": {}}
 
     # -- opening -----------------------------------------------------------------------------
@@ -180,11 +194,11 @@ class WorkFolder:
         if not is_main_process():
             return
         record = {"fingerprint": self.fingerprint, "llmpress": llmpress.__version__}
-        _atomic_write(self.output / RUN_RECORD, json.dumps(record, indent=1).encode())
+        _atomic_write(self.output / RUN_RECORD, json.dumps(record, indent=1).encode(), durable=True)
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _write_progress(self) -> None:
-        _atomic_write(self.path / PROGRESS, json.dumps(self.progress, indent=1).encode())
+        _atomic_write(self.path / PROGRESS, json.dumps(self.progress, indent=1).encode(), durable=True)
 
     # -- reading -----------------------------------------------------------------------------
     def _load(self, name: str) -> Any:
