@@ -65,6 +65,19 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+#: GPTQ W4A16 in groups of 32 (the tiny models' widths), lm_head dense, in llm-compressor's grammar
+GPTQ_W4_G32 = """
+quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
+"""
+
+
 def token_batches(count: int = 4, length: int = 32, vocab: int = 512, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]

@@ -15,23 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, checkpoint_tensors, make_tiny_llama, token_batches
+from conftest import GPTQ_W4_G32, REPO, checkpoint_tensors, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError, SessionError
 from llmpress.integrations import distributed
 
-GPTQ_W4 = """
-quant_stage:
-  quant_modifiers:
-    GPTQModifier:
-      ignore: [lm_head]
-      config_groups:
-        group_0:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-"""
+GPTQ_W4 = GPTQ_W4_G32
 
 #: SmoothQuant, then GPTQ with int8 weights and static per-tensor int8 inputs, and an fp8 KV cache:
 #: every statistic kind (channel ranges, Hessians, input ranges, cache magnitudes) is reduced
