@@ -65,12 +65,12 @@ class HessianAccumulator:
     def result(self) -> torch.Tensor:
         """The Hessian ``2/n * X^T X`` in float32, finished on first call: accumulation ends."""
         if not self._finished:
-            if self._blocks is not None:
+            self.hessian.mul_(2.0 / max(self.samples, 1))
+            self.hessian = self.hessian.to(torch.float32)  # the float64 sum goes before the mirror is made
+            if self._blocks is not None:  # the lower triangle: the upper one's mirror (a copy: exact in float32)
                 mirror = torch.triu(self.hessian, diagonal=1).t()
                 self.hessian.triu_().add_(mirror)
                 del mirror
-            self.hessian.mul_(2.0 / max(self.samples, 1))
-            self.hessian = self.hessian.to(torch.float32)
             self._finished = True
         return self.hessian
 
