@@ -104,3 +104,30 @@ def test_a_quantized_weight_takes_the_place_of_a_mapped_one():
     half = torch.nn.Linear(8, 4, bias=False).to(torch.bfloat16)
     replace_weight(half, fresh)
     assert half.weight.dtype == torch.bfloat16 and torch.equal(half.weight, fresh.to(torch.bfloat16))
+
+
+def test_spilled_block_inputs_behave_as_a_list(tmp_path):
+    """A block's inputs with their hidden states in a file: read, set, sliced and replaced as the
+    pipeline and the modifiers use a list, with the other arguments kept as they were."""
+    from llmpress.pipelines.kept import SpilledInputs
+    from llmpress.pipelines.plan import tokens_per_batch
+
+    rotary = torch.randn(1, 4, 8)
+    items = [((torch.randn(1, 4, 16),), {"position_embeddings": rotary}),
+             ((), {"hidden_states": torch.randn(2, 4, 16), "mask": None})]
+    inputs = SpilledInputs([4, 8], spill=tmp_path)
+    inputs.extend(items)
+    assert len(inputs) == 2 and inputs.values.buffer is None  # nothing held in memory
+    assert torch.equal(inputs[0][0][0], items[0][0][0]) and inputs[0][1]["position_embeddings"] is rotary
+    assert torch.equal(inputs[-1][1]["hidden_states"], items[1][1]["hidden_states"]) and inputs[1][1]["mask"] is None
+    assert tokens_per_batch(inputs) == [4, 8]
+    replaced = torch.randn(2, 4, 16)
+    inputs[1] = ((), {"hidden_states": replaced, "mask": None})
+    assert torch.equal(inputs[1][1]["hidden_states"], replaced)
+    assert [torch.equal(a[0], b[0][0]) for a, b in zip([args for args, _ in inputs[:1]], items)] == [True]
+    inputs[:] = items[:1]
+    assert len(inputs) == 1 and torch.equal(inputs[0][0][0], items[0][0][0])
+    with pytest.raises(IndexError):
+        inputs[3]
+    inputs.clear()
+    assert len(inputs) == 0

@@ -47,10 +47,11 @@ class CalibrationOptions:
     #: output still mixes only the routed experts), so a rarely routed expert does not get a
     #: near-empty Hessian; costs one expert forward per expert and token while calibrating
     calibrate_all_experts: bool = True
-    #: layerwise, module by module: what a block's stages keep for later stages (the attention's
-    #: output, the MLP's inner activations: several times the block's input) goes to a file in the
-    #: run's work folder (or the system's temporary folder) and is read back one batch at a time,
-    #: so it is not held in memory; False keeps it in memory
+    #: layerwise: each block's inputs for every calibration batch, and what its module-by-module
+    #: stages keep for later stages (the attention's output, the MLP's inner activations), go to
+    #: files in the run's work folder (or the system's temporary folder) and are read back one
+    #: batch at a time, so peak memory does not grow with the calibration set; False keeps them
+    #: in memory (a little faster where memory is plenty)
     spill_activations: bool = True
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from llmpress.errors import UnsupportedModelError
 from llmpress.observation import Observation, primary_input, with_primary_input
+from llmpress.pipelines.kept import SpilledInputs
 from llmpress.pipelines.stand_ins import stood_in
 
 __all__ = ["CalibrationBlock", "Inputs", "capture_block_inputs", "find_blocks", "hand_on", "hidden_of", "rest_of", "share_repeated",
@@ -94,7 +95,8 @@ def hidden_of(output: Any) -> Any:
 def hand_on(inputs: Inputs, index: int, output: Any) -> tuple | None:
     """Batch ``index``'s input becomes the block's ``output`` (its hidden states, the other
     arguments as they were), for the next block. Returns ``rest_of(output)``."""
-    inputs[index] = with_primary_input(*inputs[index], hidden_of(output))
+    current = inputs.skeletons[index] if isinstance(inputs, SpilledInputs) else inputs[index]  # no read back
+    inputs[index] = with_primary_input(*current, hidden_of(output))
     return rest_of(output)
 
 
@@ -109,16 +111,17 @@ def with_rest(hidden: torch.Tensor, rest: tuple | None) -> Any:
 
 
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[torch.Tensor],
-                         device: torch.device, observation: Observation) -> tuple[Inputs, set[nn.Module]]:
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, batches: list[torch.Tensor], device: torch.device,
+                         observation: Observation, spill: Path | None = None) -> tuple[Inputs, set[nn.Module]]:
     """Each batch's ``(args, kwargs)`` into the first block, and the watched modules that ran
     before it (observed on the way; nothing after the first block is observed).
 
     The model's base runs with every block stood in: the first records its inputs (the hidden
     states copied, so nothing the model does after it can change them) and answers with them (for
     the first batch it runs the real block once, unobserved, to answer in the block's own output
-    form), the others pass them on."""
-    inputs: Inputs = []
+    form), the others pass them on. With ``spill``, the hidden states go to a file there
+    (``SpilledInputs``) and come back one batch at a time."""
+    inputs: Inputs = [] if spill is None else SpilledInputs([batch.numel() for batch in batches], spill)
     form: list[tuple | None] = []  # what a block returns besides its hidden states
     inside = set(blocks.modules())
     outside = [m for m in observation.targets if m not in inside]
@@ -181,5 +184,6 @@ def share_repeated(inputs: Inputs) -> None:
             return tuple(share((*path, i), item) for i, item in enumerate(value))
         return value
 
-    for index, (args, kwargs) in enumerate(inputs):
-        inputs[index] = (args, {k: v if k == "hidden_states" else share((k,), v) for k, v in kwargs.items()})
+    items = inputs.skeletons if isinstance(inputs, SpilledInputs) else inputs  # the spilled hidden states stay where they are
+    for index, (args, kwargs) in enumerate(items):
+        items[index] = (args, {k: v if k == "hidden_states" else share((k,), v) for k, v in kwargs.items()})

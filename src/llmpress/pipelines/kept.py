@@ -11,17 +11,21 @@ written as they come and read back one batch at a time, so what a block's stages
 inner activations of every calibration token: 185 MB a layer for the 1024-hidden Llama, 369 MB
 for a 2048-hidden one) costs the process one batch of memory, not all of them. The bytes go
 through the operating system's file cache, which gives them back under memory pressure.
+``SpilledInputs`` keeps a block's inputs the same way.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable, MutableSequence
 from typing import Any
 
 import torch
 
-__all__ = ["KeptValues", "close_spill_files"]
+from llmpress.observation import primary_input, with_primary_input
+
+__all__ = ["KeptValues", "SpilledInputs", "close_spill_files"]
 
 #: spill files that finished ``KeptValues`` gave back, by folder: the next one writes over them.
 #: Writing into pages the file cache already holds is several times faster than into new ones
@@ -134,3 +138,67 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def _led_by_tensor(value: Any) -> bool:
     return isinstance(value, tuple) and bool(value) and isinstance(value[0], torch.Tensor) and all(v is None for v in value[1:])
+
+
+_PLACEHOLDER = torch.empty(0)  # where a spilled batch's hidden states were: still a tensor, so found again
+
+
+class SpilledInputs(MutableSequence):
+    """A block's inputs, one ``(args, kwargs)`` per calibration batch, whose hidden states (the
+    large part: 64 MB for 64 x 256 tokens of a hidden-1024 model, whatever the model's depth)
+    live in a spill file (``KeptValues``): reading an item reads its hidden states back, setting
+    one writes them. The other arguments (rotary tables, masks: shared by every batch,
+    ``share_repeated``) stay in memory, in ``skeletons``. Items can be appended, read, set, replaced
+    all at once (``inputs[:] = ...``) and cleared, not removed one by one."""
+
+    def __init__(self, rows: list[int], spill: str | os.PathLike) -> None:
+        self.rows, self.spill = rows, spill
+        self.values = KeptValues(rows, spill)
+        self.skeletons: list[tuple[tuple, dict]] = []
+
+    def __len__(self) -> int:
+        return len(self.skeletons)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # negative indices, and IndexError past the end
+        return with_primary_input(*self.skeletons[index], self.values.get(index))
+
+    def __setitem__(self, index: Any, item: Any) -> None:
+        if isinstance(index, slice):
+            if index != slice(None):
+                raise TypeError("SpilledInputs are replaced whole (inputs[:] = ...) or one item at a time")
+            self.clear()
+            self.extend(item)
+            return
+        index = range(len(self))[index]
+        self.values.put(index, primary_input(*item))
+        self.skeletons[index] = with_primary_input(*item, _PLACEHOLDER)
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError("a block's inputs are not removed one by one")
+
+    def clear(self) -> None:
+        self.values, self.skeletons = KeptValues(self.rows, self.spill), []
+
+    def insert(self, index: int, item: Any) -> None:
+        if index != len(self):
+            raise TypeError("a block's inputs are appended in batch order")
+        self.skeletons.append(item)
+        self[index] = item
+
+    def extend(self, items: Iterable[Any]) -> None:
+        for item in items:
+            self.append(item)
+
+    def token_rows(self) -> list[int]:
+        """Tokens in each batch (``plan.tokens_per_batch``) without reading the batches back."""
+        return [_rows_of(self.values.items[i]) for i in range(len(self))]
+
+
+def _rows_of(item: Any) -> int:
+    if isinstance(item, _Spilled):
+        return torch.Size(item.shape[:-1]).numel()
+    tensor = item[0] if _led_by_tensor(item) else item
+    return tensor.shape[:-1].numel() if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 else -1

@@ -93,7 +93,7 @@ def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batche
                true_sequential: bool | None, held: CompactWeights, work: WorkFolder | None, spill: Path | None) -> None:
     observation = session.observation
     device = next(model.parameters()).device
-    inputs, reached = capture_block_inputs(model, blocks, batches, device, observation)
+    inputs, reached = capture_block_inputs(model, blocks, batches, device, observation, spill)
     share_repeated(inputs)
     inside = set(blocks.modules())
     tail = [m for m in observation.targets if m not in inside and m not in reached]  # e.g. a quantized lm_head

@@ -35,6 +35,7 @@ from torch import nn
 from llmpress.models.linear import features, is_linear
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
+from llmpress.pipelines.kept import SpilledInputs
 from llmpress.pipelines.probe import Probe
 from llmpress.pipelines.stand_ins import ZeroAnswer
 
@@ -89,6 +90,8 @@ class BlockPlan:
 
 def tokens_per_batch(inputs: Inputs) -> list[int]:
     """Tokens in each batch: the leading dimensions of the block's hidden states (-1: none)."""
+    if isinstance(inputs, SpilledInputs):
+        return inputs.token_rows()  # without reading every batch back
     rows = []
     for args, kwargs in inputs:
         hidden = primary_input(args, kwargs)

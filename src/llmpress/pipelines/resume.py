@@ -174,7 +174,7 @@ class WorkFolder:
             name = f"layer-{index:05d}.state.pt"
             files[name] = _atomic_write(self.path / name, _block_state(block, held))
         name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
-        files[name] = _atomic_write(self.path / name, (inputs, rest))
+        files[name] = _atomic_write(self.path / name, (list(inputs), rest))  # spilled inputs read back
         everyone = gather_objects(files)  # every rank's files are whole before progress names them
         if is_main_process():
             for written in everyone:
