@@ -137,15 +137,22 @@ class CompactWeights:
         param.data = torch.empty(0, dtype=param.dtype)
 
     def weight_of(self, module: nn.Module) -> torch.Tensor | None:
-        """``module``'s float weight, rebuilt from its integers (a new tensor; it stays held),
-        or None when it is not held: what a save writes without rebuilding the whole model."""
-        for held, param, k, _ in self._held:
+        """``module``'s float weight, rebuilt from its integers (a new tensor), or None when it
+        is not held: what a save writes without rebuilding the whole model. After ``attach``
+        (the model is then saved once and let go) the integers go as their weight is handed out,
+        so the checkpoint's tensors take their place instead of sitting beside them; the module
+        stays guarded, its weight ``meta``."""
+        for index, (held, param, k, _) in enumerate(self._held):
             if held is module:
-                return _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
+                weight = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
+                if getattr(self, "_model", None) is not None:
+                    del self._held[index]
+                return weight
         return None
 
     def attach(self, model: nn.Module) -> None:
-        """Keep the held weights past calibration, findable from ``model`` (``held_weights``)."""
+        """Keep the held weights past calibration, findable from ``model`` (``held_weights``),
+        for one save that writes them and lets them go (``weight_of``)."""
         setattr(model, HELD_ATTR, self)
         self._model = model
 
