@@ -128,3 +128,68 @@ def test_the_fsdp_example_runs_on_two_ranks(tmp_path):
     assert pruned
     for name in pruned:
         assert abs((tensors[name] == 0).float().mean().item() - 0.5) <= 0.01, name
+
+
+QAT_PER_TENSOR = """
+qat_stage:
+  qat_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 8, type: int, symmetric: true, strategy: tensor}
+"""
+
+
+def _qat_rank(rank: int, world: int, init: str, folder: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import llmpress
+        from llmpress.integrations.distributed import gather_objects, share_of
+
+        model = make_tiny_llama(intermediate=256)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        batches = share_of([torch.tensor([ids]) for ids in token_batches(count=4, length=32)])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with llmpress.Session(QAT_PER_TENSOR) as session:
+            session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches))
+            for batch in batches:
+                with session.training_step() as step:
+                    step.loss(model(input_ids=batch, labels=batch).loss).backward()
+                    step.optimizer_step(optimizer)
+                    optimizer.zero_grad()
+            session.finalize()
+        scales = {n: m.weight_scale.item() for n, m in model.named_modules() if hasattr(m, "weight_scale")}
+        assert len(scales) == 14 and all(s == scales for s in gather_objects(scales))  # one scale: the whole weight's
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        llmpress.save_checkpoint(folder, model)
+        if rank == 0:
+            torch.save({"scales": scales, "weights": {k: v for k, v in whole.items() if k.endswith("_proj.weight")}},
+                       folder + "-expected.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_qat_under_fsdp_quantizes_the_whole_weight(tmp_path):
+    """Per-tensor QAT on sharded weights: every rank freezes onto the grid of the whole weight
+    (one scale, the same on every rank), and the one checkpoint holds exactly those weights."""
+    import llmpress
+
+    mp.spawn(_qat_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path / "qat")), nprocs=2, join=True)
+    expected = torch.load(tmp_path / "qat-expected.pt", weights_only=True)
+    loaded = dict(llmpress.load(tmp_path / "qat").named_modules())
+    for key, weight in expected["weights"].items():
+        name = key.removesuffix(".weight")
+        scale = expected["scales"][name]
+        steps = weight / scale
+        assert (steps - steps.round()).abs().max() < 1e-3 and steps.abs().max() <= 128, key  # the whole weight's grid
+        assert torch.allclose(loaded[name].dequantized_weight(), weight, rtol=0, atol=scale * 1e-3), key

@@ -22,7 +22,7 @@ from torch import nn
 
 from llmpress.integrations.distributed import is_main_process
 
-__all__ = ["is_sharded", "like", "unwrap_if_fsdp", "whole"]
+__all__ = ["is_dtensor", "is_sharded", "like", "unwrap_if_fsdp", "whole"]
 
 
 def _dtensor_type() -> type | None:

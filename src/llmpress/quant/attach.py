@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmpress.integrations.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize, fake_quantize_activation
 from llmpress.quant.scheme import QuantizationScheme
@@ -131,7 +132,10 @@ def replace_weight(module: nn.Module, value: torch.Tensor) -> None:
     rest alive or share storage in a save. A sharded weight (FSDP's DTensor) is written in place."""
     old = module.weight.data
     value = value.detach().to(device=old.device, dtype=old.dtype)
-    if type(old) is not torch.Tensor or value.shape != old.shape:
+    if is_dtensor(old):  # FSDP: ``value`` is the whole weight; this rank keeps its shard
+        old.copy_(like(value, old))
+        return
+    if value.shape != old.shape:
         old.copy_(value)
         return
     if value.data_ptr() == old.data_ptr():

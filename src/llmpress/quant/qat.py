@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpress.integrations.fsdp import whole
 from llmpress.models.linear import input_major
 from llmpress.quant.attach import set_weight_qparams
 from llmpress.quant.observers import weight_global_scale, weight_qparams
@@ -77,10 +78,12 @@ def disable_qat(module: nn.Module) -> None:
 @torch.no_grad()
 def qat_snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's tensors as if QAT were frozen now, leaving the module untouched (what a
-    checkpoint saved mid-training holds)."""
-    weight = module.weight.detach()
+    checkpoint saved mid-training holds). A weight sharded by FSDP is taken whole (every rank
+    calls), so its scales are those of the whole weight, the same on every rank."""
+    weight = whole(module.weight.detach())
     args = module.quantization_scheme.weights
     local = {k: v.detach() for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
+    local["weight"] = weight
     if args is None:  # activation-only scheme: the weight stays as it is
         return local
     scale, zero_point, global_scale = _qparams(module, weight)
@@ -100,7 +103,7 @@ def freeze_qat(module: nn.Module) -> float:
     disable_qat(module)
     if module.quantization_scheme.weights is None:
         return 0.0
-    weight = module.weight.detach()
+    weight = whole(module.weight.detach())  # FSDP: the whole weight; set_weight_qparams writes back the shard
     snapshot = qat_snapshot(module)
     error = float((snapshot["weight"].float() - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
     set_weight_qparams(module, snapshot["weight"], snapshot["weight_scale"], snapshot.get("weight_zero_point"),
