@@ -20,7 +20,8 @@ from llmpress.evaluation import evaluation_windows, perplexity
 RECIPE = Path(__file__).resolve().parent / "recipes" / "prune_50_distill.yaml"
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, extra: list[tuple[str, dict]] = ()) -> argparse.Namespace:
+    """The examples' common arguments, and ``extra`` ones (``(flag, add_argument keywords)``)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="model folder (dense)")
     parser.add_argument("--text", required=True, help="training text (the calibration text)")
@@ -34,6 +35,8 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--max-samples", type=int, help="use at most this many training samples")
     parser.add_argument("--max-windows", type=int, default=50, help="evaluation windows of 256 tokens")
     parser.add_argument("--seed", type=int, default=0)
+    for flag, keywords in extra:
+        parser.add_argument(flag, **keywords)
     args = parser.parse_args()
     if args.eval_text is None:
         beside = Path(args.text).with_name("evaluation.txt")

@@ -6,7 +6,8 @@
 Each decoder layer and the model are sharded with ``fully_shard`` (gloo on CPU, NCCL on GPUs):
 every rank holds its rows of each weight and trains on its share of the batches. The session's
 modifiers act on the shards: a pruning mask is decided on the whole weight (its global share of
-zeros) and applied shard by shard after each optimizer step; the teacher is replicated. The save
+zeros) and applied shard by shard after each optimizer step; the teacher is replicated, or
+sharded the same way with ``--shard-teacher``. The save
 gathers the whole weights on rank 0 (``unwrap_if_fsdp``), which writes the one checkpoint.
 """
 
@@ -38,12 +39,15 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], [("--shard-teacher", {"action": "store_true",
+                                                  "help": "shard the teacher too (default: every rank holds it whole)"})])
     logging.basicConfig(level=logging.WARNING)
     with ranks_from_environment() as main_process:
         model, tokenizer, samples, windows = load_everything(args)
         before = perplexity(model, windows, progress=False).perplexity if main_process else None
-        teacher = copy.deepcopy(model).eval()  # replicated: every rank has the whole dense model
+        teacher = copy.deepcopy(model).eval()  # replicated: every rank has the whole dense model ...
+        if args.shard_teacher:
+            teacher = shard(teacher)  # ... or its shards, gathered layer by layer in its forward
         batches = share_of(list(torch.stack(samples).split(args.batch_size)), "training batches")
         model = shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

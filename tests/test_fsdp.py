@@ -113,12 +113,15 @@ def test_a_sharded_model_saved_by_one_rank_needs_the_gathered_state(monkeypatch,
         llmpress.save_checkpoint(tmp_path / "out", make_tiny_llama(), synchronize=False)
 
 
-def test_the_fsdp_example_runs_on_two_ranks(tmp_path):
-    """``torchrun --nproc-per-node 2 examples/prune_fsdp.py`` on the trained model (a short run):
-    50% in every pruned Linear of the one checkpoint rank 0 writes."""
+@pytest.mark.parametrize("teacher", ["replicated", "sharded"])
+def test_the_fsdp_example_runs_on_two_ranks(tmp_path, teacher):
+    """``torchrun --nproc-per-node 2 examples/prune_fsdp.py`` on the trained model (a short run),
+    the distillation teacher whole on every rank or sharded too: 50% in every pruned Linear of
+    the one checkpoint rank 0 writes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(REPO / "examples" / "prune_fsdp.py"), "--model", str(trained_model_dir()), "--text", str(text_path("calibration.txt")),
                "--output", str(tmp_path / "out"), "--max-samples", "16", "--seq-len", "64", "--batch-size", "2", "--max-windows", "2"]
+    command += ["--shard-teacher"] if teacher == "sharded" else []
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("pruned (checkpoint)") == 1  # the main rank reports
