@@ -29,34 +29,42 @@ pruning_stage:
 """
 
 
+def _sharded_tiny_llama(world: int, samples: int, recipe: str, epochs: int):
+    """A tiny Llama, each layer and the whole sharded over ``world`` ranks, trained ``epochs``
+    over this rank's share of ``samples`` under ``recipe``; returns it and its batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import llmpress
+    from llmpress.integrations.distributed import share_of
+
+    model = make_tiny_llama(intermediate=256)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batches = share_of([torch.tensor([ids]) for ids in token_batches(count=samples, length=32)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with llmpress.Session(recipe) as session:
+        session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches))
+        for _ in range(epochs):
+            for batch in batches:
+                with session.training_step() as step:
+                    step.loss(model(input_ids=batch, labels=batch).loss).backward()
+                    step.optimizer_step(optimizer)
+                    optimizer.zero_grad()
+        session.finalize()
+    return model, batches
+
+
 def _train_rank(rank: int, world: int, init: str, folder: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         import llmpress
-        from llmpress.integrations.distributed import share_of
         from llmpress.integrations.fsdp import is_dtensor
 
-        model = make_tiny_llama(intermediate=256)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        batches = share_of([torch.tensor([ids]) for ids in token_batches(count=8, length=32)])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with llmpress.Session(PRUNE) as session:
-            session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches))
-            for epoch in range(2):
-                for batch in batches:
-                    with session.training_step() as step:
-                        loss = step.loss(model(input_ids=batch, labels=batch).loss)
-                        loss.backward()
-                        step.optimizer_step(optimizer)
-                        optimizer.zero_grad()
-            session.finalize()
+        model, batches = _sharded_tiny_llama(world, samples=8, recipe=PRUNE, epochs=2)
         llmpress.save_checkpoint(folder, model)
         # a Trainer's save under FSDP: the state dict gathered on every rank, save_pretrained on the main one
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -150,27 +158,11 @@ def _qat_rank(rank: int, world: int, init: str, folder: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         import llmpress
-        from llmpress.integrations.distributed import gather_objects, share_of
+        from llmpress.integrations.distributed import gather_objects
 
-        model = make_tiny_llama(intermediate=256)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        batches = share_of([torch.tensor([ids]) for ids in token_batches(count=4, length=32)])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with llmpress.Session(QAT_PER_TENSOR) as session:
-            session.initialize(model=model, optimizer=optimizer, steps_per_epoch=len(batches))
-            for batch in batches:
-                with session.training_step() as step:
-                    step.loss(model(input_ids=batch, labels=batch).loss).backward()
-                    step.optimizer_step(optimizer)
-                    optimizer.zero_grad()
-            session.finalize()
+        model, _ = _sharded_tiny_llama(world, samples=4, recipe=QAT_PER_TENSOR, epochs=1)
         scales = {n: m.weight_scale.item() for n, m in model.named_modules() if hasattr(m, "weight_scale")}
         assert len(scales) == 14 and all(s == scales for s in gather_objects(scales))  # one scale: the whole weight's
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
