@@ -42,9 +42,8 @@ from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
-from llmpress.modifiers.quantization.modifier import assign_schemes, names_of
+from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
 from llmpress.quant.attach import (
-    enable_input_quantization,
     freeze_weight,
     fused_families,
     scale_dtype_for,
@@ -139,12 +138,7 @@ class GPTQModifier(Modifier):
             logger.info("%s layer %d: %s", type(self).__name__, block.index, self._note)
 
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
-        """A resumed run put ``block`` back as an earlier run finished it: its modules are done."""
-        for name in names_of(block.module.modules(), self.pending):
-            module, _ = self.pending.pop(name)
-            enable_input_quantization(module)  # its input scale, if static, came back with the block
-        if self.kv_cache is not None:
-            self.kv_cache.layer_restored(block)
+        finish_restored_layer(block, self.pending, self.kv_cache)
 
     def step_note(self) -> str:
         return self._note

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -123,6 +123,20 @@ def names_of(members: Iterable[nn.Module], modules: dict[str, tuple[nn.Module, Q
     return [name for name, (module, _) in modules.items() if id(module) in wanted]
 
 
+def finish_restored_layer(block: CalibrationBlock, pending: dict[str, tuple[nn.Module, QuantizationScheme]],
+                          kv_cache: Any) -> None:
+    """A resumed run put ``block`` back as an earlier run finished it (QuantizationModifier's and
+    GPTQ's ``on_layer_restored``): its modules leave ``pending``, their input quantization goes
+    on (a static input scale came back with the block), and so does its KV-cache quantizer."""
+    for name in names_of(block.module.modules(), pending):
+        module, _ = pending.pop(name)
+        if hasattr(module, PENDING_ATTR):
+            delattr(module, PENDING_ATTR)
+        enable_input_quantization(module)
+    if kv_cache is not None:
+        kv_cache.layer_restored(block)
+
+
 def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
     """Give each of ``modules`` a weight of its own where it shares one with another module."""
     owners: dict[int, int] = {}
@@ -215,14 +229,7 @@ class QuantizationModifier(Modifier):
             self.kv_cache.layer_calibrated(block)
 
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
-        """A resumed run put ``block`` back as an earlier run finished it: its modules are done."""
-        for name in names_of(block.module.modules(), self.pending):
-            module, _ = self.pending.pop(name)
-            if hasattr(module, PENDING_ATTR):
-                delattr(module, PENDING_ATTR)
-            enable_input_quantization(module)  # its input scale, if static, came back with the block
-        if self.kv_cache is not None:
-            self.kv_cache.layer_restored(block)
+        finish_restored_layer(block, self.pending, self.kv_cache)
 
     def on_calibration_end(self, state: State) -> None:
         self.calibrated = True
