@@ -25,7 +25,7 @@ import torch
 
 from llmpress.observation import primary_input, with_primary_input
 
-__all__ = ["KeptValues", "SpilledInputs", "close_spill_files"]
+__all__ = ["KeptValues", "SpilledInputs", "close_spill_files", "rows_of"]
 
 #: spill files that finished ``KeptValues`` gave back, by folder: the next one writes over them.
 #: Writing into pages the file cache already holds is several times faster than into new ones
@@ -152,7 +152,6 @@ class SpilledInputs(MutableSequence):
     all at once (``inputs[:] = ...``) and cleared, not removed one by one."""
 
     def __init__(self, rows: list[int], spill: str | os.PathLike) -> None:
-        self.rows, self.spill = rows, spill
         self.values = KeptValues(rows, spill)
         self.skeletons: list[tuple[tuple, dict]] = []
 
@@ -180,7 +179,7 @@ class SpilledInputs(MutableSequence):
         raise TypeError("a block's inputs are not removed one by one")
 
     def clear(self) -> None:
-        self.values, self.skeletons = KeptValues(self.rows, self.spill), []
+        self.values, self.skeletons = KeptValues(self.values.rows, self.values.spill), []
 
     def insert(self, index: int, item: Any) -> None:
         if index != len(self):
@@ -197,8 +196,12 @@ class SpilledInputs(MutableSequence):
         return [_rows_of(self.values.items[i]) for i in range(len(self))]
 
 
+def rows_of(hidden: Any) -> int:
+    """Tokens in a batch's hidden states: their leading dimensions (-1 when not a tensor)."""
+    return hidden.shape[:-1].numel() if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else -1
+
+
 def _rows_of(item: Any) -> int:
     if isinstance(item, _Spilled):
         return torch.Size(item.shape[:-1]).numel()
-    tensor = item[0] if _led_by_tensor(item) else item
-    return tensor.shape[:-1].numel() if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 else -1
+    return rows_of(item[0] if _led_by_tensor(item) else item)

@@ -57,11 +57,11 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     passes per block; None: module by module while the activations it keeps stay within
     ``KEPT_PER_BLOCK_WEIGHTS`` times the block's weights. ``work``: each finished block is kept
     there, and the blocks an earlier run of it finished are put back instead of calibrated
-    (``resume.py``). ``spill``: what the stages of a block keep goes to files in the work folder
-    (else the system's temporary folder) and comes back one batch at a time (``kept.py``).
-    ``keep_held``: the finished layers' weights stay held as integers after calibration
-    (``held_weights(model)``), for a save that writes them without rebuilding the model in float;
-    the caller restores them (``held_weights(model).restore()``)."""
+    (``resume.py``). ``spill``: the blocks' inputs and what their stages keep go to files in the
+    work folder (else the system's temporary folder) and come back one batch at a time
+    (``kept.py``). ``keep_held``: the finished layers' weights stay held as integers after
+    calibration (``held_weights(model)``), for one save that writes them, letting each go, without
+    rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``)."""
     if not session.needs_calibration_forward:
         session.calibration_start()
         session.calibration_end()

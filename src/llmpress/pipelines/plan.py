@@ -35,7 +35,7 @@ from torch import nn
 from llmpress.models.linear import features, is_linear
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
-from llmpress.pipelines.kept import SpilledInputs
+from llmpress.pipelines.kept import SpilledInputs, rows_of
 from llmpress.pipelines.probe import Probe
 from llmpress.pipelines.stand_ins import ZeroAnswer
 
@@ -92,11 +92,7 @@ def tokens_per_batch(inputs: Inputs) -> list[int]:
     """Tokens in each batch: the leading dimensions of the block's hidden states (-1: none)."""
     if isinstance(inputs, SpilledInputs):
         return inputs.token_rows()  # without reading every batch back
-    rows = []
-    for args, kwargs in inputs:
-        hidden = primary_input(args, kwargs)
-        rows.append(hidden.shape[:-1].numel() if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else -1)
-    return rows
+    return [rows_of(primary_input(args, kwargs)) for args, kwargs in inputs]
 
 
 def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:
