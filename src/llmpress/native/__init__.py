@@ -1,0 +1,115 @@
+"""llmpress's own CPU kernels: PyTorch operators built on first use.
+
+``int4.cpp``: ``torch.ops.llmpress.int4_linear`` and ``int4_dequantize``, the int4 runtime's
+products. ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's per-column update and
+the MSE observer's scoring, each one call where PyTorch takes hundreds of small ones.
+
+They are compiled once per source, compiler flags and PyTorch version by
+``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): about
+15 s, once; later processes load the library in milliseconds. As operators they cost an eager
+call what an aten operator costs (a ctypes or Python-defined operator costs 3-10x more, which a
+decode step of 200 small products feels), and a ``torch.compile``d model calls them as opaque
+kernels.
+
+They are used where the CPU has AVX2 and FMA and the build succeeds (it needs a C++ compiler);
+otherwise ``available()`` is false and PyTorch's own operators run instead (the same GPTQ
+results; the runtime on PyTorch's int4 kernel). ``LLMPRESS_NATIVE=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear"]
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "gptq.cpp")]
+# no contraction into fused multiply-adds: gptq.cpp repeats PyTorch's arithmetic step by step
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _build_dir() -> Path:
+    root = Path(os.environ.get("LLMPRESS_CACHE") or Path.home() / ".cache" / "llmpress")
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join([*FLAGS, torch.__version__, sys.version]).encode()).hexdigest()[:16]
+    return root / "kernels" / key
+
+
+@functools.cache
+def available() -> bool:
+    """True where llmpress's operators run on this machine (built or loaded on the first call)."""
+    if os.environ.get("LLMPRESS_NATIVE", "1") == "0" or not _cpu_has_avx2_fma():
+        return False
+    if hasattr(torch.ops.llmpress, "gptq_columns"):
+        return True
+    build = _build_dir()
+    library = build / "llmpress_kernels.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(build)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        logger.warning("llmpress's CPU kernels are not available (%s): PyTorch's operators run instead", str(exc)[:300])
+        return False
+    return True
+
+
+def _build(build: Path) -> None:
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, which a venv that is not activated lacks on PATH
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass
+    build.mkdir(parents=True, exist_ok=True)
+    logger.warning("building llmpress's CPU kernels (once for this PyTorch, about 15 s) in %s", build)
+    cpp_extension.load(
+        name="llmpress_kernels", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, build_directory=str(build), is_python_module=False, verbose=False,
+    )
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` ``[..., in]`` and a weight in blocks of 32 (uint8 ``[out, in / 2]``)
+    with its float32 ``[1 or 2, out, in / group]`` scales (and zeros); the result has ``x``'s
+    dtype. Up to 16 tokens take the integer product, more a float32 product on dequantized rows."""
+    return torch.ops.llmpress.int4_linear(x, weight, table, group)
+
+
+def int4_dequantize(weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:
+    """The weight as float32 ``[out, in]``."""
+    return torch.ops.llmpress.int4_dequantize(weight, table, group)
+
+
+def gptq_columns(inner: torch.Tensor, err: torch.Tensor, upper: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None, q_min: float, q_max: float) -> None:
+    """One inner block of GPTQ's update, in place: ``inner`` ``[n, rows]`` (the block's columns
+    of the weight, as rows) goes onto its integer grid column by column, ``err`` gets each
+    column's ``w - q``, later columns take ``-upper[i, k] * (w - q)``. ``scale`` / ``zero``:
+    ``[n, rows]`` (a row may repeat: stride 0)."""
+    torch.ops.llmpress.gptq_columns(inner, err, upper, scale, zero, q_min, q_max)
+
+
+def candidate_errors(blocks: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, q_min: float, q_max: float) -> torch.Tensor:
+    """Squared rounding error of each unit ``[rows, units, size]`` under each candidate
+    ``scale`` / ``zero`` ``[candidates, rows, units]`` on the integer grid [q_min, q_max]."""
+    return torch.ops.llmpress.candidate_errors(blocks, scale, zero, q_min, q_max)
