@@ -78,7 +78,7 @@ def main() -> None:
     work = work_folder(args.work, "llmpress-cpu-decode-")
     tree = llamacpp.source_tree(work)
     binaries = llamacpp.build(tree)
-    from llmpress.runtime import native
+    from llmpress import native
 
     native.available()  # build llmpress's kernels once, outside the timed workers
     rows = {}

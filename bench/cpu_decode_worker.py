@@ -77,7 +77,7 @@ def main() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (imports are not timed)
 
     import llmpress  # noqa: F401
-    from llmpress.runtime import native
+    from llmpress import native
     from llmpress.runtime.decode import kernel_report
 
     native.available()  # built once beforehand: the build is not the load

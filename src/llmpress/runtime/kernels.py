@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from llmpress.runtime import native
+from llmpress import native
 
 __all__ = [
     "COMPUTE_DTYPE",

@@ -4,7 +4,7 @@ It takes one module's compressed-tensors tensors (any format) and keeps them in 
 fastest kernel that applies:
 
 - ``int4``: 4-bit integer weights in groups of 32..256 → llmpress's own operator
-  (``runtime/native``: an integer product at memory speed for decode, dequantized rows and a
+  (``llmpress/native``: an integer product at memory speed for decode, dequantized rows and a
   float32 product for prefill), or PyTorch's ``_weight_int4pack_mm_for_cpu`` where it does not
   build. A grid the kernel does not take as it is goes in smaller groups where that is exact
   (``kernels.int4_group``): groups of 128 over 576 columns as groups of 64, per-channel scales

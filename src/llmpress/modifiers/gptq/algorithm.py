@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from llmpress import native
 from llmpress.errors import SchemeError
 from llmpress.modifiers.gptq.linalg import inverse_hessian_factor
-from llmpress.quant.observers import weight_qparams
+from llmpress.quant.observers import on_native_grid, weight_qparams
 from llmpress.quant.qdq import expand_to_columns, expand_to_weight, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
@@ -203,13 +204,23 @@ def gptq_quantize(
     row_loss = torch.zeros(rows, dtype=torch.float64, device=WT.device)
     scale = zp = None
     rounding = _Rounding(args)
+
+    def take_group_qparams(col: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A new group: qparams from its (already updated) columns, as one per weight row."""
+        g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype, gs)
+        group_scales.append(g_scale)
+        group_zps.append(g_zp)
+        return (g_scale[:, 0] if gs is None else g_scale[:, 0] / gs[:, 0]), (None if g_zp is None else g_zp[:, 0].float())
+
+    # llmpress's operator runs the per-column steps of integer grids (not Conv1D's column-wise qparams)
+    native_columns = not by_column and on_native_grid(args, WT, WT)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
         Hinv1 = Hinv[start:end, start:end]
         inv_diag = 1.0 / torch.diagonal(Hinv1)
-        # rows made once per block: per column only the arithmetic goes through torch
-        w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
+        if not native_columns:  # rows made once per block: per column only the arithmetic goes through torch
+            w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
         for inner_start, inner_end in _inner_blocks(start, end, group):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
             # matrix product per inner block: the same arithmetic, far less memory traffic
@@ -218,37 +229,44 @@ def gptq_quantize(
             # row i of the factor right of its diagonal, over the diagonal entry: times column
             # i's rounding error w - q it is GPTQ's update of the inner block's later columns
             # (zeros on and left of the diagonal add exactly zero to the columns done)
-            upper = (Hinv1[a:b, a:b].triu(1) * inv_diag[a:b, None]).unbind(0)
-            for i in range(a, b):
-                col = start + i
+            upper = Hinv1[a:b, a:b].triu(1) * inv_diag[a:b, None]
+            if native_columns:  # the inner block's columns in one operator call, the same arithmetic
+                if scale_rows is None and inner_start % group == 0:
+                    scale, zp = take_group_qparams(inner_start)
+                if scale_rows is None:  # the group's qparams for every column
+                    block_scale, block_zp = scale.expand(b - a, rows), None if zp is None else zp.expand(b - a, rows)
+                else:
+                    block_scale = scale_rows[inner_start:inner_end]
+                    block_zp = None if zp_rows is None else zp_rows[inner_start:inner_end]
+                native.gptq_columns(inner, Err1[a:b], upper, block_scale, block_zp, *args.q_range)
+            else:
+                upper = upper.unbind(0)
+                for i in range(a, b):
+                    col = start + i
+                    if scale_rows is not None:
+                        scale, zp = scale_rows[col], None if zp_rows is None else zp_rows[col]
+                    elif by_column:  # this column's own qparams, over groups of rows
+                        g_scale, g_zp = _qparams(WT[col : col + 1], args, scale_dtype)
+                        group_scales.append(g_scale)
+                        group_zps.append(g_zp)
+                        scale = expand_to_columns(g_scale, rows, args)[0]
+                        zp = None if g_zp is None else expand_to_columns(g_zp, rows, args)[0].float()
+                    elif col % group == 0:
+                        scale, zp = take_group_qparams(col)
+                    w, err = w_rows[i], err_rows[i]
+                    q = rounding(w, scale, zp)
+                    torch.sub(w, q, out=err)
+                    if by_column:  # its qparams are its own: onto the grid now
+                        w.copy_(q)
+                    if i + 1 < b:
+                        inner.addr_(upper[i - a], err, alpha=-1)
+                # a column is not changed after its turn, so the inner block goes onto the grid at
+                # once: the same rounding, elementwise, of the same values as in each column's turn
                 if scale_rows is not None:
-                    scale, zp = scale_rows[col], None if zp_rows is None else zp_rows[col]
-                elif by_column:  # this column's own qparams, over groups of rows
-                    g_scale, g_zp = _qparams(WT[col : col + 1], args, scale_dtype)
-                    group_scales.append(g_scale)
-                    group_zps.append(g_zp)
-                    scale = expand_to_columns(g_scale, rows, args)[0]
-                    zp = None if g_zp is None else expand_to_columns(g_zp, rows, args)[0].float()
-                elif col % group == 0:  # a new group: qparams from its (already updated) columns
-                    g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype, gs)
-                    group_scales.append(g_scale)
-                    group_zps.append(g_zp)
-                    scale = g_scale[:, 0] if gs is None else g_scale[:, 0] / gs[:, 0]
-                    zp = None if g_zp is None else g_zp[:, 0].float()
-                w, err = w_rows[i], err_rows[i]
-                q = rounding(w, scale, zp)
-                torch.sub(w, q, out=err)
-                if by_column:  # its qparams are its own: onto the grid now
-                    w.copy_(q)
-                if i + 1 < b:
-                    inner.addr_(upper[i - a], err, alpha=-1)
-            # a column is not changed after its turn, so the inner block goes onto the grid at
-            # once: the same rounding, elementwise, of the same values as in each column's turn
-            if scale_rows is not None:
-                scale = scale_rows[inner_start:inner_end]
-                zp = None if zp_rows is None else zp_rows[inner_start:inner_end]
-            if not by_column:
-                inner.copy_(rounding(inner, scale, zp))
+                    scale = scale_rows[inner_start:inner_end]
+                    zp = None if zp_rows is None else zp_rows[inner_start:inner_end]
+                if not by_column:
+                    inner.copy_(rounding(inner, scale, zp))
             Err1[a:b].mul_(inv_diag[a:b, None])  # GPTQ's error: (w - q) / d
             if inner_end < end:
                 WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)
