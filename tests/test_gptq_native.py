@@ -109,3 +109,15 @@ def test_gptq_with_and_without_the_operators(torch_only):
         assert result.loss == pytest.approx(reference.loss, rel=1e-5)
         differ = float((result.weight != reference.weight).float().mean())
         assert differ < (0.001 if strategy == "channel" or actorder else 0.02), (strategy, symmetric, actorder, differ)
+
+
+@pytest.mark.parametrize("shape", [(5632, 1024), (37, 13), (9, 64), (64, 9), (1, 5)])
+def test_transposed_copies(shape):
+    x = torch.randn(*shape)
+    assert torch.equal(native.transposed(x), x.t())
+    wide = torch.zeros(shape[1], shape[0] + 12)  # into columns 5.. of a wider matrix (GPTQ's stacked weights)
+    native.transposed(x, out=wide[:, 5 : 5 + shape[0]])
+    assert torch.equal(wide[:, 5 : 5 + shape[0]], x.t())
+    assert not wide[:, :5].any() and not wide[:, 5 + shape[0] :].any()
+    assert torch.equal(native.transposed(x.t()), x)  # rows not contiguous: PyTorch's copy
+    assert torch.equal(native.transposed(x.double()), x.double().t())

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear"]
+__all__ = ["available", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear", "transposed"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +113,16 @@ def candidate_errors(blocks: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     """Squared rounding error of each unit ``[rows, units, size]`` under each candidate
     ``scale`` / ``zero`` ``[candidates, rows, units]`` on the integer grid [q_min, q_max]."""
     return torch.ops.llmpress.candidate_errors(blocks, scale, zero, q_min, q_max)
+
+
+def transposed(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.t()`` copied into ``out`` (new and contiguous by default), for 2-D float32 CPU tensors
+    whose rows are contiguous: 3-4x PyTorch's strided copy. Other tensors take PyTorch's copy."""
+    if out is None:
+        out = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype, device=x.device)
+    if (x.dim() == 2 and x.dtype == out.dtype == torch.float32 and x.device.type == out.device.type == "cpu"
+            and x.stride(1) == 1 and out.stride(1) == 1 and x.numel() > 0 and available()):
+        torch.ops.llmpress.transpose_into(out, x)
+    else:
+        out.copy_(x.t())
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmpress import native
 from llmpress.integrations.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize, fake_quantize_activation
@@ -141,7 +142,9 @@ def replace_weight(module: nn.Module, value: torch.Tensor) -> None:
     if value.data_ptr() == old.data_ptr():
         return  # computed in place already
     if value.untyped_storage().nbytes() != value.numel() * value.element_size() or not value.is_contiguous():
-        value = value.clone(memory_format=torch.contiguous_format)  # a part of a larger tensor
+        # a part of a larger tensor; GPTQ's results are rows of a transposed one
+        transposed_rows = value.dim() == 2 and value.stride(0) == 1
+        value = native.transposed(value.t()) if transposed_rows else value.clone(memory_format=torch.contiguous_format)
     module.weight.data = value
 
 

@@ -176,7 +176,10 @@ def gptq_quantize(
     offset = 0
     for part in parts:
         width = rows if input_major else part.shape[0]
-        WT[:, offset : offset + width].copy_(part.detach() if input_major else part.detach().t())
+        if input_major:
+            WT[:, offset : offset + width].copy_(part.detach())
+        else:
+            native.transposed(part.detach(), out=WT[:, offset : offset + width])
         offset += width
     WT[factor.dead] = 0
 
