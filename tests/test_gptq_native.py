@@ -121,3 +121,12 @@ def test_transposed_copies(shape):
     assert not wide[:, :5].any() and not wide[:, 5 + shape[0] :].any()
     assert torch.equal(native.transposed(x.t()), x)  # rows not contiguous: PyTorch's copy
     assert torch.equal(native.transposed(x.double()), x.double().t())
+
+
+@pytest.mark.parametrize("shape", [(128, 2816), (7, 333), (1, 3)])
+def test_float64_sum_of_float32_terms(shape):
+    total = torch.randn(*shape, dtype=torch.float64)
+    term = torch.randn(*shape) * 1e3
+    expected = total + term.double()
+    native.add_float32_(total, term)
+    assert torch.equal(total, expected)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear", "transposed"]
+__all__ = ["add_float32_", "available", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear", "transposed"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +126,13 @@ def transposed(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     else:
         out.copy_(x.t())
     return out
+
+
+def add_float32_(acc: torch.Tensor, x: torch.Tensor) -> None:
+    """``acc += x`` for a float64 ``acc`` and a float32 ``x`` of one shape, each term converted
+    exactly (what PyTorch's ``acc.add_(x)`` computes, without its float64 copy of ``x``)."""
+    if (acc.dtype == torch.float64 and x.dtype == torch.float32 and acc.device.type == x.device.type == "cpu"
+            and acc.is_contiguous() and x.is_contiguous() and acc.shape == x.shape and available()):
+        torch.ops.llmpress.add_float32_(acc, x)
+    else:
+        acc.add_(x)

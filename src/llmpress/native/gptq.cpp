@@ -7,6 +7,7 @@
  *   candidate_errors: the MSE observer's squared error of each candidate scale, per unit, in one
  *     pass over the weight instead of seven passes through a temporary of the candidates' size.
  *   transpose_into: a weight copied transposed, GPTQ's way in and out of its column layout.
+ *   add_float32_: a float32 product added into a float64 sum (the Hessians), without a temporary.
  *
  * Both do the float operations of the PyTorch code they replace (quant/observers.py,
  * modifiers/gptq/algorithm.py) element by element: divide, round half to even, add / subtract
@@ -210,18 +211,38 @@ void transpose_into(at::Tensor dst, const at::Tensor &src) {
         }
 }
 
+/* acc += x, a float64 sum of float32 terms (each converted exactly), in one pass: PyTorch's
+ * mixed-dtype add_ converts x into a float64 temporary first, 5x the time of the add itself for
+ * the Hessians' 128-row blocks. */
+void add_float32_(at::Tensor acc, const at::Tensor &x) {
+    TORCH_CHECK(acc.device().is_cpu() && x.device().is_cpu() && acc.scalar_type() == at::kDouble && x.scalar_type() == at::kFloat &&
+                    acc.is_contiguous() && x.is_contiguous() && acc.sizes() == x.sizes(),
+                "llmpress add_float32_: contiguous float64 acc and float32 x of one shape");
+    double *a = acc.data_ptr<double>();
+    const float *v = x.data_ptr<float>();
+    const int64_t n = acc.numel();
+    at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+        int64_t i = i0;
+        for (; i + 4 <= i1; i += 4)
+            _mm256_storeu_pd(a + i, _mm256_add_pd(_mm256_loadu_pd(a + i), _mm256_cvtps_pd(_mm_loadu_ps(v + i))));
+        for (; i < i1; i++) a[i] += (double)v[i];
+    });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmpress, m) {
     m.def("gptq_columns(Tensor(a!) inner, Tensor(b!) err, Tensor upper, Tensor scale, Tensor? zero, float q_min, float q_max) -> ()");
     m.def("candidate_errors(Tensor blocks, Tensor scale, Tensor? zero, float q_min, float q_max) -> Tensor");
     m.def("transpose_into(Tensor(a!) dst, Tensor src) -> ()");
+    m.def("add_float32_(Tensor(a!) acc, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llmpress, CPU, m) {
     m.impl("gptq_columns", &gptq_columns);
     m.impl("candidate_errors", &candidate_errors);
     m.impl("transpose_into", &transpose_into);
+    m.impl("add_float32_", &add_float32_);
 }
 
 TORCH_LIBRARY_IMPL(llmpress, Meta, m) {

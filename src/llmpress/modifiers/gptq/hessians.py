@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from llmpress import native
 from llmpress.errors import SessionError
 from llmpress.integrations.distributed import gather_objects, is_distributed, sum_across_ranks
 
@@ -51,11 +52,8 @@ class HessianAccumulator:
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(device=self.device, dtype=torch.float32)
         self.samples += x.shape[0]
-        if len(self._rows) == 1:
-            self._rows[0][2].add_(x.t() @ x)
-            return
         for start, end, rows in self._rows:
-            rows.add_(x[:, start:end].t() @ x[:, start:])
+            native.add_float32_(rows, x[:, start:end].t() @ x[:, start:] if len(self._rows) > 1 else x.t() @ x)
 
     def reduce(self, dst: int | None = None) -> None:
         """Sum every rank's running ``X^T X`` and token count onto rank ``dst``, or onto every
