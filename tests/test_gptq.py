@@ -416,3 +416,14 @@ def test_a_module_that_sees_no_input_is_rounded_to_nearest_and_reported(tmp_path
     assert "saw no calibration input" in caplog.text and "model.layers.0.mlp.spare" in caplog.text
     assert spare.weight_scale.shape == (128, 1)
     assert torch.equal(spare.weight, fake_quantize(spare.weight.detach(), spare.weight_scale, None, spare.quantization_scheme.weights))
+
+
+def test_int8_weights_keep_min_max_unless_the_recipe_names_an_observer():
+    from llmpress.modifiers.gptq.modifier import _with_gptq_defaults
+    from llmpress.quant.scheme import preset_scheme
+
+    for preset, expected in (("W4A16", "mse"), ("W8A8", None), ("W8A16", None)):
+        assert _with_gptq_defaults(preset_scheme(preset)).weights.observer == expected, preset
+    named = preset_scheme("W8A8")
+    named = named.model_copy(update={"weights": named.weights.model_copy(update={"observer": "mse"})})
+    assert _with_gptq_defaults(named).weights.observer == "mse"
