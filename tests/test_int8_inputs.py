@@ -100,6 +100,23 @@ def test_w8a8_checkpoint_prefill_runs_on_int8_product(tmp_path):
     assert rel(ours, theirs) < 1e-2
 
 
+def test_int8_weights_read_from_a_file_are_aligned_for_the_kernel(tmp_path):
+    """A safetensors tensor starts wherever the file puts it; PyTorch's int8-weight kernel
+    crashed (SIGSEGV, AVX-512) on a weight 8 bytes off a 64-byte boundary."""
+    from llmpress.runtime import kernels
+
+    unaligned = torch.randint(-127, 128, (64 * 64 + 8,), dtype=torch.int8)[8:].view(64, 64)
+    assert unaligned.data_ptr() % 64 != 0 and kernels.aligned(unaligned).data_ptr() % 64 == 0
+    assert torch.equal(kernels.aligned(unaligned), unaligned)
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, "W8A8", token_batches(), output_dir=tmp_path / "c")
+    runtime = llmpress.load(tmp_path / "c", dtype=torch.float32)
+    layers = [m for m in runtime.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.int8_weight.data_ptr() % 64 == 0 for m in layers)
+    with torch.no_grad():  # a short input: the int8-weight kernel
+        assert torch.isfinite(runtime(input_ids=torch.tensor(token_batches(1, 3))).logits).all()
+
+
 def test_packed_weight_is_rebuilt_not_copied():
     """oneDNN's packed weight has no storage: copies and dtype moves drop it, and it is packed
     again from the int8 buffers on the next long input."""

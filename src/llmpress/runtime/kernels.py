@@ -25,6 +25,7 @@ from llmpress import native
 
 __all__ = [
     "COMPUTE_DTYPE",
+    "aligned",
     "INT4_GROUP_SIZES",
     "int4_group",
     "int4_layout",
@@ -290,6 +291,14 @@ def _unpack_through_kernel(packed: torch.Tensor, group_size: int, table: torch.T
         rows.append(torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group_size, table).t().float())
     w = torch.cat(rows, dim=1)
     return torch.round((w - zero) / scale).clamp(-8, 7).to(torch.int8)
+
+
+def aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:
+    """``t`` contiguous at an address PyTorch's CPU kernels can load whole vectors from. A tensor
+    read straight from a safetensors file starts wherever the file puts it: an int8 weight 8 bytes
+    off made ``_weight_int8pack_mm`` die with SIGSEGV on an AVX-512 CPU (PyTorch 2.13)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % alignment == 0 else t.clone()
 
 
 def int8_matmul(

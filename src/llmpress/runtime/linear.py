@@ -164,7 +164,7 @@ class QuantizedLinear(nn.Module):
         if kernel in _INT8:
             rows = q.shape[0]
             scale_rows = scale.to(torch.float32).reshape(-1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)
-            self.register_buffer("int8_weight", q.contiguous())
+            self.register_buffer("int8_weight", kernels.aligned(q))
             self.register_buffer("int8_scale", scale_rows.to(kernels.COMPUTE_DTYPE).contiguous())
             correction = None
             if zero_point is not None:
