@@ -1,7 +1,9 @@
-"""Write a folder atomically: build it beside the target, then rename it into place."""
+"""Write atomically: a folder built beside its target and renamed into place (a checkpoint), or
+a file through a temporary name and a rename, hashed as it is written (a resumable run's files)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -9,10 +11,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from llmpress.errors import CheckpointError
 
-__all__ = ["atomic_directory"]
+__all__ = ["atomic_directory", "sha256_of", "write_file"]
 
 
 @contextmanager
@@ -88,3 +93,42 @@ def _link_or_copy(source: str | Path, destination: str | Path) -> None:
         os.link(source, destination)  # same filesystem (the temp folder is beside the target): no copy
     except OSError:
         shutil.copy2(source, destination)
+
+
+class _Hashing:
+    """A file opened for writing that hashes what goes through it (no second read for the hash)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.digest, self.flush = handle, hashlib.sha256(), handle.flush
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+
+def write_file(path: Path, value: Any, durable: bool = False) -> str:
+    """``torch.save(value)`` (or ``value`` as bytes) to ``path`` through a temporary file and a
+    rename, streamed; returns the SHA-256 of what was written. ``durable`` syncs it to disk first
+    (a run's progress record); files that such a record names by their hash need not be."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as handle:
+        stream = _Hashing(handle)
+        if isinstance(value, bytes):
+            stream.write(value)
+        else:
+            torch.save(value, stream)
+        digest = stream.digest.hexdigest()
+        handle.flush()
+        if durable:
+            os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return digest
+
+
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read a few MB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

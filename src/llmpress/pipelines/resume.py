@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 import llmpress
+from llmpress.checkpoint.atomic import sha256_of, write_file
 from llmpress.errors import CheckpointError
 from llmpress.integrations.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
 from llmpress.quant.attach import set_module_buffer
@@ -65,44 +65,6 @@ def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] |
     digest.update(repr(options).encode())
     # each rank's batches are its share: the run is all of them, in rank order
     return hashlib.sha256("".join(gather_objects(digest.hexdigest())).encode()).hexdigest()
-
-
-class _Hashing:
-    """A file opened for writing that hashes what goes through it (no second read for the hash)."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle, self.digest, self.flush = handle, hashlib.sha256(), handle.flush
-
-    def write(self, data: Any) -> int:
-        self.digest.update(data)
-        return self.handle.write(data)
-
-
-def _atomic_write(path: Path, value: Any, durable: bool = False) -> str:
-    """``torch.save(value)`` (or ``value`` as bytes) to ``path`` through a temporary file and a
-    rename, streamed (no copy in memory); returns the SHA-256 of what was written. ``durable``
-    syncs it to disk first (``progress.json``); a layer's files need not be: progress names them
-    by their hash, checked when a run resumes."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        stream = _Hashing(handle)
-        if isinstance(value, bytes):
-            stream.write(value)
-        else:
-            torch.save(value, stream)
-        handle.flush()
-        if durable:
-            os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return stream.digest.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class WorkFolder:
@@ -172,9 +134,9 @@ class WorkFolder:
         files: dict[str, str] = {}
         if is_main_process():
             name = f"layer-{index:05d}.state.pt"
-            files[name] = _atomic_write(self.path / name, _block_state(block, held))
+            files[name] = write_file(self.path / name, _block_state(block, held))
         name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
-        files[name] = _atomic_write(self.path / name, (list(inputs), rest))  # spilled inputs read back
+        files[name] = write_file(self.path / name, (list(inputs), rest))  # spilled inputs read back
         everyone = gather_objects(files)  # every rank's files are whole before progress names them
         if is_main_process():
             for written in everyone:
@@ -194,17 +156,17 @@ class WorkFolder:
         if not is_main_process():
             return
         record = {"fingerprint": self.fingerprint, "llmpress": llmpress.__version__}
-        _atomic_write(self.output / RUN_RECORD, json.dumps(record, indent=1).encode(), durable=True)
+        write_file(self.output / RUN_RECORD, json.dumps(record, indent=1).encode(), durable=True)
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _write_progress(self) -> None:
-        _atomic_write(self.path / PROGRESS, json.dumps(self.progress, indent=1).encode(), durable=True)
+        write_file(self.path / PROGRESS, json.dumps(self.progress, indent=1).encode(), durable=True)
 
     # -- reading -----------------------------------------------------------------------------
     def _load(self, name: str) -> Any:
         file = self.path / name
         expected = self.progress["files"].get(name)
-        if expected is None or not file.exists() or _sha256(file) != expected:
+        if expected is None or not file.exists() or sha256_of(file) != expected:
             raise CheckpointError(
                 f"the work folder {self.path} is damaged: {name} is missing or not what was written",
                 got="a file that does not match its SHA-256 in progress.json",
