@@ -46,14 +46,14 @@ class HessianAccumulator:
         # up to two blocks wide, the whole product is as fast as its triangle
         spans = list(zip(edges[:-1], edges[1:])) if columns > 2 * TRIANGLE_BLOCK else [(0, columns)]
         # rows start:end, columns start: (the whole matrix when it is one block)
-        self._rows = [(start, end, torch.zeros(end - start, columns - start if len(spans) > 1 else columns,
-                                               dtype=torch.float64, device=device)) for start, end in spans]
+        self._rows = [(start, end, torch.zeros(end - start, columns - start, dtype=torch.float64, device=device))
+                      for start, end in spans]
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(device=self.device, dtype=torch.float32)
         self.samples += x.shape[0]
         for start, end, rows in self._rows:
-            native.add_float32_(rows, x[:, start:end].t() @ x[:, start:] if len(self._rows) > 1 else x.t() @ x)
+            native.add_float32_(rows, x[:, start:end].t() @ x[:, start:])
 
     def reduce(self, dst: int | None = None) -> None:
         """Sum every rank's running ``X^T X`` and token count onto rank ``dst``, or onto every
