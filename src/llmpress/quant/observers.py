@@ -52,10 +52,10 @@ def weight_qparams(
 _CANDIDATE_ELEMENTS = 1 << 19  # bound on the temporary [candidates, rows, cols] tensor
 
 
-def on_native_grid(args: QuantizationArgs, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether llmpress's own operators (``llmpress.native``) round ``weight`` onto this
-    integer grid: float32 on a CPU where they are built."""
-    return (not args.is_float and weight.device.type == "cpu" and weight.dtype == scale.dtype == torch.float32
+def on_native_grid(args: QuantizationArgs, *tensors: torch.Tensor) -> bool:
+    """Whether llmpress's own operators (``llmpress.native``) round onto this integer grid:
+    ``tensors`` (a weight, its scales) float32 on a CPU where the operators are built."""
+    return (not args.is_float and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and native.available())
 
 

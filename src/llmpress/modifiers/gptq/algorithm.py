@@ -216,7 +216,7 @@ def gptq_quantize(
         return (g_scale[:, 0] if gs is None else g_scale[:, 0] / gs[:, 0]), (None if g_zp is None else g_zp[:, 0].float())
 
     # llmpress's operator runs the per-column steps of integer grids (not Conv1D's column-wise qparams)
-    native_columns = not by_column and on_native_grid(args, WT, WT)
+    native_columns = not by_column and on_native_grid(args, WT)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
