@@ -98,6 +98,7 @@ class CompactWeights:
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self._held: list[tuple[nn.Module, nn.Parameter, torch.Tensor, RemovableHandle]] = []
+        self._model: nn.Module | None = None  # the model it is attached to (``attach``)
         # a weight that several modules (or a block repeated in the list) share is left alone:
         # holding it would take it away from a module that still runs
         seen: dict[int, int] = {}
@@ -145,7 +146,7 @@ class CompactWeights:
         for index, (held, param, k, _) in enumerate(self._held):
             if held is module:
                 weight = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
-                if getattr(self, "_model", None) is not None:
+                if self._model is not None:
                     del self._held[index]
                 return weight
         return None
@@ -175,7 +176,7 @@ class CompactWeights:
             del k, entry
             release_free_memory()  # the integers go back as the floats arrive
         self._held = failed
-        model = getattr(self, "_model", None)
+        model = self._model
         if not failed and model is not None and getattr(model, HELD_ATTR, None) is self:
             delattr(model, HELD_ATTR)
         if error is not None:
