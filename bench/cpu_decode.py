@@ -10,7 +10,8 @@ Models, each an fp32 checkpoint that both tools start from:
 - ``tiny``: the shared trained 5M-parameter Llama.
 
 llmpress runs each variant in its own process (bench/cpu_decode_worker.py): ``fp32`` / ``bf16``
-dense, ``int8`` and ``int4`` quantize-on-load (lm_head in full precision, llmpress's default) and
+dense, ``int8`` and ``int4`` quantize-on-load (lm_head in full precision, llmpress's default;
+the rest of the model in bf16 and float32), ``int4-bf16`` (int4 with the model in bf16) and
 ``int4-all`` (lm_head in int4 too). llama.cpp converts the same checkpoint with its own
 ``convert_hf_to_gguf.py`` and quantizes it to Q4_0 (which keeps the output matrix at 6 bits);
 bench/llamacpp.py fetches and builds it once. Both use 2 threads, batch 1: decode is 32 tokens
@@ -29,7 +30,7 @@ from pathlib import Path
 import llamacpp
 from common import REPO, fixture, save_random_llama, work_folder
 
-VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-all")
+VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-bf16", "int4-all")
 
 
 def make_models(work: Path, names: list[str]) -> dict[str, Path]:

@@ -3,7 +3,9 @@
     python bench/cpu_decode_worker.py --model FP32_DIR --variant int4 [--compile] [--new-tokens 32] [--prefill 512]
 
 Variants: ``fp32`` and ``bf16`` (the dense model), ``int8`` and ``int4`` (quantize-on-load,
-``lm_head`` in full precision), ``int4-all`` (the output projection in int4 too, as llama.cpp
+``lm_head`` in full precision; the rest of the model in bf16 and float32, the quantizer's
+defaults), ``int4-bf16`` (the same in bf16, ``dtype=torch.bfloat16``: prefill products in bf16
+where the CPU has native bf16), ``int4-all`` (the output projection in int4 too, as llama.cpp
 quantizes it). Measures the load, greedy decode at batch 1 from a one-token prompt (as
 llama-bench's tg: no prompt to process), one prefill forward (median of 3), which kernel each linear runs on,
 and for quantized variants the logits against the same weights dequantized in float32.
@@ -19,7 +21,7 @@ import time
 import torch
 from common import prefill_seconds
 
-VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-all")
+VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-bf16", "int4-all")
 
 
 def load(model: str, variant: str):
@@ -28,7 +30,8 @@ def load(model: str, variant: str):
     if variant in ("fp32", "bf16"):
         return llmpress.load(model, dtype=torch.float32 if variant == "fp32" else torch.bfloat16)
     bits = 8 if variant == "int8" else 4
-    return llmpress.load(model, quantization_config=llmpress.LlmpressConfig(bits=bits, lm_head=variant == "int4-all"))
+    dtype = torch.bfloat16 if variant == "int4-bf16" else None
+    return llmpress.load(model, dtype=dtype, quantization_config=llmpress.LlmpressConfig(bits=bits, lm_head=variant == "int4-all"))
 
 
 def logits_gap(model) -> float:

@@ -117,6 +117,19 @@ def test_int8_weights_read_from_a_file_are_aligned_for_the_kernel(tmp_path):
         assert torch.isfinite(runtime(input_ids=torch.tensor(token_batches(1, 3))).logits).all()
 
 
+@pytest.mark.parametrize(("in_features", "kernel"), [(200, "dequant"), (208, "int8")])
+def test_int8_weights_off_16_column_blocks_do_not_reach_pytorchs_kernel(in_features, kernel):
+    """PyTorch's int8-weight kernel died (SIGSEGV, AVX-512) on 200 columns: widths off its
+    16-column blocks run dequantized instead, and both match the dense product."""
+    scheme = QuantizationScheme.model_validate({"targets": ["Linear"], "weights": {"num_bits": 8, "strategy": "channel"}})
+    module = QuantizedLinear(in_features, 48, scheme)
+    q = torch.randint(-127, 128, (48, in_features), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    module.load_quantized(q, torch.full((48, 1), 1e-2))
+    assert module.kernel == kernel
+    x = torch.randn(3, in_features)
+    assert rel(module(x), x @ (q.float() * 1e-2).t()) < 1e-2
+
+
 def test_packed_weight_is_rebuilt_not_copied():
     """oneDNN's packed weight has no storage: copies and dtype moves drop it, and it is packed
     again from the int8 buffers on the next long input."""

@@ -1,5 +1,6 @@
-"""llmpress's own int4 CPU operators (llmpress/native): the integer product for decode and the
-dequantize-and-multiply for prefill against a float64 reference, the blocks64 layout's round
+"""llmpress's own CPU operators for quantized linears (llmpress/native): the int4 integer product
+for decode and the dequantize-and-multiply for prefill (float32, and bf16 for int4 and int8)
+against a float64 reference, the blocks64 layout's round
 trips, PyTorch's kernel still serving when they are off, and torch.compile calling them."""
 
 from __future__ import annotations
@@ -43,6 +44,46 @@ def test_int4_linear_matches_float64(rows, cols, group, symmetric):
         x = torch.randn(1, cols).to(dtype)
         out = kernels.int4_matmul(x, packed, group, table)
         assert out.dtype == dtype and rel(out, x.double() @ dense.t()) < 1e-2
+
+
+@pytest.mark.parametrize(("rows", "cols", "group"), [(96, 576, 64), (2100, 4096, 128)])  # the second: two pieces of rows
+def test_bf16_prefill_is_the_dense_bf16_product(rows, cols, group):
+    """More than 16 bf16 rows multiply in bf16 where the CPU does so natively: exactly what a
+    dense bf16 model of the dequantized weight computes (up to oneDNN's blocking when the
+    weight goes in pieces); elsewhere they run in float32."""
+    q, scale, zero_point, dense = grid(rows, cols, group, symmetric=False, seed=3)
+    packed, table = kernels.int4_pack(q, scale, zero_point)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = kernels.int4_matmul(x, packed, group, table)
+    assert out.dtype == torch.bfloat16 and out.shape == (40, rows)
+    bf16_dense = native.int4_dequantize(packed, table, group).bfloat16()
+    # the operator itself, whichever the CPU: bf16 products on bf16 rows (on AMX tiles where it
+    # can, 96 rows; else oneDNN's, 2100 rows), which differ from oneDNN's only in the order of
+    # their float32 sums
+    direct = native.int4_linear(x, packed, table, group)
+    assert rel(direct, x @ bf16_dense.t()) < 2e-4
+    assert rel(out, x.double() @ dense.t()) < 1e-2
+
+
+@pytest.mark.parametrize("zero", [False, True])
+@pytest.mark.parametrize(("rows", "cols"), [(72, 200), (64, 256)])  # 200 columns: not on AMX, a tail shorter than 16
+def test_int8_prefill_in_bf16(zero, rows, cols):
+    """8-bit weights in prefill: ``q * scale - correction`` rounded to bf16 per row, one bf16
+    product; the decode kernel (PyTorch's) agrees to bf16's rounding."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=g)
+    scale = (torch.rand(rows, generator=g) * 0.01 + 1e-3).bfloat16()
+    correction = (torch.rand(rows, generator=g) * 0.01).bfloat16() if zero else None
+    w = q.float() * scale.float()[:, None] - (0 if correction is None else correction.float()[:, None])
+    x = torch.randn(3, 20, cols, generator=g).bfloat16()
+    out = native.int8_linear_bf16(x, q, scale, correction)
+    assert out.shape == (3, 20, rows) and rel(out, x @ w.bfloat16().t()) < 2e-4
+    if kernels.int8_supported(cols):  # PyTorch's decode kernel: 16-column blocks only
+        decode = kernels.int8_matmul(x[:, :2], q, scale, correction)
+        assert rel(decode, out[:, :2]) < 1e-2
+    assert rel(kernels.int8_matmul(x.float(), q, scale, correction), x.double() @ w.double().t()) < 1e-2
+    with pytest.raises(RuntimeError, match="int8"):
+        native.int8_linear_bf16(x.float(), q, scale, correction)
 
 
 def test_activation_outliers_keep_their_precision():

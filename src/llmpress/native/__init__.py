@@ -1,7 +1,7 @@
 """llmpress's own CPU kernels: PyTorch operators built on first use.
 
-``int4.cpp``: ``torch.ops.llmpress.int4_linear`` and ``int4_dequantize``, the int4 runtime's
-products. ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's per-column update and
+``linear.cpp``: ``torch.ops.llmpress.int4_linear``, ``int4_dequantize`` and ``int8_linear_bf16``,
+the runtime's products for 4-bit weights (and 8-bit ones in prefill). ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's per-column update and
 the MSE observer's scoring, each one call where PyTorch takes hundreds of small ones.
 
 They are compiled once per source, compiler flags and PyTorch version by
@@ -27,35 +27,45 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_float32_", "available", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear", "transposed"]
+__all__ = ["add_float32_", "available", "bf16_native", "cpu_flags", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear_bf16", "transposed"]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "gptq.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp")]
+HEADERS = [Path(__file__).with_name("blocks64.h")]
 # no contraction into fused multiply-adds: gptq.cpp repeats PyTorch's arithmetic step by step
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 
 
-def _cpu_has_avx2_fma() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them (empty elsewhere)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return frozenset()
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return frozenset()
+
+
+@functools.cache
+def bf16_native() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX), so that a bf16
+    matrix product outruns float32 (6x here on AMX); elsewhere PyTorch emulates it, 5x slower
+    than float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _build_dir() -> Path:
     root = Path(os.environ.get("LLMPRESS_CACHE") or Path.home() / ".cache" / "llmpress")
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join([*FLAGS, torch.__version__, sys.version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS]) + " ".join([*FLAGS, torch.__version__, sys.version]).encode()).hexdigest()[:16]
     return root / "kernels" / key
 
 
 @functools.cache
 def available() -> bool:
     """True where llmpress's operators run on this machine (built or loaded on the first call)."""
-    if os.environ.get("LLMPRESS_NATIVE", "1") == "0" or not _cpu_has_avx2_fma():
+    if os.environ.get("LLMPRESS_NATIVE", "1") == "0" or not {"avx2", "fma"} <= cpu_flags():
         return False
     if hasattr(torch.ops.llmpress, "gptq_columns"):
         return True
@@ -91,8 +101,16 @@ def _build(build: Path) -> None:
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[..., in]`` and a weight in blocks of 32 (uint8 ``[out, in / 2]``)
     with its float32 ``[1 or 2, out, in / group]`` scales (and zeros); the result has ``x``'s
-    dtype. Up to 16 tokens take the integer product, more a float32 product on dequantized rows."""
+    dtype. Up to 16 tokens take the integer product, more a product on dequantized rows in x's
+    dtype (float32 for dtypes other than bf16)."""
     return torch.ops.llmpress.int4_linear(x, weight, table, group)
+
+
+def int8_linear_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, correction: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T`` in bf16 for a bf16 ``x`` ``[..., in]`` and an int8 weight ``[out, in]`` meaning
+    ``w = q * scale - correction`` (one of each per output row), each row rounded to bf16 as
+    a dense bf16 model holds it: the prefill product where the CPU multiplies bf16 natively."""
+    return torch.ops.llmpress.int8_linear_bf16(x, weight, scale, correction)
 
 
 def int4_dequantize(weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:

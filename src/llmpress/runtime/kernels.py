@@ -1,9 +1,9 @@
 """CPU kernels for quantized weights, and the conversions into their layouts.
 
 4-bit weights run on llmpress's own kernels (``native``: an integer product for decode, at
-memory speed; dequantized rows and a float32 product for prefill) where they build on this
-machine, in the layout ``blocks64`` (each 64 columns in 32 bytes: 16-bit lane j holds columns
-j, j + 16, j + 32 and j + 48, see ``native/int4.cpp``) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros). Elsewhere, and for 8-bit
+memory speed; dequantized rows and a product in the input's dtype for prefill, bf16 only where
+the CPU multiplies bf16 natively) where they build on this machine, in the layout ``blocks64`` (each 64 columns in 32 bytes: 16-bit lane j holds columns
+j, j + 16, j + 32 and j + 48, see ``native/linear.cpp``) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros). Elsewhere, and for 8-bit
 weights, PyTorch's kernels apply, both computing in bfloat16 (with fp32 activations they run
 10x slower, so activations are cast to bf16 for the call and the result back):
 
@@ -42,7 +42,8 @@ COMPUTE_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8
 _UNPACK_ROWS = 1024
-_PACK_ROWS = 512  # identity rows per kernel call when reading packed weights back
+_PACK_ROWS = 512
+PREFILL_ROWS = 16  # more rows of x than this take the operators' prefill products (the int4 operator's GEMV_MAX_ROWS)  # identity rows per kernel call when reading packed weights back
 
 
 def _has(op: str) -> bool:
@@ -94,8 +95,10 @@ def int4_qparams(qparam: torch.Tensor, group_size: int | None, kernel_group: int
     return rows.repeat_interleave(group_size // kernel_group, dim=1)[:, :groups]
 
 
-def int8_supported() -> bool:
-    return _has("_weight_int8pack_mm")
+def int8_supported(in_features: int) -> bool:
+    """PyTorch's int8 kernel takes whole 16-column blocks: with 200 columns it dies with SIGSEGV on
+    an AVX-512 CPU (PyTorch 2.13)."""
+    return _has("_weight_int8pack_mm") and in_features > 0 and in_features % 16 == 0
 
 
 def _convert_in_blocks(rows: int, cols: int, fill, rows_per_chunk: int) -> torch.Tensor:
@@ -247,6 +250,8 @@ def _is_blocks64(table: torch.Tensor) -> bool:
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[..., in]``; the result has ``x``'s dtype."""
     if _is_blocks64(table):
+        if x.dtype == torch.bfloat16 and x.numel() > PREFILL_ROWS * x.shape[-1] and not native.bf16_native():
+            return native.int4_linear(x.float(), packed, table, group_size).to(x.dtype)  # emulated bf16: 5x slower
         return native.int4_linear(x, packed, table, group_size)
     flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group_size, table)
@@ -307,6 +312,8 @@ def int8_matmul(
     """``x @ ((q - zp) * scale).T`` with ``weight`` int8 ``[out, in]`` and ``scale`` ``[out]``;
     ``zero_correction`` is ``zp * scale`` ``[out]`` for asymmetric weights."""
     flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+    if flat.shape[0] > PREFILL_ROWS and native.bf16_native() and native.available():  # 13x faster at 512 rows
+        return native.int8_linear_bf16(flat, weight, scale, zero_correction).reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
     if zero_correction is not None:
         out = out - flat.float().sum(dim=-1, keepdim=True).to(COMPUTE_DTYPE) * zero_correction

@@ -4,12 +4,14 @@ It takes one module's compressed-tensors tensors (any format) and keeps them in 
 fastest kernel that applies:
 
 - ``int4``: 4-bit integer weights in groups of 32..256 → llmpress's own operator
-  (``llmpress/native``: an integer product at memory speed for decode, dequantized rows and a
-  float32 product for prefill), or PyTorch's ``_weight_int4pack_mm_for_cpu`` where it does not
-  build. A grid the kernel does not take as it is goes in smaller groups where that is exact
+  (``llmpress/native``: an integer product at memory speed for decode; for prefill, dequantized
+  rows and a product in the input's dtype, bf16 on AMX tiles where the CPU has them), or
+  PyTorch's ``_weight_int4pack_mm_for_cpu`` where it does not build. A grid the kernel does not take as it is goes in smaller groups where that is exact
   (``kernels.int4_group``): groups of 128 over 576 columns as groups of 64, per-channel scales
   repeated per group;
-- ``int8``: 8-bit integer per-channel (or per-tensor) weights → ``_weight_int8pack_mm``;
+- ``int8``: 8-bit integer per-channel (or per-tensor) weights, in whole 16-column blocks →
+  ``_weight_int8pack_mm`` for decode; prefill as bf16 products (``native.int8_linear_bf16``)
+  where the CPU has native bf16;
 - ``int8x8``: the same weights with 8-bit integer input activations (W8A8): from
   ``int8_inputs.MIN_ROWS`` tokens on, an int8 × int8 product on oneDNN (exact integers, see
   ``int8_inputs``); fewer tokens (decode) run as ``int8`` on the fake-quantized input;
@@ -185,7 +187,7 @@ class QuantizedLinear(nn.Module):
             if self.int4_group is not None:
                 return "int4"
         if args.num_bits == 8 and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR):
-            if kernels.int8_supported():
+            if kernels.int8_supported(self.in_features):
                 inputs = self.quantization_scheme.input_activations
                 return "int8x8" if int8_inputs.int8_inputs_supported(args, inputs) else "int8"
         return "dequant"

@@ -1,6 +1,6 @@
-/* llmpress's CPU kernels for 4-bit weights (AVX2 + FMA), as the PyTorch operators
- * torch.ops.llmpress.int4_linear / int4_dequantize (eager calls and torch.compile'd graphs
- * reach them alike). Threads by OpenMP, the runtime PyTorch itself uses (at::parallel_for
+/* llmpress's CPU kernels for quantized linear layers (AVX2 + FMA), as the PyTorch operators
+ * torch.ops.llmpress.int4_linear / int4_dequantize / int8_linear_bf16 (eager calls and
+ * torch.compile'd graphs reach them alike). Threads by OpenMP, the runtime PyTorch itself uses (at::parallel_for
  * measured 1.5x slower here).
  *
  * Weight layout ("blocks64"): w[row][cols / 2] bytes; each run of 64 columns is 32 bytes read as
@@ -15,8 +15,12 @@
  * below bf16's rounding), u * x16 pairs are summed by _mm256_madd_epi16 into int32, and each
  * group's sum is scaled once. Every byte of the weight is read once per call, one row at a time
  * (a single stream per thread measured 1.5x faster than interleaving four rows), so the product
- * runs near memory speed. Longer inputs (prefill) dequantize rows of the weight to float32, a
- * few MB at a time, for float32 matrix products.
+ * runs near memory speed. Longer inputs (prefill) dequantize rows of the weight for a matrix
+ * product in x's dtype: float32 rows a few MB at a time, or for bf16 x the weight as bf16 (the
+ * float32 value rounded to nearest even: exactly a dense bf16 model of the same weights) in
+ * pieces of up to 8M values, one oneDNN product each (bf16 products measured 6x float32 on
+ * AMX; pieces under 2048 rows slowed them by 10-50%). The caller sends bf16 x here only on CPUs
+ * with native bf16 arithmetic; elsewhere float32 is faster.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,16 +30,23 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <algorithm>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #include <vector>
 
+#include "blocks64.h"
+
 namespace {
+
+using llmpress::quarter;
 
 constexpr int64_t GEMV_MAX_ROWS = 16; /* rows of x (tokens) that take the integer product: measured faster than
                                         * dequantizing up to 16-32 rows (576 to 2048 columns) */
 constexpr int64_t DEQUANT_ROWS = 512; /* weight rows dequantized at a time for longer inputs */
+constexpr int64_t BF16_VALUES = 8 << 20; /* bf16 weight values dequantized at a time (16 MB), at least 2048 rows */
 constexpr int64_t SERIAL_BELOW = 1 << 16; /* weights x rows of x under which one thread does the product */
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -87,17 +98,6 @@ static void quantize_row(const void *x, int bf16, int64_t cols, int64_t group, i
         }
         xstep[g] = step;
         xsum[g] = step * (float)sum;
-    }
-}
-
-/* The 16 values of quarter k (columns 16k .. 16k + 15 of a 64-column block) as 16-bit lanes. */
-static inline __m256i quarter(__m256i v, int k) {
-    const __m256i low4 = _mm256_set1_epi16(0x000f);
-    switch (k) {
-        case 0: return _mm256_and_si256(v, low4);
-        case 1: return _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        case 2: return _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-        default: return _mm256_srli_epi16(v, 12);
     }
 }
 
@@ -167,30 +167,83 @@ void gemv(const uint8_t *w, const float *scale, const float *zero, const void *x
     }
 }
 
-/* Rows [r0, r1) of the weight as float32 into out[(r1 - r0)][cols]. */
-void dequantize(const uint8_t *w, const float *scale, const float *zero, float *out, int64_t r0, int64_t r1, int64_t cols,
-                int64_t group) {
+/* 8 float32 values rounded to bf16 (nearest, ties to even; no NaN in a dequantized weight). */
+static inline __m128i bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+/* 16 values of one quarter, scaled (v * s + b: exactly (u - 8) * s when z = 0), stored as
+ * float32 (T = float) or bf16 (T = uint16_t). */
+template <typename T>
+static inline void store_quarter(T *o, __m256i q, __m256 vs, __m256 vb) {
+    __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(q))), vs, vb);
+    __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(q, 1))), vs, vb);
+    if constexpr (sizeof(T) == 4) {
+        _mm256_storeu_ps((float *)o, lo);
+        _mm256_storeu_ps((float *)o + 8, hi);
+    } else {
+        _mm_storeu_si128((__m128i *)o, bf16x8(lo));
+        _mm_storeu_si128((__m128i *)(o + 8), bf16x8(hi));
+    }
+}
+
+/* Rows [r0, r1) of the weight into out[(r1 - r0)][cols]: float32 (T = float) or bf16 (T = uint16_t).
+ * Group by group, so that no column needs a division to find its group. */
+template <typename T>
+void dequantize(const uint8_t *w, const float *scale, const float *zero, T *out, int64_t r0, int64_t r1, int64_t cols, int64_t group) {
     const int64_t groups = cols / group, half = cols / 2;
     const int threads = at::get_num_threads();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *wr = w + r * half;
-        float *o = out + (r - r0) * cols;
-        for (int64_t c = 0; c < cols; c += 64) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(wr + c / 2));
-            for (int k = 0; k < 4; k++) { /* columns c + 16k .. c + 16k + 15, in group (c + 16k) / group */
-                const int64_t g = (c + 16 * k) / group;
-                const float s = scale[r * groups + g];
-                __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps((zero ? zero[r * groups + g] : 0.0f) - 8.0f * s);
-                __m256i q = quarter(v, k);
-                __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(q)));
-                __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(q, 1)));
-                _mm256_storeu_ps(o + c + 16 * k, _mm256_fmadd_ps(lo, vs, vb)); /* exactly (u - 8) * s when z = 0 */
-                _mm256_storeu_ps(o + c + 16 * k + 8, _mm256_fmadd_ps(hi, vs, vb));
+        const float *sr = scale + r * groups, *zr = zero ? zero + r * groups : nullptr;
+        T *o = out + (r - r0) * cols;
+        /* w = u * s + (z - 8s) for group g */
+        auto factors = [&](int64_t g, __m256 &vs, __m256 &vb) { vs = _mm256_set1_ps(sr[g]), vb = _mm256_set1_ps((zr ? zr[g] : 0.0f) - 8.0f * sr[g]); };
+        __m256 vs, vb, vs2, vb2;
+        if (group == 32) { /* two groups per 64 columns: quarters 0-1, then 2-3 */
+            for (int64_t g = 0; g < groups; g += 2) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(wr + g * 16));
+                factors(g, vs, vb), factors(g + 1, vs2, vb2);
+                store_quarter(o + g * 32, quarter(v, 0), vs, vb), store_quarter(o + g * 32 + 16, quarter(v, 1), vs, vb);
+                store_quarter(o + g * 32 + 32, quarter(v, 2), vs2, vb2), store_quarter(o + g * 32 + 48, quarter(v, 3), vs2, vb2);
+            }
+            continue;
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            factors(g, vs, vb);
+            for (int64_t c = g * group; c < (g + 1) * group; c += 64) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(wr + c / 2));
+                for (int k = 0; k < 4; k++) store_quarter(o + c + 16 * k, quarter(v, k), vs, vb);
             }
         }
     }
 }
+
+/* x [m, cols] times the weight's rows, which fill(dense, r0, r1) dequantizes a piece at a time
+ * into a buffer kept between calls (a fresh one costs its page faults every time: 4 MB of them
+ * took longer than the product itself), one product per piece; one buffer per dtype. */
+template <typename Fill>
+at::Tensor piecewise_product(const at::Tensor &wide, int64_t rows, int64_t cols, int64_t piece, Fill fill) {
+    static thread_local at::Tensor buffers[2]; /* float32, bf16 */
+    at::Tensor &buffer = buffers[wide.scalar_type() == at::kBFloat16];
+    piece = std::max<int64_t>(1, std::min(rows, piece));
+    if (!buffer.defined() || buffer.numel() < piece * cols) buffer = at::empty({piece * cols}, wide.options());
+    std::vector<at::Tensor> parts;
+    for (int64_t r0 = 0; r0 < rows; r0 += piece) {
+        const int64_t r1 = std::min(rows, r0 + piece);
+        at::Tensor dense = buffer.narrow(0, 0, (r1 - r0) * cols).view({r1 - r0, cols});
+        fill(dense.data_ptr(), r0, r1);
+        parts.push_back(at::mm(wide, dense.t()));
+    }
+    return parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+}
+
+/* Rows of bf16 values per piece: BF16_VALUES, at least 2048 rows. */
+static inline int64_t bf16_piece(int64_t cols) { return std::max<int64_t>(2048, BF16_VALUES / std::max<int64_t>(cols, 1)); }
 
 at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &table, int64_t group) {
     const int64_t cols = x.size(-1), rows = weight.size(0);
@@ -216,21 +269,19 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
         gemv(w, scale, zero, input.data_ptr(), out.data_ptr(), bf16, m, rows, cols, group);
         return input.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
     }
-    at::Tensor wide = x.reshape({m, cols}).to(at::kFloat).contiguous();
-    /* one buffer for the dequantized rows, kept between calls: a fresh one costs its page faults
-     * every time (4 MB of them took longer than the product itself) */
-    static thread_local at::Tensor buffer;
-    const int64_t chunk = std::min(rows, DEQUANT_ROWS);
-    if (!buffer.defined() || buffer.numel() < chunk * cols) buffer = at::empty({chunk * cols}, wide.options());
-    std::vector<at::Tensor> parts;
-    for (int64_t r0 = 0; r0 < rows; r0 += DEQUANT_ROWS) {
-        int64_t r1 = std::min(rows, r0 + DEQUANT_ROWS);
-        at::Tensor dense = buffer.narrow(0, 0, (r1 - r0) * cols).view({r1 - r0, cols});
-        dequantize(w, scale, zero, dense.data_ptr<float>(), r0, r1, cols, group);
-        parts.push_back(at::mm(wide, dense.t()));
+    if (x.scalar_type() == at::kBFloat16) {
+        at::Tensor wide = x.reshape({m, cols}).contiguous();
+        at::Tensor out = at::empty(shape, x.options());
+        if (llmpress::amx_int4_product((const uint16_t *)wide.data_ptr(), m, w, scale, zero, rows, cols, group, (uint16_t *)out.data_ptr()))
+            return out;
+        return piecewise_product(wide, rows, cols, bf16_piece(cols), [&](void *dense, int64_t r0, int64_t r1) {
+                   dequantize<uint16_t>(w, scale, zero, (uint16_t *)dense, r0, r1, cols, group);
+               }).view(shape);
     }
-    at::Tensor out = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
-    return out.view(shape).to(x.scalar_type());
+    at::Tensor wide = x.reshape({m, cols}).to(at::kFloat).contiguous();
+    return piecewise_product(wide, rows, cols, DEQUANT_ROWS, [&](void *dense, int64_t r0, int64_t r1) {
+               dequantize<float>(w, scale, zero, (float *)dense, r0, r1, cols, group);
+           }).view(shape).to(x.scalar_type());
 }
 
 at::Tensor int4_dequantize(const at::Tensor &weight, const at::Tensor &table, int64_t group) {
@@ -241,12 +292,64 @@ at::Tensor int4_dequantize(const at::Tensor &weight, const at::Tensor &table, in
     const float *scale = table.data_ptr<float>();
     const float *zero = table.size(0) == 2 ? scale + rows * (cols / group) : nullptr;
     at::Tensor out = at::empty({rows, cols}, table.options());
-    dequantize(weight.data_ptr<uint8_t>(), scale, zero, out.data_ptr<float>(), 0, rows, cols, group);
+    dequantize<float>(weight.data_ptr<uint8_t>(), scale, zero, out.data_ptr<float>(), 0, rows, cols, group);
     return out;
+}
+
+/* 8-bit weights [rows][cols] with one scale (and zero correction zp * scale) per row, as bf16
+ * values q * s - c rounded from float32, 16 at a time. */
+void dequantize_int8(const int8_t *w, const float *scale, const float *corr, uint16_t *out, int64_t r0, int64_t r1, int64_t cols) {
+    const int threads = at::get_num_threads();
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *wr = w + r * cols;
+        uint16_t *o = out + (r - r0) * cols;
+        const __m256 vs = _mm256_set1_ps(scale[r]), vc = _mm256_set1_ps(corr ? corr[r] : 0.0f);
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(wr + c));
+            __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+            _mm_storeu_si128((__m128i *)(o + c), bf16x8(_mm256_fmsub_ps(lo, vs, vc)));
+            _mm_storeu_si128((__m128i *)(o + c + 8), bf16x8(_mm256_fmsub_ps(hi, vs, vc)));
+        }
+        for (; c < cols; c++) o[c] = f32_to_bf16(std::fma((float)wr[c], scale[r], -(corr ? corr[r] : 0.0f)));
+    }
+}
+
+/* Prefill of an 8-bit weight on a CPU with native bf16: x (bf16) times the weight dequantized
+ * to bf16 a piece at a time, one oneDNN product per piece (PyTorch's _weight_int8pack_mm, the
+ * decode kernel, runs 13x slower at 512 rows). */
+at::Tensor int8_linear_bf16(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
+    const int64_t cols = x.size(-1), rows = weight.size(0);
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "llmpress int8_linear_bf16: x must be bf16 on the CPU");
+    TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == cols && weight.is_contiguous(),
+                "llmpress int8_linear_bf16: weight must be contiguous int8 [out, in], in = ", cols);
+    TORCH_CHECK(scale.numel() == rows && (!correction.has_value() || correction->numel() == rows),
+                "llmpress int8_linear_bf16: scale (and correction) must hold one value per output row");
+    at::Tensor s = scale.to(at::kFloat).contiguous();
+    at::Tensor c = correction.has_value() ? correction->to(at::kFloat).contiguous() : at::Tensor();
+    const float *cp = c.defined() ? c.data_ptr<float>() : nullptr;
+    const int64_t m = cols > 0 ? x.numel() / cols : 0;
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = rows;
+    const int8_t *w = weight.data_ptr<int8_t>();
+    at::Tensor wide = x.reshape({m, cols}).contiguous();
+    at::Tensor out = at::empty(shape, x.options());
+    if (llmpress::amx_int8_product((const uint16_t *)wide.data_ptr(), m, w, s.data_ptr<float>(), cp, rows, cols, (uint16_t *)out.data_ptr()))
+        return out;
+    return piecewise_product(wide, rows, cols, bf16_piece(cols), [&](void *dense, int64_t r0, int64_t r1) {
+               dequantize_int8(w, s.data_ptr<float>(), cp, (uint16_t *)dense, r0, r1, cols);
+           }).view(shape);
 }
 
 /* Shapes alone, for torch.compile's tracing (fake tensors run the Meta kernels). */
 at::Tensor int4_linear_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &table, int64_t group) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    return at::empty(shape, x.options());
+}
+
+at::Tensor int8_linear_bf16_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = weight.size(0);
     return at::empty(shape, x.options());
@@ -261,14 +364,17 @@ at::Tensor int4_dequantize_meta(const at::Tensor &weight, const at::Tensor &tabl
 TORCH_LIBRARY(llmpress, m) {
     m.def("int4_linear(Tensor x, Tensor weight, Tensor table, int group) -> Tensor");
     m.def("int4_dequantize(Tensor weight, Tensor table, int group) -> Tensor");
+    m.def("int8_linear_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? correction) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmpress, CPU, m) {
     m.impl("int4_linear", &int4_linear);
     m.impl("int4_dequantize", &int4_dequantize);
+    m.impl("int8_linear_bf16", &int8_linear_bf16);
 }
 
 TORCH_LIBRARY_IMPL(llmpress, Meta, m) {
     m.impl("int4_linear", &int4_linear_meta);
     m.impl("int4_dequantize", &int4_dequantize_meta);
+    m.impl("int8_linear_bf16", &int8_linear_bf16_meta);
 }
