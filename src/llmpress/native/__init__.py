@@ -1,8 +1,10 @@
 """llmpress's own CPU kernels: PyTorch operators built on first use.
 
-``linear.cpp``: ``torch.ops.llmpress.int4_linear``, ``int4_dequantize`` and ``int8_linear_bf16``,
-the runtime's products for 4-bit weights (and 8-bit ones in prefill). ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's per-column update and
-the MSE observer's scoring, each one call where PyTorch takes hundreds of small ones.
+``linear.cpp`` (with ``amx.cpp``'s tile products): ``torch.ops.llmpress.int4_linear``,
+``int4_dequantize`` and ``int8_linear_bf16``, the runtime's products for 4-bit weights (and
+8-bit ones in prefill). ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's
+per-column update and the MSE observer's scoring, each one call where PyTorch takes hundreds of
+small ones.
 
 They are compiled once per source, compiler flags and PyTorch version by
 ``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): about
@@ -27,7 +29,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_float32_", "available", "bf16_native", "cpu_flags", "candidate_errors", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear_bf16", "transposed"]
+__all__ = [
+    "add_float32_", "available", "bf16_native", "candidate_errors", "cpu_flags", "gptq_columns", "int4_dequantize", "int4_linear",
+    "int8_linear_bf16", "transposed",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@
 
 namespace llmpress {
 
-bool amx_ready() {
+static bool amx_ready() {
     static const bool ready = [] {
         const char *off = getenv("LLMPRESS_AMX");
         if ((off && strcmp(off, "0") == 0) || !__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
@@ -78,6 +78,8 @@ struct Int4Rows {
     const uint8_t *w;
     const float *scale, *zero;
     int64_t cols, group;
+    /* the groups of columns c .. c + 31 and c + 32 .. c + 63: the same unless groups are 32 wide */
+    inline void groups_of(int64_t c, int64_t &g0, int64_t &g1) const { g0 = c / group, g1 = (c + 32) / group; }
     inline void operator()(int64_t r, int64_t c, int64_t g0, int64_t g1, __m512i &low, __m512i &high) const {
         const int64_t groups = cols / group;
         const __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * (cols / 2) + c / 2));
@@ -93,7 +95,8 @@ struct Int4Rows {
 struct Int8Rows {
     const int8_t *w;
     const float *scale, *corr;
-    int64_t cols, group; /* group: unused (the whole row) */
+    int64_t cols;
+    inline void groups_of(int64_t, int64_t &g0, int64_t &g1) const { g0 = g1 = 0; } /* one scale per row */
     static inline __m256i values(__m128i q, __m512 vs, __m512 vc) {
         return (__m256i)_mm512_cvtneps_pbh(_mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), vs, vc));
     }
@@ -112,7 +115,8 @@ template <typename Rows>
 static void b_tiles(const Rows &rows, int64_t n0, uint16_t *out) {
     for (int64_t c = 0; c < rows.cols; c += 64) {
         __m512i low[16], high[16]; /* per row: columns c .. c + 31, c + 32 .. c + 63 as 16 pairs each */
-        const int64_t g0 = c / rows.group, g1 = (c + 32) / rows.group; /* the same group unless groups are 32 wide */
+        int64_t g0, g1; /* found once for the 16 rows */
+        rows.groups_of(c, g0, g1);
         for (int i = 0; i < 16; i++) rows(n0 + i, c, g0, g1, low[i], high[i]);
         transpose16(low), transpose16(high);
         uint16_t *t0 = out + (c / 32) * 512, *t1 = t0 + 512;
@@ -210,18 +214,15 @@ void product(const uint16_t *x, int64_t m, const Rows &weight, int64_t rows, uin
 
 }  // namespace
 
-/* y = x times the weight, on AMX; false (nothing done) where it does not apply. */
-bool amx_int4_product(const uint16_t *x, int64_t m, const uint8_t *w, const float *scale, const float *zero, int64_t rows, int64_t cols,
+bool amx_takes(int64_t rows, int64_t cols) { return rows > 0 && rows % STRIP == 0 && cols > 0 && cols % 64 == 0 && amx_ready(); }
+
+void amx_int4_product(const uint16_t *x, int64_t m, const uint8_t *w, const float *scale, const float *zero, int64_t rows, int64_t cols,
                       int64_t group, uint16_t *y) {
-    if (rows % STRIP || cols % 64 || m < 1 || !amx_ready()) return false;
     product(x, m, Int4Rows{w, scale, zero, cols, group}, rows, y);
-    return true;
 }
 
-bool amx_int8_product(const uint16_t *x, int64_t m, const int8_t *w, const float *scale, const float *corr, int64_t rows, int64_t cols, uint16_t *y) {
-    if (rows % STRIP || cols % 64 || m < 1 || !amx_ready()) return false;
-    product(x, m, Int8Rows{w, scale, corr, cols, cols}, rows, y);
-    return true;
+void amx_int8_product(const uint16_t *x, int64_t m, const int8_t *w, const float *scale, const float *corr, int64_t rows, int64_t cols, uint16_t *y) {
+    product(x, m, Int8Rows{w, scale, corr, cols}, rows, y);
 }
 
 }  // namespace llmpress

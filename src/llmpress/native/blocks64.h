@@ -19,12 +19,13 @@ static inline __m256i quarter(__m256i v, int k) {
     }
 }
 
-/* amx.cpp: whether this process can use AMX's bf16 tiles, and y = x times the weight on them
- * (bf16 in and out; false, nothing done, where it does not apply). */
-bool amx_ready();
-bool amx_int4_product(const uint16_t *x, int64_t m, const uint8_t *w, const float *scale, const float *zero, int64_t rows, int64_t cols,
+/* amx.cpp: whether AMX's bf16 tiles take a weight of this shape in this process (the CPU has
+ * them, Linux lets the process use them, rows a multiple of 32 and columns of 64), and
+ * y [m, rows] = x [m, cols] times the weight on them (bf16 in and out), where they do. */
+bool amx_takes(int64_t rows, int64_t cols);
+void amx_int4_product(const uint16_t *x, int64_t m, const uint8_t *w, const float *scale, const float *zero, int64_t rows, int64_t cols,
                       int64_t group, uint16_t *y);
 /* the same for int8 weights [rows, cols] meaning q * scale - corr (one of each per row) */
-bool amx_int8_product(const uint16_t *x, int64_t m, const int8_t *w, const float *scale, const float *corr, int64_t rows, int64_t cols, uint16_t *y);
+void amx_int8_product(const uint16_t *x, int64_t m, const int8_t *w, const float *scale, const float *corr, int64_t rows, int64_t cols, uint16_t *y);
 
 }  // namespace llmpress

@@ -1,12 +1,10 @@
 /* llmpress's CPU kernels for quantized linear layers (AVX2 + FMA), as the PyTorch operators
  * torch.ops.llmpress.int4_linear / int4_dequantize / int8_linear_bf16 (eager calls and
- * torch.compile'd graphs reach them alike). Threads by OpenMP, the runtime PyTorch itself uses (at::parallel_for
- * measured 1.5x slower here).
+ * torch.compile'd graphs reach them alike). Threads by OpenMP, the runtime PyTorch itself uses
+ * (at::parallel_for measured 1.5x slower here).
  *
- * Weight layout ("blocks64"): w[row][cols / 2] bytes; each run of 64 columns is 32 bytes read as
- * 16 little-endian 16-bit lanes, lane j holding u = q + 8 of columns j, j + 16, j + 32 and
- * j + 48 in its four nibbles (lowest first). A shift and a mask give 16 values as 16-bit
- * integers in place, with no widening shuffle.
+ * 4-bit weights are in the blocks64 layout (blocks64.h): a shift and a mask give 16 values as
+ * 16-bit integers in place, with no widening shuffle.
  * table: float32 [1 or 2][rows][groups]: the scale s of each group, and its zero z (absent:
  * symmetric), meaning w = (u - 8) * s + z. Groups are 32 columns or a multiple of 64.
  *
@@ -17,10 +15,11 @@
  * (a single stream per thread measured 1.5x faster than interleaving four rows), so the product
  * runs near memory speed. Longer inputs (prefill) dequantize rows of the weight for a matrix
  * product in x's dtype: float32 rows a few MB at a time, or for bf16 x the weight as bf16 (the
- * float32 value rounded to nearest even: exactly a dense bf16 model of the same weights) in
- * pieces of up to 8M values, one oneDNN product each (bf16 products measured 6x float32 on
- * AMX; pieces under 2048 rows slowed them by 10-50%). The caller sends bf16 x here only on CPUs
- * with native bf16 arithmetic; elsewhere float32 is faster.
+ * float32 value rounded to nearest even: exactly a dense bf16 model of the same weights), on
+ * AMX tiles where they apply (amx.cpp), else in pieces of up to 8M values, one oneDNN product
+ * each (bf16 products measured 6x float32 on AMX; pieces under 2048 rows slowed them by
+ * 10-50%). The caller sends bf16 x here only on CPUs with native bf16 arithmetic; elsewhere
+ * float32 is faster.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,11 +29,11 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#include <algorithm>
 #include <stdint.h>
-#include <math.h>
 #include <string.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "blocks64.h"
@@ -271,9 +270,11 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
     }
     if (x.scalar_type() == at::kBFloat16) {
         at::Tensor wide = x.reshape({m, cols}).contiguous();
-        at::Tensor out = at::empty(shape, x.options());
-        if (llmpress::amx_int4_product((const uint16_t *)wide.data_ptr(), m, w, scale, zero, rows, cols, group, (uint16_t *)out.data_ptr()))
+        if (llmpress::amx_takes(rows, cols)) {
+            at::Tensor out = at::empty(shape, x.options());
+            llmpress::amx_int4_product((const uint16_t *)wide.data_ptr(), m, w, scale, zero, rows, cols, group, (uint16_t *)out.data_ptr());
             return out;
+        }
         return piecewise_product(wide, rows, cols, bf16_piece(cols), [&](void *dense, int64_t r0, int64_t r1) {
                    dequantize<uint16_t>(w, scale, zero, (uint16_t *)dense, r0, r1, cols, group);
                }).view(shape);
@@ -334,9 +335,11 @@ at::Tensor int8_linear_bf16(const at::Tensor &x, const at::Tensor &weight, const
     shape.back() = rows;
     const int8_t *w = weight.data_ptr<int8_t>();
     at::Tensor wide = x.reshape({m, cols}).contiguous();
-    at::Tensor out = at::empty(shape, x.options());
-    if (llmpress::amx_int8_product((const uint16_t *)wide.data_ptr(), m, w, s.data_ptr<float>(), cp, rows, cols, (uint16_t *)out.data_ptr()))
+    if (llmpress::amx_takes(rows, cols)) {
+        at::Tensor out = at::empty(shape, x.options());
+        llmpress::amx_int8_product((const uint16_t *)wide.data_ptr(), m, w, s.data_ptr<float>(), cp, rows, cols, (uint16_t *)out.data_ptr());
         return out;
+    }
     return piecewise_product(wide, rows, cols, bf16_piece(cols), [&](void *dense, int64_t r0, int64_t r1) {
                dequantize_int8(w, s.data_ptr<float>(), cp, (uint16_t *)dense, r0, r1, cols);
            }).view(shape);

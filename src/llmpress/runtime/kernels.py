@@ -2,8 +2,10 @@
 
 4-bit weights run on llmpress's own kernels (``native``: an integer product for decode, at
 memory speed; dequantized rows and a product in the input's dtype for prefill, bf16 only where
-the CPU multiplies bf16 natively) where they build on this machine, in the layout ``blocks64`` (each 64 columns in 32 bytes: 16-bit lane j holds columns
-j, j + 16, j + 32 and j + 48, see ``native/linear.cpp``) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros). Elsewhere, and for 8-bit
+the CPU multiplies bf16 natively) where they build on this machine, in the layout ``blocks64``
+(each 64 columns in 32 bytes: 16-bit lane j holds columns j, j + 16, j + 32 and j + 48, see
+``native/blocks64.h``) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros).
+Elsewhere, and for 8-bit
 weights, PyTorch's kernels apply, both computing in bfloat16 (with fp32 activations they run
 10x slower, so activations are cast to bf16 for the call and the result back):
 
@@ -42,8 +44,8 @@ COMPUTE_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 8
 _UNPACK_ROWS = 1024
-_PACK_ROWS = 512
-PREFILL_ROWS = 16  # more rows of x than this take the operators' prefill products (the int4 operator's GEMV_MAX_ROWS)  # identity rows per kernel call when reading packed weights back
+_PACK_ROWS = 512  # identity rows per kernel call when reading packed weights back
+PREFILL_ROWS = 16  # more rows of x than this take the operators' prefill products (the int4 operator's GEMV_MAX_ROWS)
 
 
 def _has(op: str) -> bool:

@@ -6,9 +6,9 @@ fastest kernel that applies:
 - ``int4``: 4-bit integer weights in groups of 32..256 → llmpress's own operator
   (``llmpress/native``: an integer product at memory speed for decode; for prefill, dequantized
   rows and a product in the input's dtype, bf16 on AMX tiles where the CPU has them), or
-  PyTorch's ``_weight_int4pack_mm_for_cpu`` where it does not build. A grid the kernel does not take as it is goes in smaller groups where that is exact
-  (``kernels.int4_group``): groups of 128 over 576 columns as groups of 64, per-channel scales
-  repeated per group;
+  PyTorch's ``_weight_int4pack_mm_for_cpu`` where it does not build. A grid the kernel does
+  not take as it is goes in smaller groups where that is exact (``kernels.int4_group``): groups
+  of 128 over 576 columns as groups of 64, per-channel scales repeated per group;
 - ``int8``: 8-bit integer per-channel (or per-tensor) weights, in whole 16-column blocks →
   ``_weight_int8pack_mm`` for decode; prefill as bf16 products (``native.int8_linear_bf16``)
   where the CPU has native bf16;
