@@ -75,6 +75,9 @@ def _train_rank(rank: int, world: int, init: str, folder: str) -> None:
         # the model is sharded again after the saves, and still trains
         assert is_dtensor(model.model.layers[0].mlp.down_proj.weight)
         model(input_ids=batches[0], labels=batches[0]).loss.backward()
+        # both ranks past their last collective before gloo's threads are torn down: once in
+        # three full runs rank 1 died at teardown ("terminate called without an active exception")
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
