@@ -46,6 +46,10 @@ constexpr int64_t GEMV_MAX_ROWS = 16; /* rows of x (tokens) that take the intege
                                         * dequantizing up to 16-32 rows (576 to 2048 columns) */
 constexpr int64_t DEQUANT_ROWS = 512; /* weight rows dequantized at a time for longer inputs */
 constexpr int64_t BF16_VALUES = 8 << 20; /* bf16 weight values dequantized at a time (16 MB), at least 2048 rows */
+constexpr int64_t PREFETCH_BYTES = 2048; /* how far ahead of its row the integer product asks for the weight: the
+                                          * hardware's prefetcher stops at each 4 KB page; with this, 10.4 -> 12.5 GB/s
+                                          * on SmolLM2-sized products, 10.4 -> 14-16 GB/s on 2048-wide ones (1-3 KB
+                                          * ahead measured alike) */
 constexpr int64_t SERIAL_BELOW = 1 << 16; /* weights x rows of x under which one thread does the product */
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -63,8 +67,11 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline float load_x(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+/* 8 values of x from index i, as float32 (x float32, or bf16 when bf16 is set) */
+static inline __m256 load_x8(const void *x, int bf16, int64_t i) {
+    if (!bf16) return _mm256_loadu_ps((const float *)x + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 static inline float hsum(__m256 v) {
@@ -74,29 +81,48 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Row i of x as int16 per group: xq = round(x / step), step = amax / 32767; xstep[g] = step,
- * xsum[g] = step * sum(xq) (the group's sum of x as the kernel sees it). */
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Row i of x as int16 per group: xq = round(x / step) (halves away from zero), step = amax /
+ * 32767; xstep[g] = step, xsum[g] = step * sum(xq) (the group's sum of x as the kernel sees it).
+ * 8 values at a time (groups are multiples of 32): a call's fixed cost, 1-3 us in scalar code
+ * for 576-1536 columns, which a decode step of 200 small products paid 200 times. */
 static void quantize_row(const void *x, int bf16, int64_t cols, int64_t group, int16_t *xq, float *xstep, float *xsum) {
     const int64_t groups = cols / group;
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+    const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
     for (int64_t g = 0; g < groups; g++) {
-        float amax = 0.0f;
-        for (int64_t j = g * group; j < (g + 1) * group; j++) {
-            float v = load_x(x, bf16, j);
-            v = v < 0 ? -v : v;
-            amax = v > amax ? v : amax;
-        }
-        float step = amax > 0.0f ? amax / 32767.0f : 1.0f;
-        float inv = 1.0f / step;
-        int32_t sum = 0;
-        for (int64_t j = g * group; j < (g + 1) * group; j++) {
-            float v = load_x(x, bf16, j) * inv;
-            int32_t q = (int32_t)(v < 0 ? v - 0.5f : v + 0.5f);
-            q = q > 32767 ? 32767 : (q < -32767 ? -32767 : q);
-            xq[j] = (int16_t)q;
-            sum += q;
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t j = g * group; j < (g + 1) * group; j += 8)
+            vmax = _mm256_max_ps(_mm256_andnot_ps(sign, load_x8(x, bf16, j)), vmax); /* a NaN is passed over */
+        const float amax = hmax(vmax);
+        const float step = amax > 0.0f ? amax / 32767.0f : 1.0f;
+        const __m256 inv = _mm256_set1_ps(1.0f / step);
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t j = g * group; j < (g + 1) * group; j += 16) {
+            __m256i q[2];
+            for (int h = 0; h < 2; h++) {
+                __m256 v = _mm256_mul_ps(load_x8(x, bf16, j + 8 * h), inv);
+                v = _mm256_add_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), half)); /* v -+ 0.5, then toward zero */
+                q[h] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(v), hi), lo);
+                sum = _mm256_add_epi32(sum, q[h]);
+            }
+            _mm256_storeu_si256((__m256i *)(xq + j), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
         }
         xstep[g] = step;
-        xsum[g] = step * (float)sum;
+        xsum[g] = step * (float)hsum_epi32(sum);
     }
 }
 
@@ -155,6 +181,7 @@ void gemv(const uint8_t *w, const float *scale, const float *zero, const void *x
     const int threads = rows * cols * m >= SERIAL_BELOW ? at::get_num_threads() : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+        for (int64_t off = 0; off < half; off += 64) _mm_prefetch((const char *)(w + r * half + off + PREFETCH_BYTES), _MM_HINT_T0);
         for (int64_t i = 0; i < m; i++) {
             float value = gemv_row(w + r * half, scale + r * groups, zero ? zero + r * groups : nullptr, xqp + i * cols,
                                    xstepp + i * groups, xsump + i * groups, cols, group);
