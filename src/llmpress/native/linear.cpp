@@ -52,13 +52,6 @@ constexpr int64_t PREFETCH_BYTES = 2048; /* how far ahead of its row the integer
                                           * ahead measured alike) */
 constexpr int64_t SERIAL_BELOW = 1 << 16; /* weights x rows of x under which one thread does the product */
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
