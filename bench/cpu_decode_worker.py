@@ -24,14 +24,15 @@ from common import prefill_seconds
 VARIANTS = ("fp32", "bf16", "int8", "int4", "int4-bf16", "int4-all")
 
 
-def load(model: str, variant: str):
+def load(model: str, variant: str, compile_decode: bool):
     import llmpress
 
     if variant in ("fp32", "bf16"):
-        return llmpress.load(model, dtype=torch.float32 if variant == "fp32" else torch.bfloat16)
+        return llmpress.load(model, dtype=torch.float32 if variant == "fp32" else torch.bfloat16, compile_decode=compile_decode)
     bits = 8 if variant == "int8" else 4
     dtype = torch.bfloat16 if variant == "int4-bf16" else None
-    return llmpress.load(model, dtype=dtype, quantization_config=llmpress.LlmpressConfig(bits=bits, lm_head=variant == "int4-all"))
+    config = llmpress.LlmpressConfig(bits=bits, lm_head=variant == "int4-all")
+    return llmpress.load(model, dtype=dtype, quantization_config=config, compile_decode=compile_decode)
 
 
 def logits_gap(model) -> float:
@@ -50,10 +51,6 @@ def logits_gap(model) -> float:
 
 def decode(model, new_tokens: int, compile_decode: bool) -> dict:
     settings = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    if compile_decode:
-        from llmpress.runtime.decode import compile_decode as compiled
-
-        compiled(model)
     ids = torch.tensor([[1]])
     with torch.no_grad():
         start = time.perf_counter()
@@ -74,7 +71,7 @@ def main() -> None:
     parser.add_argument("--variant", choices=VARIANTS, required=True)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--compile", action="store_true", help="decode through torch.compile (static cache)")
+    parser.add_argument("--compile", action="store_true", help="decode through torch.compile (static cache), as llmpress.load does by default")
     args = parser.parse_args()
     torch.set_num_threads(2)
     import transformers.models.llama.modeling_llama  # noqa: F401  (imports are not timed)
@@ -85,7 +82,7 @@ def main() -> None:
 
     native.available()  # built once beforehand: the build is not the load
     start = time.perf_counter()
-    model = load(args.model, args.variant)
+    model = load(args.model, args.variant, args.compile)
     result = {"variant": args.variant, "load_s": time.perf_counter() - start, "kernels": kernel_report(model)}
     if args.variant.startswith("int"):
         result["logits_gap"] = logits_gap(model)

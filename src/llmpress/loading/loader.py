@@ -31,6 +31,7 @@ from llmpress.loading.shards import (
 from llmpress.memory import release_free_memory
 from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
 from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+from llmpress.runtime.decode import prepare_decode
 
 __all__ = ["load", "load_checkpoint", "model_folder"]
 
@@ -47,6 +48,7 @@ def load(
     device_map: str | torch.device | dict[str, Any] | None = None,
     max_memory: dict[Any, int | str] | None = None,
     dequantize: bool = False,
+    compile_decode: bool | None = None,
 ) -> nn.Module:
     """Load a causal LM from a local checkpoint folder.
 
@@ -57,6 +59,11 @@ def load(
       tensor by tensor as it streams in.
     - ``dtype`` is the dtype of the unquantized parts (default: the quantizer's choice, else the
       checkpoint's). ``device_map``: a device, ``{"module.prefix": device}``, or ``"auto"``.
+    - Decoding is set up for speed: int4 layers that read the same input (q/k/v, gate/up) run as
+      one product, and ``generate()`` decodes with a static cache through a compiled step
+      (``compile_decode``: None means wherever it works, see ``runtime/decode.py``; the first
+      ``generate()`` of each cache size pays the compile, logged). ``LLMPRESS_COMPILE=0`` turns
+      the default off.
     """
     folder = model_folder(path)
     config = _read_config(folder)
@@ -121,6 +128,7 @@ def load(
         except RecipeError as exc:
             logger.warning("%s is not a recipe llmpress can read, so a later save will not carry it: %s", recipe_file, exc)
     model.eval()
+    prepare_decode(model, compile_decode)
     return model
 
 

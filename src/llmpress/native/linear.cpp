@@ -6,7 +6,9 @@
  * 4-bit weights are in the blocks64 layout (blocks64.h): a shift and a mask give 16 values as
  * 16-bit integers in place, with no widening shuffle.
  * table: float32 [1 or 2][rows][groups]: the scale s of each group, and its zero z (absent:
- * symmetric), meaning w = (u - 8) * s + z. Groups are 32 columns or a multiple of 64.
+ * symmetric), meaning w = (u - 8) * s + z. Groups are 32 columns or a multiple of 64. Each plane's
+ * rows are contiguous, the planes may be apart: a slice of rows of a larger table (a fused
+ * product's, runtime/fusion.py) is a view, not a copy.
  *
  * For few rows of x (decode) the product works in integers: each row of x is quantized per
  * weight group to int16 (step amax / 32767: error 1.5e-5 of the group's largest value, far
@@ -264,6 +266,12 @@ at::Tensor piecewise_product(const at::Tensor &wide, int64_t rows, int64_t cols,
 /* Rows of bf16 values per piece: BF16_VALUES, at least 2048 rows. */
 static inline int64_t bf16_piece(int64_t cols) { return std::max<int64_t>(2048, BF16_VALUES / std::max<int64_t>(cols, 1)); }
 
+/* A table of [1 or 2][rows][groups] float32 whose planes each hold their rows one after another. */
+static bool table_fits(const at::Tensor &table, int64_t rows, int64_t groups) {
+    return table.scalar_type() == at::kFloat && table.dim() == 3 && (table.size(0) == 1 || table.size(0) == 2) && table.size(1) == rows &&
+           table.size(2) == groups && (groups <= 1 || table.stride(2) == 1) && (rows <= 1 || table.stride(1) == groups);
+}
+
 at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &table, int64_t group) {
     const int64_t cols = x.size(-1), rows = weight.size(0);
     TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && table.device().is_cpu(), "llmpress int4_linear runs on the CPU");
@@ -271,11 +279,9 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
                 "llmpress int4_linear: weight must be contiguous uint8 [out, in / 2], in = ", cols);
     TORCH_CHECK((group == 32 || group % 64 == 0) && group > 0 && cols % group == 0 && cols % 64 == 0, "llmpress int4_linear: group ", group,
                 " must be 32 or a multiple of 64 dividing ", cols, " (a multiple of 64)");
-    TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 3 && (table.size(0) == 1 || table.size(0) == 2) &&
-                    table.size(1) == rows && table.size(2) == cols / group && table.is_contiguous(),
-                "llmpress int4_linear: table must be contiguous float32 [1 or 2, out, in / group]");
+    TORCH_CHECK(table_fits(table, rows, cols / group), "llmpress int4_linear: table must be float32 [1 or 2, out, in / group] with contiguous planes");
     const float *scale = table.data_ptr<float>();
-    const float *zero = table.size(0) == 2 ? scale + rows * (cols / group) : nullptr;
+    const float *zero = table.size(0) == 2 ? scale + table.stride(0) : nullptr;
     const uint8_t *w = weight.data_ptr<uint8_t>();
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = rows;
@@ -307,11 +313,11 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &weight, const at::
 
 at::Tensor int4_dequantize(const at::Tensor &weight, const at::Tensor &table, int64_t group) {
     const int64_t rows = weight.size(0), cols = weight.size(1) * 2;
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && table.scalar_type() == at::kFloat && table.is_contiguous() &&
-                    (group == 32 || group % 64 == 0) && cols % group == 0 && cols % 64 == 0 && table.size(1) == rows && table.size(2) == cols / group,
-                "llmpress int4_dequantize: weight uint8 [out, in / 2], table float32 [1 or 2, out, in / group]");
+    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && (group == 32 || group % 64 == 0) && cols % group == 0 &&
+                    cols % 64 == 0 && table_fits(table, rows, cols / group),
+                "llmpress int4_dequantize: weight uint8 [out, in / 2], table float32 [1 or 2, out, in / group] with contiguous planes");
     const float *scale = table.data_ptr<float>();
-    const float *zero = table.size(0) == 2 ? scale + rows * (cols / group) : nullptr;
+    const float *zero = table.size(0) == 2 ? scale + table.stride(0) : nullptr;
     at::Tensor out = at::empty({rows, cols}, table.options());
     dequantize<float>(weight.data_ptr<uint8_t>(), scale, zero, out.data_ptr<float>(), 0, rows, cols, group);
     return out;

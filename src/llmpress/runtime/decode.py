@@ -1,41 +1,143 @@
-"""Decode through ``torch.compile``: a model's ``generate()`` with a static KV cache and its
-decode step compiled once (Inductor's C++ backend on the CPU).
+"""Decode through ``torch.compile``: ``generate()`` with a static KV cache and its decode step
+compiled once (Inductor's C++ backend on the CPU), which ``llmpress.load`` sets up by default.
 
 A decode step of a small model is hundreds of small PyTorch calls; compiled, the step runs as a
 few generated C++ loops around the quantized products (llmpress's int4 operator is opaque to the
-compiler and called as it is). Measured here (2 cores): SmolLM2-135M's shapes, int4, 21 → 34
-tokens/s (with PyTorch's attention as it is; plain matrix products measured the same); the
-2048-hidden Llama, whose time is its products, gains nothing. The compile costs
-about 80 s on 2 cores the first time a shape is seen (Inductor's cache on disk makes later
-processes faster), which is why it is asked for, not the default.
+compiler and called as it is). Measured here (2 cores, int4 with the output projection): a
+Llama with SmolLM2-135M's shapes decodes 1.5x faster compiled; the 2048-hidden Llama, whose time
+is its products, 1.25x. The compile is paid by the first ``generate()`` of each static cache
+size: about 25 s on 2 cores for a 30-layer model the first time, 8 s once Inductor's cache on
+disk holds its code (later processes on the machine).
+
+The compile settings go into each ``generate()`` call, not into ``model.generation_config``,
+so a model saved afterwards keeps its own generation config. Cache sizes are rounded up to a
+power of two (at least 256 positions) so that prompts of other lengths reuse the compiled step
+instead of compiling another; transformers keeps the largest cache so far for later calls.
+A call that brings its own cache, another cache implementation or ``disable_compile=True``
+runs as transformers runs it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import time
+from typing import Any
 
 from torch import nn
 
-__all__ = ["compile_decode", "kernel_report", "path_name"]
+__all__ = ["MIN_CACHE_POSITIONS", "can_compile", "compile_decode", "is_compiled", "kernel_report", "path_name", "prepare_decode"]
 
 logger = logging.getLogger(__name__)
 
+MIN_CACHE_POSITIONS = 256
+_WRAPPED = "_llmpress_compiled_generate"
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model.generate()`` decodes through ``compile_decode``'s compiled step."""
+    return bool(getattr(model, _WRAPPED, False))
+
+
+def prepare_decode(model: nn.Module, compile_step: bool | None = None) -> None:
+    """What ``llmpress.load`` does for decoding: fuse the int4 products that read the same input
+    (``fusion.py``), and compile ``generate()``'s decode step when ``compile_step`` is true, or
+    is None and ``can_compile(model)``."""
+    from llmpress.runtime.fusion import fuse_projections
+
+    fuse_projections(model)
+    if compile_step if compile_step is not None else can_compile(model):
+        compile_decode(model)
+
+
+def can_compile(model: nn.Module) -> bool:
+    """Whether ``llmpress.load`` compiles ``model``'s decode by default: a model that generates,
+    on the CPU, where Inductor finds a C++ compiler, without an fp8 KV cache (whose hooks wrap
+    the cache), unless ``LLMPRESS_COMPILE=0``."""
+    if os.environ.get("LLMPRESS_COMPILE", "1") == "0":
+        return False
+    if not getattr(model, "can_generate", lambda: False)() or any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    from llmpress.quant.kv_cache import kv_cache_scheme_of
+
+    if kv_cache_scheme_of(model) is not None:
+        return False
+    return _cpp_compiler()
+
+
+@functools.cache
+def _cpp_compiler() -> bool:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+        return True
+    except Exception:  # noqa: BLE001 - no compiler, or another torch: decode stays eager
+        logger.info("no C++ compiler for torch.compile: generate() decodes uncompiled")
+        return False
+
 
 def compile_decode(model: nn.Module) -> nn.Module:
-    """Make ``model.generate()`` decode with a static cache through a compiled step (in place).
-
-    The first ``generate()`` of each cache length compiles (the cache is sized to the prompt
-    plus ``max_new_tokens``); sampling, stopping criteria and batches work as before."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
-    config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.compile_config = config
+    """Make ``model.generate()`` decode with a static cache through a compiled step (in place;
+    once is enough). The first ``generate()`` of each cache size compiles; sampling, stopping
+    criteria and batches work as before."""
+    if getattr(model, _WRAPPED, False):
+        return model
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not getattr(quantizer, "is_compileable", False):
         logger.warning("%s's quantizer does not support torch.compile: generate() will decode uncompiled", type(quantizer).__name__)
+        return model
+    original = model.generate
+    compiled_sizes: set[tuple[int, int]] = set()
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any):
+        if not _compiles(kwargs):
+            return original(*args, **kwargs)
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+        config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+        kwargs.setdefault("cache_implementation", "static")
+        kwargs.setdefault("compile_config", config)
+        batch, needed = _cache_shape(model, args, kwargs)
+        if needed and "max_cache_len" not in kwargs:
+            kwargs["max_cache_len"] = max(MIN_CACHE_POSITIONS, 1 << (needed - 1).bit_length())
+        size = (batch, max(kwargs.get("max_cache_len") or 0, getattr(model, "_previous_max_cache_length", -1)))
+        if size in compiled_sizes:
+            return original(*args, **kwargs)
+        logger.info("compiling the decode step for batch %d and a static cache of %d positions (once per model and size)", *size)
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        compiled_sizes.add(size)
+        logger.info("the first generate() of this size took %.1fs, compile included", time.perf_counter() - start)
+        return out
+
+    model.generate = generate
+    setattr(model, _WRAPPED, True)
     return model
+
+
+def _compiles(kwargs: dict[str, Any]) -> bool:
+    """Whether a call leaves the cache and the compile to us."""
+    if kwargs.get("disable_compile") or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return False
+    generation_config = kwargs.get("generation_config")
+    chosen = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
+    return chosen in (None, "static") and not kwargs.get("assistant_model")
+
+
+def _cache_shape(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int | None]:
+    """(batch, positions the call needs), the positions None when the call does not say."""
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    if inputs is None or not hasattr(inputs, "shape") or inputs.dim() < 2:
+        return 1, None
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
+    if new is not None:
+        return inputs.shape[0], inputs.shape[1] + new
+    return inputs.shape[0], kwargs.get("max_length", generation_config.max_length)
 
 
 def path_name(kernel: str) -> str:

@@ -78,6 +78,7 @@ class QuantizedLinear(nn.Module):
         self._int8_inputs: int8_inputs.Int8Inputs | None = None  # packed on the first long input
         self._dense: torch.Tensor | None = None  # kernel bf16: the weight, dequantized on the first forward
         self._divisor: torch.Tensor | None = None  # and NVFP4's global scale, which divides its products
+        self._fusion: tuple | None = None  # (FusedProduct, index) when fused with layers reading the same input (fusion.py)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -149,6 +150,8 @@ class QuantizedLinear(nn.Module):
         return spread(scale), None if zero_point is None else spread(zero_point)
 
     def _set_int4(self, packed: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
+        if self._fusion is not None:  # new values: the fused copy is stale
+            self._fusion[0].dissolve()
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
         self.register_buffer("int4_weight", packed)
@@ -243,7 +246,10 @@ class QuantizedLinear(nn.Module):
         if inputs is not None:
             x = fake_quantize_module_input(self, x, inputs)
         if self.kernel == "int4":
-            out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
+            if self._fusion is not None:
+                out = self._fusion[0].output(self._fusion[1], x)
+            else:
+                out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
         elif self.kernel in _INT8:
             out = kernels.int8_matmul(x, self.int8_weight, self.int8_scale, self.int8_zero_correction)
         elif self.kernel == "bf16":
@@ -285,6 +291,8 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy (the bf16 weight) is rebuilt from the buffers
         self._int8_inputs = self._dense = None
+        if self._fusion is not None:  # the fused tensors stay where they are: every member runs alone
+            self._fusion[0].dissolve()
         stored = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
         result = super()._apply(fn, recurse)
         for name, before in stored.items():
@@ -296,7 +304,7 @@ class QuantizedLinear(nn.Module):
         return result
 
     def __getstate__(self):  # deepcopy, pickle: oneDNN's packed weight has no storage to copy
-        return {**self.__dict__, "_int8_inputs": None, "_dense": None}
+        return {**self.__dict__, "_int8_inputs": None, "_dense": None, "_fusion": None}
 
     def _int8_product(self, x: torch.Tensor, inputs) -> torch.Tensor:
         if self._int8_inputs is None:

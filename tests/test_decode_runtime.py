@@ -1,0 +1,122 @@
+"""What ``llmpress.load`` sets up for decoding: fused int4 products for layers that read the same
+input, and ``generate()`` through a compiled step with a static cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+import llmpress
+from llmpress.runtime import QuantizedLinear
+from llmpress.runtime.decode import can_compile, is_compiled
+from llmpress.runtime.fusion import fuse_projections, unfuse
+
+pytestmark = pytest.mark.skipif(not llmpress.native.available(), reason="llmpress's int4 operator does not build here")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    model = make_tiny_llama(intermediate=256)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _load(folder, compile_decode=False, **config):
+    return llmpress.load(folder, quantization_config=llmpress.LlmpressConfig(bits=4, **config), compile_decode=compile_decode)
+
+
+def _members(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and m._fusion is not None}
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_reading_one_input_run_as_one_product_with_the_same_results(tiny_dir, symmetric, dtype):
+    model = _load(tiny_dir, symmetric=symmetric).to(dtype)
+    fuse_projections(model)  # .to() dissolves the groups load() made
+    fused = _members(model)
+    groups = {id(m._fusion[0]) for m in fused.values()}
+    assert len(groups) == 4 and len(fused) == 10  # per layer: q/k/v and gate/up; o_proj and down_proj read their own inputs
+    first = model.model.layers[0]
+    assert first.self_attn.q_proj._fusion[0] is first.self_attn.v_proj._fusion[0] is not first.mlp.up_proj._fusion[0]
+    # the members' tensors are views of the fused ones: no second copy
+    group = first.mlp.gate_proj._fusion[0]
+    assert first.mlp.up_proj.int4_weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+    weights = {name: m.dequantized_weight(torch.float32) for name, m in fused.items()}
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = [model(ids[:, :1]).logits, model(ids).logits]  # decode and prefill products
+        unfuse(model)
+        assert not _members(model)
+        reference = [model(ids[:, :1]).logits, model(ids).logits]
+    for got, want in zip(outputs, reference):
+        assert torch.equal(got, want)
+    for name, module in model.named_modules():
+        if name in weights:
+            assert torch.equal(module.dequantized_weight(torch.float32), weights[name])
+
+
+def test_a_member_called_on_another_input_computes_its_own_rows(tiny_dir):
+    model = _load(tiny_dir)
+    attention = model.model.layers[0].self_attn
+    assert attention.k_proj._fusion is not None
+    x, y = torch.randn(1, 3, 128), torch.randn(1, 3, 128)
+    with torch.no_grad():
+        q, k_other, v = attention.q_proj(x), attention.k_proj(y), attention.v_proj(x)
+        assert attention.q_proj._fusion[0].kept[0] is x  # v_proj's call computed the group again
+        unfuse(model)
+        assert torch.equal(q, attention.q_proj(x)) and torch.equal(k_other, attention.k_proj(y)) and torch.equal(v, attention.v_proj(x))
+
+
+def test_saving_a_fused_model_writes_what_an_unfused_one_writes(tiny_dir, tmp_path):
+    model = _load(tiny_dir)
+    assert _members(model)
+    model.save_pretrained(tmp_path / "fused")
+    unfuse(model)
+    model.save_pretrained(tmp_path / "plain")
+    from safetensors.torch import load_file
+
+    fused, plain = load_file(tmp_path / "fused" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    assert fused.keys() == plain.keys() and all(torch.equal(fused[k], plain[k]) for k in plain)
+
+
+def test_copies_and_casts_run_unfused(tiny_dir):
+    model = _load(tiny_dir)
+    clone = copy.deepcopy(model)
+    assert _members(model) and not _members(clone)
+    ids = torch.randint(0, 512, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, model(ids).logits)
+        model.float()
+    assert not _members(model)
+
+
+def test_load_compiles_generate_by_default_and_keeps_what_generate_does(tiny_dir, tmp_path, monkeypatch):
+    """A static cache and a compiled step, with greedy tokens equal to eager decoding; sampling,
+    stopping criteria and batches of two work; the model's generation config is untouched."""
+    model = _load(tiny_dir, compile_decode=None)
+    assert is_compiled(model) == can_compile(model)
+    if not is_compiled(model):
+        pytest.skip("torch.compile has no C++ compiler here")
+    ids = torch.randint(1, 512, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second prompt is left-padded
+    settings = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+    with torch.no_grad():
+        compiled = model.generate(ids, do_sample=False, **settings)
+        eager = model.generate(ids, do_sample=False, disable_compile=True, **settings)
+        assert torch.equal(compiled, eager)
+        torch.manual_seed(0)
+        sampled = model.generate(ids, do_sample=True, top_k=20, **settings)
+        stopped = model.generate(ids, do_sample=False, stopping_criteria=[lambda input_ids, scores, **kw: torch.full((2,), input_ids.shape[1] >= 9)],
+                                 **{**settings, "min_new_tokens": 0})
+    assert sampled.shape == compiled.shape and stopped.shape[1] == 9
+    assert hasattr(model, "_compiled_call")  # transformers' compiled forward ran the decode steps
+    assert model.generation_config.cache_implementation is None and model.generation_config.compile_config is None
+    assert model._previous_max_cache_length == 256  # 17 positions, rounded up: other prompts reuse the compiled step
+    monkeypatch.setenv("LLMPRESS_COMPILE", "0")
+    assert not can_compile(model) and not is_compiled(_load(tiny_dir, compile_decode=None))
