@@ -56,7 +56,7 @@ def test_w4a16_logits_match_transformers(source, trained_w4a16):
 
 @pytest.mark.parametrize(
     ("preset", "kernel"),
-    [("W4A16", "int4"), ("W4A16_ASYM", "int4"), ("W8A8", "int8x8"), ("W8A16", "dequant"), ("FP8", "dequant"), ("FP8_DYNAMIC", "dequant"),
+    [("W4A16", "int4"), ("W4A16_ASYM", "int4"), ("W8A8", "int8x8"), ("W8A16", "bf16"), ("FP8", "dequant"), ("FP8_DYNAMIC", "dequant"),
      ("NVFP4A16", "bf16"), ("NVFP4", "bf16"), ("MXFP4A16", "bf16"), ("MXFP4", "bf16"), ("FP8_BLOCK", "bf16")],
 )
 def test_every_preset_loads_into_runtime_modules(preset, kernel, tmp_path):
@@ -81,16 +81,16 @@ def test_every_preset_loads_into_runtime_modules(preset, kernel, tmp_path):
         assert torch.equal(first[key].view(torch.uint8), again[key].view(torch.uint8)), key
 
 
-def test_uneven_shapes_fall_back_to_dequantization(tmp_path):
+def test_uneven_shapes_fall_back_to_a_bf16_weight(tmp_path):
     """down_proj has 200 columns: no int4 kernel takes them (whole 32-column groups), so it
-    dequantizes on the fly; up_proj's 200 rows run on llmpress's kernel (PyTorch's needs rows in
+    runs on its weight dequantized once in bf16; up_proj's 200 rows run on llmpress's kernel (PyTorch's needs rows in
     16s); the attention projections on the kernel either way."""
     model = make_tiny_llama(intermediate=200)
     llmpress.oneshot(model, "W4A16", token_batches(), output_dir=tmp_path / "c")
     runtime = llmpress.load(tmp_path / "c")
     assert isinstance(runtime.model.layers[0].mlp.down_proj, QuantizedLinear)
-    assert runtime.model.layers[0].mlp.down_proj.kernel == "dequant"
-    assert runtime.model.layers[0].mlp.up_proj.kernel == ("int4" if kernels.int4_layout() == "blocks64" else "dequant")
+    assert runtime.model.layers[0].mlp.down_proj.kernel == "bf16"
+    assert runtime.model.layers[0].mlp.up_proj.kernel == ("int4" if kernels.int4_layout() == "blocks64" else "bf16")
     assert runtime.model.layers[0].self_attn.q_proj.kernel == "int4"
     ids = torch.tensor(token_batches(2, 16))
     assert rel(logits(runtime, ids), logits(llmpress.load(tmp_path / "c", dequantize=True), ids)) < 1e-2

@@ -16,11 +16,13 @@ fastest kernel that applies:
   ``int8_inputs.MIN_ROWS`` tokens on, an int8 × int8 product on oneDNN (exact integers, see
   ``int8_inputs``); fewer tokens (decode) run as ``int8`` on the fake-quantized input;
 - ``bf16``: microscaling and block formats (NVFP4, MXFP4, FP8 block: no CPU kernel takes fp4
-  values or 16-column groups) keep the stored tensors and, from the first forward, their weight
-  dequantized once in bf16 (2 bytes a weight): few-token inputs (decode) multiply in bf16, which
-  reads half of fp32's bytes; longer ones (prefill) in the input's dtype;
-- ``dequant``: anything else (fp8, other widths or group sizes) keeps the stored tensors and
-  decompresses them on the fly for each forward.
+  values or 16-column groups), and integer grids no integer kernel takes (widths that are not
+  whole 64-column blocks, groups that no kernel group divides exactly, grouped int8), keep the
+  stored tensors and, from the first forward, their weight dequantized once in bf16 (2 bytes a
+  weight): few-token inputs (decode) multiply in bf16, at dense bf16's speed; longer ones
+  (prefill) in the input's dtype;
+- ``dequant``: anything else (fp8 per channel or tensor, Conv1D's layout) keeps the stored
+  tensors and decompresses them on the fly for each forward.
 
 ``input_major`` modules stand for transformers' ``Conv1D`` (GPT-2): their tensors are stored
 ``[in, out]``, with qparams along the output features of each input feature, which no CPU kernel
@@ -193,7 +195,7 @@ class QuantizedLinear(nn.Module):
             if kernels.int8_supported(self.in_features):
                 inputs = self.quantization_scheme.input_activations
                 return "int8x8" if int8_inputs.int8_inputs_supported(args, inputs) else "int8"
-        return "dequant"
+        return "bf16"  # an integer grid no integer kernel takes: dense bf16's speed, not a dequantization per call
 
     # -- what the module means ---------------------------------------------------------------
     def quantized_values(self) -> torch.Tensor:
@@ -268,9 +270,12 @@ class QuantizedLinear(nn.Module):
         ``q * group scale`` in bf16, which is exact (a 2-bit value times an fp8 scale, or a
         power of two), and NVFP4's global scale divides the product: prefill multiplies them in
         ``x``'s dtype, exactly as the dense view; decode in bf16, at half of fp32's bytes. FP8
-        block weights in bf16 are not exact: prefill dequantizes them for the call."""
+        block weights and integer grids in bf16 are not exact: prefill dequantizes them for the
+        call."""
         args = self.quantization_scheme.weights
-        if self._dense is None:  # once, from the stored tensors (which stay, for saving)
+        if self._dense is None and not (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK):  # integers
+            self._dense, self._divisor = self.dequantized_weight(torch.float32).to(kernels.COMPUTE_DTYPE), None
+        elif self._dense is None:  # once, from the stored tensors (which stay, for saving)
             unpacked = FORMATS.get(self.format).unpack(self._stored(), self.quantization_scheme)
             divisor = unpacked.get("weight_global_scale") if args.has_global_scale else None
             ones = None if divisor is None else torch.ones_like(divisor)
@@ -279,8 +284,8 @@ class QuantizedLinear(nn.Module):
         # products of q * group scale are global-scale times too large: they run in a dtype with
         # fp32's range (never fp16) and are divided before going back to x's dtype
         wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        if x.numel() < int8_inputs.MIN_ROWS * self.in_features:  # decode
-            out = F.linear(x.to(self._dense.dtype), self._dense)
+        if x.numel() < int8_inputs.MIN_ROWS * self.in_features or (x.dtype == self._dense.dtype and self._divisor is None):
+            out = F.linear(x.to(self._dense.dtype), self._dense)  # decode, or a bf16 model's prefill
         elif args.is_fp4:
             out = F.linear(x.to(wide), self._dense.to(wide))
         else:
