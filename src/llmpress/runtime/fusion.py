@@ -120,7 +120,7 @@ def fuse_projections(model: nn.Module, inputs: dict[str, Any] | None = None) -> 
     if groups:
         names = {id(m): n for n, m in model.named_modules()}
         example = ", ".join(names.get(id(m), "?").rsplit(".", 1)[-1] for m in groups[0].members)
-        logger.info("fused %d int4 products into %d (%d groups, e.g. %s)", sum(len(g.members) for g in groups), len(groups), len(groups), example)
+        logger.info("fused %d int4 products into %d (e.g. %s)", sum(len(g.members) for g in groups), len(groups), example)
     return groups
 
 
