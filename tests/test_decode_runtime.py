@@ -4,6 +4,7 @@ input, and ``generate()`` through a compiled step with a static cache."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -118,5 +119,9 @@ def test_load_compiles_generate_by_default_and_keeps_what_generate_does(tiny_dir
     assert hasattr(model, "_compiled_call")  # transformers' compiled forward ran the decode steps
     assert model.generation_config.cache_implementation is None and model.generation_config.compile_config is None
     assert model._previous_max_cache_length == 256  # 17 positions, rounded up: other prompts reuse the compiled step
+    clone = copy.deepcopy(model)  # its generate() is bound to the copy, not to the original
+    assert is_compiled(clone) and clone.generate.model is clone
+    fresh = pickle.loads(pickle.dumps(_load(tiny_dir, compile_decode=True)))  # (a compiled forward itself does not pickle)
+    assert is_compiled(fresh) and fresh.generate.model is fresh
     monkeypatch.setenv("LLMPRESS_COMPILE", "0")
     assert not can_compile(model) and not is_compiled(_load(tiny_dir, compile_decode=None))

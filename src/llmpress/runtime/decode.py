@@ -19,6 +19,7 @@ runs as transformers runs it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -27,17 +28,16 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["MIN_CACHE_POSITIONS", "can_compile", "compile_decode", "is_compiled", "kernel_report", "path_name", "prepare_decode"]
+__all__ = ["MIN_CACHE_POSITIONS", "CompiledGenerate", "can_compile", "compile_decode", "is_compiled", "kernel_report", "path_name", "prepare_decode"]
 
 logger = logging.getLogger(__name__)
 
 MIN_CACHE_POSITIONS = 256
-_WRAPPED = "_llmpress_compiled_generate"
 
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model.generate()`` decodes through ``compile_decode``'s compiled step."""
-    return bool(getattr(model, _WRAPPED, False))
+    return isinstance(model.__dict__.get("generate"), CompiledGenerate)
 
 
 def prepare_decode(model: nn.Module, compile_step: bool | None = None) -> None:
@@ -82,19 +82,29 @@ def compile_decode(model: nn.Module) -> nn.Module:
     """Make ``model.generate()`` decode with a static cache through a compiled step (in place;
     once is enough). The first ``generate()`` of each cache size compiles; sampling, stopping
     criteria and batches work as before."""
-    if getattr(model, _WRAPPED, False):
+    if is_compiled(model):
         return model
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not getattr(quantizer, "is_compileable", False):
         logger.warning("%s's quantizer does not support torch.compile: generate() will decode uncompiled", type(quantizer).__name__)
         return model
-    original = model.generate
-    compiled_sizes: set[tuple[int, int]] = set()
+    model.generate = CompiledGenerate(model)
+    return model
 
-    @functools.wraps(original)
-    def generate(*args: Any, **kwargs: Any):
+
+class CompiledGenerate:
+    """``model.generate`` with the compile settings added to each call (an object, not a
+    closure: a deep copy or a pickle of the model gets one bound to the copy)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.compiled_sizes: set[tuple[int, int]] = set()
+        self.__doc__ = type(model).generate.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        model, generate = self.model, type(self.model).generate
         if not _compiles(kwargs):
-            return original(*args, **kwargs)
+            return generate(model, *args, **kwargs)
         from transformers import CompileConfig
 
         config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
@@ -105,18 +115,20 @@ def compile_decode(model: nn.Module) -> nn.Module:
         if needed and "max_cache_len" not in kwargs:
             kwargs["max_cache_len"] = max(MIN_CACHE_POSITIONS, 1 << (needed - 1).bit_length())
         size = (batch, max(kwargs.get("max_cache_len") or 0, getattr(model, "_previous_max_cache_length", -1)))
-        if size in compiled_sizes:
-            return original(*args, **kwargs)
+        if size in self.compiled_sizes:
+            return generate(model, *args, **kwargs)
         logger.info("compiling the decode step for batch %d and a static cache of %d positions (once per model and size)", *size)
         start = time.perf_counter()
-        out = original(*args, **kwargs)
-        compiled_sizes.add(size)
+        out = generate(model, *args, **kwargs)
+        self.compiled_sizes.add(size)
         logger.info("the first generate() of this size took %.1fs, compile included", time.perf_counter() - start)
         return out
 
-    model.generate = generate
-    setattr(model, _WRAPPED, True)
-    return model
+    def __deepcopy__(self, memo: dict) -> CompiledGenerate:
+        return CompiledGenerate(copy.deepcopy(self.model, memo))  # the model's copy is already in memo
+
+    def __reduce__(self):
+        return CompiledGenerate, (self.model,)
 
 
 def _compiles(kwargs: dict[str, Any]) -> bool:
