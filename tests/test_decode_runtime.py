@@ -12,7 +12,7 @@ from conftest import make_tiny_llama
 
 import llmpress
 from llmpress.runtime import QuantizedLinear
-from llmpress.runtime.decode import can_compile, is_compiled
+from llmpress.runtime.decode import COMPILE_AFTER_TOKENS, can_compile, compiles, is_compiled
 from llmpress.runtime.fusion import fuse_projections, unfuse
 
 pytestmark = pytest.mark.skipif(not llmpress.native.available(), reason="llmpress's int4 operator does not build here")
@@ -96,32 +96,36 @@ def test_copies_and_casts_run_unfused(tiny_dir):
     assert not _members(model)
 
 
-def test_load_compiles_generate_by_default_and_keeps_what_generate_does(tiny_dir, tmp_path, monkeypatch):
-    """A static cache and a compiled step, with greedy tokens equal to eager decoding; sampling,
-    stopping criteria and batches of two work; the model's generation config is untouched."""
+def test_load_compiles_generate_once_it_pays_and_keeps_what_generate_does(tiny_dir, monkeypatch):
+    """By default the decode step compiles once the model has generated enough tokens; then a
+    static cache and a compiled step give the greedy tokens of eager decoding; sampling, stopping
+    criteria and batches of two work; the model's generation config is untouched."""
     model = _load(tiny_dir, compile_decode=None)
-    assert is_compiled(model) == can_compile(model)
-    if not is_compiled(model):
+    assert compiles(model) == can_compile(model)
+    if not compiles(model):
         pytest.skip("torch.compile has no C++ compiler here")
+    assert model.generate.after_tokens == COMPILE_AFTER_TOKENS
+    model.generate.after_tokens = 40  # a smaller threshold for the test
     ids = torch.randint(1, 512, (2, 5), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # the second prompt is left-padded
     settings = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     with torch.no_grad():
-        compiled = model.generate(ids, do_sample=False, **settings)
-        eager = model.generate(ids, do_sample=False, disable_compile=True, **settings)
+        eager = model.generate(ids, do_sample=False, **settings)  # 24 tokens: not yet
+        assert not is_compiled(model) and not hasattr(model, "_compiled_call")
+        compiled = model.generate(ids, do_sample=False, **settings)  # 48: compiles
+        assert is_compiled(model) and hasattr(model, "_compiled_call")  # transformers' compiled forward ran the steps
         assert torch.equal(compiled, eager)
         torch.manual_seed(0)
         sampled = model.generate(ids, do_sample=True, top_k=20, **settings)
         stopped = model.generate(ids, do_sample=False, stopping_criteria=[lambda input_ids, scores, **kw: torch.full((2,), input_ids.shape[1] >= 9)],
                                  **{**settings, "min_new_tokens": 0})
     assert sampled.shape == compiled.shape and stopped.shape[1] == 9
-    assert hasattr(model, "_compiled_call")  # transformers' compiled forward ran the decode steps
     assert model.generation_config.cache_implementation is None and model.generation_config.compile_config is None
     assert model._previous_max_cache_length == 256  # 17 positions, rounded up: other prompts reuse the compiled step
     clone = copy.deepcopy(model)  # its generate() is bound to the copy, not to the original
-    assert is_compiled(clone) and clone.generate.model is clone
+    assert compiles(clone) and clone.generate.model is clone and clone.generate.after_tokens == 40
     fresh = pickle.loads(pickle.dumps(_load(tiny_dir, compile_decode=True)))  # (a compiled forward itself does not pickle)
-    assert is_compiled(fresh) and fresh.generate.model is fresh
+    assert compiles(fresh) and fresh.generate.model is fresh and fresh.generate.after_tokens == 0
     monkeypatch.setenv("LLMPRESS_COMPILE", "0")
-    assert not can_compile(model) and not is_compiled(_load(tiny_dir, compile_decode=None))
+    assert not can_compile(model) and not compiles(_load(tiny_dir, compile_decode=None))

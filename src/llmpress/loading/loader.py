@@ -61,9 +61,9 @@ def load(
       checkpoint's). ``device_map``: a device, ``{"module.prefix": device}``, or ``"auto"``.
     - Decoding is set up for speed: int4 layers that read the same input (q/k/v, gate/up) run as
       one product, and ``generate()`` decodes with a static cache through a compiled step
-      (``compile_decode``: None means wherever it works, see ``runtime/decode.py``; the first
-      ``generate()`` of each cache size pays the compile, logged). ``LLMPRESS_COMPILE=0`` turns
-      the default off.
+      (``compile_decode``: True from the first call; None, wherever it works, once the model
+      has generated ``runtime.decode.COMPILE_AFTER_TOKENS`` tokens, when the compile pays;
+      False never). ``LLMPRESS_COMPILE=0`` turns the default off.
     """
     folder = model_folder(path)
     config = _read_config(folder)

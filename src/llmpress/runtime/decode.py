@@ -4,10 +4,15 @@ compiled once (Inductor's C++ backend on the CPU), which ``llmpress.load`` sets 
 A decode step of a small model is hundreds of small PyTorch calls; compiled, the step runs as a
 few generated C++ loops around the quantized products (llmpress's int4 operator is opaque to the
 compiler and called as it is). Measured here (2 cores, int4 with the output projection): a
-Llama with SmolLM2-135M's shapes decodes 1.5x faster compiled; the 2048-hidden Llama, whose time
-is its products, 1.25x. The compile is paid by the first ``generate()`` of each static cache
-size: about 25 s on 2 cores for a 30-layer model the first time, 8 s once Inductor's cache on
-disk holds its code (later processes on the machine).
+Llama with SmolLM2-135M's shapes decodes 1.25-1.55x faster compiled (about 5 ms less a token);
+the 2048-hidden Llama, whose time is its products, 1.0-1.25x. The compile is paid by the first
+compiled ``generate()`` of each static cache size: 20-25 s on 2 cores for a 30-layer model the
+first time, 8 s once Inductor's cache on disk holds its code (later processes on the machine).
+
+So the compile waits until it can pay: by default a model decodes as transformers does until it
+has generated ``COMPILE_AFTER_TOKENS`` tokens (or one call asks for that many), and compiled from
+then on; ``compile_decode(model, after_tokens=0)`` (``load(..., compile_decode=True)``,
+``llmpress generate --compile``) compiles from the first call.
 
 The compile settings go into each ``generate()`` call, not into ``model.generation_config``,
 so a model saved afterwards keeps its own generation config. Cache sizes are rounded up to a
@@ -28,27 +33,41 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["MIN_CACHE_POSITIONS", "CompiledGenerate", "can_compile", "compile_decode", "is_compiled", "kernel_report", "path_name", "prepare_decode"]
+__all__ = [
+    "COMPILE_AFTER_TOKENS", "MIN_CACHE_POSITIONS", "CompiledGenerate", "can_compile", "compile_decode", "compiles", "is_compiled",
+    "kernel_report", "path_name", "prepare_decode",
+]
 
 logger = logging.getLogger(__name__)
 
 MIN_CACHE_POSITIONS = 256
+#: tokens generated before the decode step compiles, by default: a 20-25 s compile (8 s with
+#: Inductor's cache warm) that saves ~5 ms a token pays after a few thousand
+COMPILE_AFTER_TOKENS = 1024
+
+
+def compiles(model: nn.Module) -> bool:
+    """Whether ``model.generate()`` goes through ``compile_decode`` (compiled now or later)."""
+    return isinstance(model.__dict__.get("generate"), CompiledGenerate)
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model.generate()`` decodes through ``compile_decode``'s compiled step."""
-    return isinstance(model.__dict__.get("generate"), CompiledGenerate)
+    """Whether ``model.generate()`` has decoded through a compiled step."""
+    return compiles(model) and bool(model.generate.compiled_sizes)
 
 
 def prepare_decode(model: nn.Module, compile_step: bool | None = None) -> None:
     """What ``llmpress.load`` does for decoding: fuse the int4 products that read the same input
-    (``fusion.py``), and compile ``generate()``'s decode step when ``compile_step`` is true, or
-    is None and ``can_compile(model)``."""
+    (``fusion.py``), and compile ``generate()``'s decode step: from the first call when
+    ``compile_step`` is true, after ``COMPILE_AFTER_TOKENS`` tokens when it is None and
+    ``can_compile(model)``."""
     from llmpress.runtime.fusion import fuse_projections
 
     fuse_projections(model)
-    if compile_step if compile_step is not None else can_compile(model):
+    if compile_step:
         compile_decode(model)
+    elif compile_step is None and can_compile(model):
+        compile_decode(model, after_tokens=COMPILE_AFTER_TOKENS)
 
 
 def can_compile(model: nn.Module) -> bool:
@@ -78,17 +97,19 @@ def _cpp_compiler() -> bool:
         return False
 
 
-def compile_decode(model: nn.Module) -> nn.Module:
-    """Make ``model.generate()`` decode with a static cache through a compiled step (in place;
-    once is enough). The first ``generate()`` of each cache size compiles; sampling, stopping
-    criteria and batches work as before."""
-    if is_compiled(model):
+def compile_decode(model: nn.Module, after_tokens: int = 0) -> nn.Module:
+    """Make ``model.generate()`` decode with a static cache through a compiled step (in place),
+    once the model has generated ``after_tokens`` tokens (counting the call that crosses it). The
+    first compiled ``generate()`` of each cache size compiles; sampling, stopping criteria and
+    batches work as before."""
+    if compiles(model):
+        model.generate.after_tokens = after_tokens
         return model
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not getattr(quantizer, "is_compileable", False):
         logger.warning("%s's quantizer does not support torch.compile: generate() will decode uncompiled", type(quantizer).__name__)
         return model
-    model.generate = CompiledGenerate(model)
+    model.generate = CompiledGenerate(model, after_tokens)
     return model
 
 
@@ -96,8 +117,9 @@ class CompiledGenerate:
     """``model.generate`` with the compile settings added to each call (an object, not a
     closure: a deep copy or a pickle of the model gets one bound to the copy)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, after_tokens: int = 0) -> None:
+        self.model, self.after_tokens = model, after_tokens
+        self.eager_tokens = 0  # generated before the first compile
         self.compiled_sizes: set[tuple[int, int]] = set()
         self.__doc__ = type(model).generate.__doc__
 
@@ -105,13 +127,16 @@ class CompiledGenerate:
         model, generate = self.model, type(self.model).generate
         if not _compiles(kwargs):
             return generate(model, *args, **kwargs)
+        batch, needed, new = _cache_shape(model, args, kwargs)
+        if not self.compiled_sizes and self.eager_tokens + batch * (new or 0) < self.after_tokens:
+            self.eager_tokens += batch * (new or 0)  # not yet worth a compile
+            return generate(model, *args, **kwargs)
         from transformers import CompileConfig
 
         config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
         config._compile_all_devices = True  # transformers compiles on accelerators only unless told
         kwargs.setdefault("cache_implementation", "static")
         kwargs.setdefault("compile_config", config)
-        batch, needed = _cache_shape(model, args, kwargs)
         if needed and "max_cache_len" not in kwargs:
             kwargs["max_cache_len"] = max(MIN_CACHE_POSITIONS, 1 << (needed - 1).bit_length())
         size = (batch, max(kwargs.get("max_cache_len") or 0, getattr(model, "_previous_max_cache_length", -1)))
@@ -125,10 +150,10 @@ class CompiledGenerate:
         return out
 
     def __deepcopy__(self, memo: dict) -> CompiledGenerate:
-        return CompiledGenerate(copy.deepcopy(self.model, memo))  # the model's copy is already in memo
+        return CompiledGenerate(copy.deepcopy(self.model, memo), self.after_tokens)  # the model's copy is already in memo
 
     def __reduce__(self):
-        return CompiledGenerate, (self.model,)
+        return CompiledGenerate, (self.model, self.after_tokens)
 
 
 def _compiles(kwargs: dict[str, Any]) -> bool:
@@ -140,16 +165,17 @@ def _compiles(kwargs: dict[str, Any]) -> bool:
     return chosen in (None, "static") and not kwargs.get("assistant_model")
 
 
-def _cache_shape(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int | None]:
-    """(batch, positions the call needs), the positions None when the call does not say."""
+def _cache_shape(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int | None, int | None]:
+    """(batch, positions the call needs, new tokens it asks for); None where the call does not say."""
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if inputs is None or not hasattr(inputs, "shape") or inputs.dim() < 2:
-        return 1, None
+        return 1, None, None
     generation_config = kwargs.get("generation_config") or model.generation_config
     new = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
     if new is not None:
-        return inputs.shape[0], inputs.shape[1] + new
-    return inputs.shape[0], kwargs.get("max_length", generation_config.max_length)
+        return inputs.shape[0], inputs.shape[1] + new, new
+    length = kwargs.get("max_length", generation_config.max_length)
+    return inputs.shape[0], length, None if length is None else max(0, length - inputs.shape[1])
 
 
 def path_name(kernel: str) -> str:
