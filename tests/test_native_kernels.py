@@ -1,5 +1,5 @@
 """llmpress's own CPU operators for quantized linears (llmpress/native): the int4 integer product
-for decode and the dequantize-and-multiply for prefill (float32, and bf16 for int4 and int8)
+and the int8 one for decode, and the dequantize-and-multiply for prefill (float32, and bf16 for int4 and int8)
 against a float64 reference, the blocks64 layout's round
 trips, PyTorch's kernel still serving when they are off, and torch.compile calling them."""
 
@@ -84,6 +84,28 @@ def test_int8_prefill_in_bf16(zero, rows, cols):
     assert rel(kernels.int8_matmul(x.float(), q, scale, correction), x.double() @ w.double().t()) < 1e-2
     with pytest.raises(RuntimeError, match="int8"):
         native.int8_linear_bf16(x.float(), q, scale, correction)
+
+
+@pytest.mark.parametrize("zero", [False, True])
+@pytest.mark.parametrize(("rows", "cols"), [(100, 96), (64, 160), (1536, 576), (576, 1536)])  # x in groups of 32, 32, 64, 128
+def test_int8_decode_is_an_integer_product_near_float64(zero, rows, cols):
+    """8-bit weights in decode: x quantized to int16 per group, the weight's integers widened and
+    summed in int32, float32 scales: 1e-4 from the float64 product (PyTorch's kernel, in bf16:
+    about 3e-3); bf16 inputs give bf16 outputs; more than 16 rows are refused."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=g)
+    scale = torch.rand(rows, generator=g) * 0.01 + 1e-3
+    correction = torch.rand(rows, generator=g) * 0.01 if zero else None
+    w = q.double() * scale.double()[:, None] - (0 if correction is None else correction.double()[:, None])
+    x = torch.randn(2, 3, cols, generator=g)
+    assert rel(native.int8_linear(x, q, scale, correction), x.double() @ w.t()) < 1e-4
+    assert rel(kernels.int8_matmul(x, q, scale, correction), x.double() @ w.t()) < 1e-4  # the runtime takes it
+    out = native.int8_linear(x.bfloat16(), q, scale, correction)
+    assert out.dtype == torch.bfloat16 and rel(out, x.bfloat16().double() @ w.t()) < 5e-3
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        native.int8_linear(torch.randn(17, cols), q, scale, correction)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.int8_linear(torch.randn(1, 48), q[:, :48].contiguous(), scale, correction)
 
 
 def test_activation_outliers_keep_their_precision():

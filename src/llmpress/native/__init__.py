@@ -1,8 +1,8 @@
 """llmpress's own CPU kernels: PyTorch operators built on first use.
 
 ``linear.cpp`` (with ``amx.cpp``'s tile products): ``torch.ops.llmpress.int4_linear``,
-``int4_dequantize`` and ``int8_linear_bf16``, the runtime's products for 4-bit weights (and
-8-bit ones in prefill). ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's
+``int4_dequantize``, ``int8_linear`` and ``int8_linear_bf16``, the runtime's products for 4-bit
+and 8-bit weights. ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's
 per-column update and the MSE observer's scoring, each one call where PyTorch takes hundreds of
 small ones.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "available", "bf16_native", "candidate_errors", "cpu_flags", "gptq_columns", "int4_dequantize", "int4_linear",
+    "add_float32_", "available", "bf16_native", "candidate_errors", "cpu_flags", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
     "int8_linear_bf16", "transposed",
 ]
 
@@ -116,6 +116,14 @@ def int8_linear_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     ``w = q * scale - correction`` (one of each per output row), each row rounded to bf16 as
     a dense bf16 model holds it: the prefill product where the CPU multiplies bf16 natively."""
     return torch.ops.llmpress.int8_linear_bf16(x, weight, scale, correction)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, correction: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T`` for up to 16 rows of a float32 or bf16 ``x`` ``[..., in]`` (``in`` a multiple
+    of 32) and an int8 weight ``[out, in]`` meaning ``w = q * scale - correction`` (float32, one of
+    each per output row), as an integer product at memory speed: the decode product of 8-bit
+    weights. The result has ``x``'s dtype."""
+    return torch.ops.llmpress.int8_linear(x, weight, scale, correction)
 
 
 def int4_dequantize(weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:

@@ -188,6 +188,60 @@ void gemv(const uint8_t *w, const float *scale, const float *zero, const void *x
     }
 }
 
+/* The largest of 128 / 64 / 32 columns dividing cols: the groups x is quantized in for an int8
+ * weight (which has one scale per row); 0 when none divides. */
+static inline int64_t int8_x_group(int64_t cols) {
+    for (int64_t g : {128, 64, 32})
+        if (cols % g == 0) return g;
+    return 0;
+}
+
+/* out[i][r] = scale[r] * sum_c x[i][c] * q[r][c] - corr[r] * sum_c x[i][c], for an int8 weight q:
+ * x quantized to int16 per group as for 4-bit weights, the weight's bytes widened to int16 16 at a
+ * time and summed by _mm256_madd_epi16 (at most 8 pairs of |128 * 32767| per int32 lane and
+ * group: no overflow), each group's sum scaled once. One weight row at a time, prefetched ahead. */
+void gemv_int8(const int8_t *w, const float *scale, const float *corr, const void *x, void *out, bool bf16, int64_t m, int64_t rows,
+               int64_t cols) {
+    const int64_t group = int8_x_group(cols), groups = cols / group;
+    static thread_local std::vector<int16_t> xq;
+    static thread_local std::vector<float> xstep, xsum, xtotal;
+    xq.resize(m * cols), xstep.resize(m * groups), xsum.resize(m * groups), xtotal.resize(m);
+    for (int64_t i = 0; i < m; i++) {
+        quantize_row(bf16 ? (const void *)((const uint16_t *)x + i * cols) : (const void *)((const float *)x + i * cols), bf16, cols,
+                     group, xq.data() + i * cols, xstep.data() + i * groups, xsum.data() + i * groups);
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; g++) total += xsum[i * groups + g];
+        xtotal[i] = total;
+    }
+    const int16_t *xqp = xq.data();
+    const float *xstepp = xstep.data(), *xtotalp = xtotal.data();
+    const int threads = rows * cols * m >= SERIAL_BELOW ? at::get_num_threads() : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *wr = w + r * cols;
+        for (int64_t off = 0; off < cols; off += 64) _mm_prefetch((const char *)(wr + off + PREFETCH_BYTES), _MM_HINT_T0);
+        for (int64_t i = 0; i < m; i++) {
+            const int16_t *xr = xqp + i * cols;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m256i dot = _mm256_setzero_si256();
+                for (int64_t c = g * group; c < (g + 1) * group; c += 32) {
+                    __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c)));
+                    __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c + 16)));
+                    dot = _mm256_add_epi32(dot, _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(xr + c))),
+                                                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + c + 16)))));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xstepp[i * groups + g]), acc);
+            }
+            float value = scale[r] * hsum(acc) - (corr ? corr[r] * xtotalp[i] : 0.0f);
+            if (bf16)
+                ((uint16_t *)out)[i * rows + r] = f32_to_bf16(value);
+            else
+                ((float *)out)[i * rows + r] = value;
+        }
+    }
+}
+
 /* 8 float32 values rounded to bf16 (nearest, ties to even; no NaN in a dequantized weight). */
 static inline __m128i bf16x8(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
@@ -371,6 +425,29 @@ at::Tensor int8_linear_bf16(const at::Tensor &x, const at::Tensor &weight, const
            }).view(shape);
 }
 
+/* Decode with an 8-bit weight: x (float32 or bf16, up to GEMV_MAX_ROWS rows of a multiple of 32
+ * columns) times q [out, in] (int8) with float32 scale and correction (zp * scale) per row. */
+at::Tensor int8_linear(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
+    const int64_t cols = x.size(-1), rows = weight.size(0);
+    TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "llmpress int8_linear: x must be float32 or bf16 on the CPU");
+    TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == cols && weight.is_contiguous() &&
+                    int8_x_group(cols) > 0,
+                "llmpress int8_linear: weight must be contiguous int8 [out, in] with in a multiple of 32, in = ", cols);
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == rows && scale.is_contiguous() &&
+                    (!correction.has_value() || (correction->scalar_type() == at::kFloat && correction->numel() == rows && correction->is_contiguous())),
+                "llmpress int8_linear: scale (and correction) must be contiguous float32, one value per output row");
+    const int64_t m = cols > 0 ? x.numel() / cols : 0;
+    TORCH_CHECK(m <= GEMV_MAX_ROWS, "llmpress int8_linear: at most ", GEMV_MAX_ROWS, " rows of x (decode), got ", m);
+    at::Tensor input = x.is_contiguous() ? x : x.contiguous();
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = rows;
+    at::Tensor out = at::empty(shape, input.options());
+    gemv_int8(weight.data_ptr<int8_t>(), scale.data_ptr<float>(), correction.has_value() ? correction->data_ptr<float>() : nullptr,
+              input.data_ptr(), out.data_ptr(), x.scalar_type() == at::kBFloat16, m, rows, cols);
+    return out;
+}
+
 /* Shapes alone, for torch.compile's tracing (fake tensors run the Meta kernels). */
 at::Tensor int4_linear_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &table, int64_t group) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -379,6 +456,12 @@ at::Tensor int4_linear_meta(const at::Tensor &x, const at::Tensor &weight, const
 }
 
 at::Tensor int8_linear_bf16_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    return at::empty(shape, x.options());
+}
+
+at::Tensor int8_linear_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = weight.size(0);
     return at::empty(shape, x.options());
@@ -394,16 +477,19 @@ TORCH_LIBRARY(llmpress, m) {
     m.def("int4_linear(Tensor x, Tensor weight, Tensor table, int group) -> Tensor");
     m.def("int4_dequantize(Tensor weight, Tensor table, int group) -> Tensor");
     m.def("int8_linear_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? correction) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? correction) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmpress, CPU, m) {
     m.impl("int4_linear", &int4_linear);
     m.impl("int4_dequantize", &int4_dequantize);
     m.impl("int8_linear_bf16", &int8_linear_bf16);
+    m.impl("int8_linear", &int8_linear);
 }
 
 TORCH_LIBRARY_IMPL(llmpress, Meta, m) {
     m.impl("int4_linear", &int4_linear_meta);
     m.impl("int4_dequantize", &int4_dequantize_meta);
     m.impl("int8_linear_bf16", &int8_linear_bf16_meta);
+    m.impl("int8_linear", &int8_linear_meta);
 }

@@ -311,12 +311,21 @@ def aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:
 def int8_matmul(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero_correction: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ ((q - zp) * scale).T`` with ``weight`` int8 ``[out, in]`` and ``scale`` ``[out]``;
-    ``zero_correction`` is ``zp * scale`` ``[out]`` for asymmetric weights."""
-    if x.numel() > PREFILL_ROWS * x.shape[-1] and native.bf16_native() and native.available():  # 13x faster at 512 rows
+    """``x @ ((q - zp) * scale).T`` with ``weight`` int8 ``[out, in]`` and ``scale`` ``[out]``
+    (float32); ``zero_correction`` is ``zp * scale`` ``[out]`` for asymmetric weights.
+
+    Decode (up to 16 tokens) runs on llmpress's integer product where it builds and the columns
+    are whole 32s (``x`` quantized to int16 per 32-128 columns: 1e-4 from the float32 product,
+    2.1-2.7x PyTorch's bf16 kernel on SmolLM2's shapes); prefill in bf16 where the CPU multiplies
+    bf16 natively (13x PyTorch's kernel at 512 rows); PyTorch's ``_weight_int8pack_mm`` (bf16)
+    elsewhere."""
+    decode = x.numel() <= PREFILL_ROWS * x.shape[-1]
+    if decode and x.shape[-1] % 32 == 0 and x.dtype in (torch.float32, torch.bfloat16) and native.available():
+        return native.int8_linear(x, weight, scale.float(), None if zero_correction is None else zero_correction.float())
+    if not decode and native.bf16_native() and native.available():
         return native.int8_linear_bf16(x.to(COMPUTE_DTYPE), weight, scale, zero_correction).to(x.dtype)
     flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
-    out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
+    out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale.to(COMPUTE_DTYPE))
     if zero_correction is not None:
-        out = out - flat.float().sum(dim=-1, keepdim=True).to(COMPUTE_DTYPE) * zero_correction
+        out = out - flat.float().sum(dim=-1, keepdim=True).to(COMPUTE_DTYPE) * zero_correction.to(COMPUTE_DTYPE)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

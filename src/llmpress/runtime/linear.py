@@ -10,7 +10,8 @@ fastest kernel that applies:
   not take as it is goes in smaller groups where that is exact (``kernels.int4_group``): groups
   of 128 over 576 columns as groups of 64, per-channel scales repeated per group;
 - ``int8``: 8-bit integer per-channel (or per-tensor) weights, in whole 16-column blocks →
-  ``_weight_int8pack_mm`` for decode; prefill as bf16 products (``native.int8_linear_bf16``)
+  llmpress's integer product for decode (``native.int8_linear``, columns in whole 32s; PyTorch's
+  ``_weight_int8pack_mm`` elsewhere); prefill as bf16 products (``native.int8_linear_bf16``)
   where the CPU has native bf16;
 - ``int8x8``: the same weights with 8-bit integer input activations (W8A8): from
   ``int8_inputs.MIN_ROWS`` tokens on, an int8 × int8 product on oneDNN (exact integers, see
@@ -172,11 +173,11 @@ class QuantizedLinear(nn.Module):
             rows = q.shape[0]
             scale_rows = scale.to(torch.float32).reshape(-1).expand(rows) if scale.numel() == 1 else scale.reshape(rows)
             self.register_buffer("int8_weight", kernels.aligned(q))
-            self.register_buffer("int8_scale", scale_rows.to(kernels.COMPUTE_DTYPE).contiguous())
+            self.register_buffer("int8_scale", scale_rows.to(torch.float32).contiguous())
             correction = None
             if zero_point is not None:
                 zp = zero_point.to(torch.float32).reshape(-1).expand(rows) if zero_point.numel() == 1 else zero_point.reshape(rows)
-                correction = (zp.float() * scale_rows.float()).to(kernels.COMPUTE_DTYPE)
+                correction = (zp.float() * scale_rows.float()).contiguous()
             self.register_buffer("int8_zero_correction", correction)
         self.kernel = kernel
 
