@@ -68,7 +68,10 @@ def test_a_member_called_on_another_input_computes_its_own_rows(tiny_dir):
     x, y = torch.randn(1, 3, 128), torch.randn(1, 3, 128)
     with torch.no_grad():
         q, k_other, v = attention.q_proj(x), attention.k_proj(y), attention.v_proj(x)
-        assert attention.q_proj._fusion[0].kept[0] is x  # v_proj's call computed the group again
+        group = attention.q_proj._fusion[0]
+        assert group.kept[0] is x and group.kept[2] == {0, 2}  # k_proj computed its own rows alone
+        q_again = attention.q_proj(x)  # called again: a new round
+        assert group.kept[2] == {0} and torch.equal(q_again, q)
         unfuse(model)
         assert torch.equal(q, attention.q_proj(x)) and torch.equal(k_other, attention.k_proj(y)) and torch.equal(v, attention.v_proj(x))
 
@@ -85,15 +88,30 @@ def test_saving_a_fused_model_writes_what_an_unfused_one_writes(tiny_dir, tmp_pa
     assert fused.keys() == plain.keys() and all(torch.equal(fused[k], plain[k]) for k in plain)
 
 
-def test_copies_and_casts_run_unfused(tiny_dir):
+def test_copies_run_unfused_and_casts_keep_the_groups(tiny_dir):
     model = _load(tiny_dir)
     clone = copy.deepcopy(model)
     assert _members(model) and not _members(clone)
     ids = torch.randint(0, 512, (1, 5))
     with torch.no_grad():
-        assert torch.equal(clone(ids).logits, model(ids).logits)
+        assert torch.equal(clone(ids[:, :1]).logits, model(ids[:, :1]).logits)
         model.float()
-    assert not _members(model)
+        model.to(torch.bfloat16)  # the int4 buffers stay where they are: still fused
+        assert _members(model)
+        first = model.model.layers[0].mlp.up_proj
+        first.load_quantized(first.quantized_values(), first.weight_scale)  # new values: its group runs unfused
+        assert first._fusion is None and model.model.layers[0].mlp.gate_proj._fusion is None
+        assert model.model.layers[0].self_attn.q_proj._fusion is not None
+
+
+def test_a_layer_read_on_two_inputs_joins_one_group_only(tiny_dir):
+    """A block run twice (shared weights) sees its layers on two inputs: one group each."""
+    model = _load(tiny_dir)
+    layers = model.model.layers
+    layers[1] = layers[0]  # the same block twice
+    groups = fuse_projections(model)
+    members = [m for g in groups for m in g.members]
+    assert len(members) == len(set(map(id, members))) == 5
 
 
 def test_load_compiles_generate_once_it_pays_and_keeps_what_generate_does(tiny_dir, monkeypatch):
@@ -111,10 +129,10 @@ def test_load_compiles_generate_once_it_pays_and_keeps_what_generate_does(tiny_d
     mask[1, :2] = 0  # the second prompt is left-padded
     settings = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     with torch.no_grad():
-        eager = model.generate(ids, do_sample=False, **settings)  # 24 tokens: not yet
-        assert not is_compiled(model) and not hasattr(model, "_compiled_call")
+        eager = model.generate(ids, do_sample=False, **settings)  # 24 tokens generated: not yet
+        assert not is_compiled(model) and not model.generate._compiled
         compiled = model.generate(ids, do_sample=False, **settings)  # 48: compiles
-        assert is_compiled(model) and hasattr(model, "_compiled_call")  # transformers' compiled forward ran the steps
+        assert is_compiled(model) and "_compiled_call" in model.generate._compiled  # transformers' compiled forward ran the steps
         assert torch.equal(compiled, eager)
         torch.manual_seed(0)
         sampled = model.generate(ids, do_sample=True, top_k=20, **settings)
@@ -125,7 +143,24 @@ def test_load_compiles_generate_once_it_pays_and_keeps_what_generate_does(tiny_d
     assert model._previous_max_cache_length == 256  # 17 positions, rounded up: other prompts reuse the compiled step
     clone = copy.deepcopy(model)  # its generate() is bound to the copy, not to the original
     assert compiles(clone) and clone.generate.model is clone and clone.generate.after_tokens == 40
+    assert "_compiled_call" not in vars(model) and not clone.generate._compiled  # the compiled forward stays with the original
+    with torch.no_grad():
+        clone.lm_head.weight.data.mul_(-1)  # another model now: its greedy tokens differ
+        assert not torch.equal(clone.generate(ids, do_sample=False, **settings), compiled)
+    pickle.dumps(model)  # compiled, it still pickles
     fresh = pickle.loads(pickle.dumps(_load(tiny_dir, compile_decode=True)))  # (a compiled forward itself does not pickle)
     assert compiles(fresh) and fresh.generate.model is fresh and fresh.generate.after_tokens == 0
     monkeypatch.setenv("LLMPRESS_COMPILE", "0")
     assert not can_compile(model) and not compiles(_load(tiny_dir, compile_decode=None))
+
+
+@pytest.mark.parametrize("setting", [{"disable_compile": True}, {"cache_implementation": "dynamic"}, {"use_cache": False}])
+def test_the_models_own_generation_config_is_honoured(tiny_dir, setting):
+    """A model whose generation config turns compiling off, asks for another cache or for no
+    cache decodes as transformers would, with nothing compiled."""
+    model = _load(tiny_dir, compile_decode=True)
+    for key, value in setting.items():
+        setattr(model.generation_config, key, value)
+    with torch.no_grad():
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert compiles(model) and not is_compiled(model)

@@ -31,6 +31,7 @@ import os
 import time
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -121,16 +122,19 @@ class CompiledGenerate:
         self.model, self.after_tokens = model, after_tokens
         self.eager_tokens = 0  # generated before the first compile
         self.compiled_sizes: set[tuple[int, int]] = set()
+        self._compiled: dict[str, Any] = {}  # transformers' compiled forward, between calls
         self.__doc__ = type(model).generate.__doc__
 
     def __call__(self, *args: Any, **kwargs: Any):
         model, generate = self.model, type(self.model).generate
-        if not _compiles(kwargs):
+        if not _compiles(model, args, kwargs):
             return generate(model, *args, **kwargs)
         batch, needed, new = _cache_shape(model, args, kwargs)
         if not self.compiled_sizes and self.eager_tokens + batch * (new or 0) < self.after_tokens:
-            self.eager_tokens += batch * (new or 0)  # not yet worth a compile
-            return generate(model, *args, **kwargs)
+            out = generate(model, *args, **kwargs)  # not yet worth a compile: count what it generated
+            sequences = getattr(out, "sequences", out)
+            self.eager_tokens += batch * max(0, sequences.shape[-1] - _prompt_length(args, kwargs))
+            return out
         from transformers import CompileConfig
 
         config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
@@ -140,13 +144,20 @@ class CompiledGenerate:
         if needed and "max_cache_len" not in kwargs:
             kwargs["max_cache_len"] = max(MIN_CACHE_POSITIONS, 1 << (needed - 1).bit_length())
         size = (batch, max(kwargs.get("max_cache_len") or 0, getattr(model, "_previous_max_cache_length", -1)))
-        if size in self.compiled_sizes:
-            return generate(model, *args, **kwargs)
-        logger.info("compiling the decode step for batch %d and a static cache of %d positions (once per model and size)", *size)
+        first = size not in self.compiled_sizes
+        if first:
+            logger.info("compiling the decode step for batch %d and a static cache of %d positions (once per model and size)", *size)
         start = time.perf_counter()
-        out = generate(model, *args, **kwargs)
-        self.compiled_sizes.add(size)
-        logger.info("the first generate() of this size took %.1fs, compile included", time.perf_counter() - start)
+        # transformers keeps its compiled forward on the model: here it is kept on this object
+        # instead, so that a copy or a pickle of the model does not carry the original's
+        model.__dict__.update(self._compiled)
+        try:
+            out = generate(model, *args, **kwargs)
+        finally:
+            self._compiled = {k: model.__dict__.pop(k) for k in _COMPILED_ATTRS if k in model.__dict__}
+        if first:
+            self.compiled_sizes.add(size)
+            logger.info("the first generate() of this size took %.1fs, compile included", time.perf_counter() - start)
         return out
 
     def __deepcopy__(self, memo: dict) -> CompiledGenerate:
@@ -156,13 +167,35 @@ class CompiledGenerate:
         return CompiledGenerate, (self.model, self.after_tokens)
 
 
-def _compiles(kwargs: dict[str, Any]) -> bool:
-    """Whether a call leaves the cache and the compile to us."""
-    if kwargs.get("disable_compile") or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+#: what transformers' generate() sets on a model it compiles (``get_compiled_call``)
+_COMPILED_ATTRS = ("_compiled_call", "_last_compile_config")
+
+
+def _setting(model: nn.Module, args: tuple, kwargs: dict[str, Any], name: str) -> Any:
+    """A generation setting as the call resolves it: its keyword, else its generation config's
+    (a keyword or the second positional argument), else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    given = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    for config in (given, getattr(model, "generation_config", None)):
+        if config is not None and getattr(config, name, None) is not None:
+            return getattr(config, name)
+    return None
+
+
+def _compiles(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a call leaves the cache and the compile to us: no cache of its own, no other
+    cache implementation, caching on, compiling not disabled, no assistant model."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("assistant_model"):
         return False
-    generation_config = kwargs.get("generation_config")
-    chosen = kwargs.get("cache_implementation", getattr(generation_config, "cache_implementation", None))
-    return chosen in (None, "static") and not kwargs.get("assistant_model")
+    if _setting(model, args, kwargs, "disable_compile") or _setting(model, args, kwargs, "use_cache") is False:
+        return False
+    return _setting(model, args, kwargs, "cache_implementation") in (None, "static")
+
+
+def _prompt_length(args: tuple, kwargs: dict[str, Any]) -> int:
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    return inputs.shape[-1] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 0
 
 
 def _cache_shape(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int | None, int | None]:

@@ -9,10 +9,11 @@ Which layers read the same input is seen, not assumed from names: ``fuse_project
 short forward and groups the int4 layers that received the very same tensor. Each group's
 packed weights and tables are concatenated once; every member then keeps row slices of them
 (views: no copy, saving and ``dequantized_weight()`` see the member's own rows as before). At
-run time the first member called computes the whole group's product and keeps it with its
-input; the others take their columns from it when their input is that very tensor (``is``),
-and otherwise compute their own rows alone, so a model that calls them otherwise stays
-correct. The kept product is dropped once every member has taken its part.
+run time (decode-sized inputs; prefill runs each member on its own rows) the first member
+called computes the whole group's product and keeps it with its input; the others take their
+columns from it when their input is that very tensor (``is``), and otherwise compute their own
+rows alone, so a model that calls them otherwise stays correct. The kept product is dropped
+once every member has taken its part; a member called again starts a new round.
 
 Under ``torch.compile`` the same Python runs at trace time: the identity test is decided while
 tracing and the kept product never outlives the compiled step.
@@ -54,11 +55,19 @@ class FusedProduct:
         self.kept: tuple[torch.Tensor, torch.Tensor, frozenset[int]] | None = None  # (input, product, members served)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Member ``index``'s product with ``x`` (no bias)."""
+        """Member ``index``'s product with ``x`` (no bias). Decode-sized inputs share one group
+        product; longer ones (prefill) run each member on its own rows, which costs no more
+        and keeps no group-sized product alive."""
+        member = self.members[index]
+        if x.numel() > kernels.PREFILL_ROWS * x.shape[-1]:
+            return kernels.int4_matmul(x, member.int4_weight, self.group, member.int4_table)
         kept = self.kept
         if kept is not None and kept[0] is x and index not in kept[2]:
             product, served = kept[1], kept[2] | {index}
-        else:
+        elif kept is not None and kept[0] is not x and index not in kept[2]:
+            # another input while the group's product waits for this member: its own rows only
+            return kernels.int4_matmul(x, member.int4_weight, self.group, member.int4_table)
+        else:  # the first member of a round (or one called again: a new round)
             product, served = kernels.int4_matmul(x, self.weight, self.group, self.table), frozenset((index,))
         self.kept = None if len(served) == len(self.members) else (x, product, served)
         start, stop = self.bounds[index]
@@ -81,7 +90,7 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _example_inputs(model: nn.Module) -> dict[str, Any]:
+def _example_inputs() -> dict[str, Any]:
     return {"input_ids": torch.zeros(1, 2, dtype=torch.long), "use_cache": False}
 
 
@@ -103,20 +112,25 @@ def fuse_projections(model: nn.Module, inputs: dict[str, Any] | None = None) -> 
     handles = [m.register_forward_pre_hook(record) for m in candidates]
     try:
         with torch.no_grad():
-            model(**(inputs if inputs is not None else _example_inputs(model)))
+            model(**(inputs if inputs is not None else _example_inputs()))
     except Exception as exc:  # noqa: BLE001 - any model: fusing is an optimisation, never a failure
         logger.info("int4 layers not fused: the model's forward did not run on a short example (%s)", exc)
         return []
     finally:
         for handle in handles:
             handle.remove()
-    groups = []
+    groups, placed = [], set()
     for _, readers in seen.values():
         by_kind: dict[tuple, list[nn.Module]] = {}
         for module in dict.fromkeys(readers):  # each once, in call order
+            if module in placed:  # called again on another input (a shared block): its first group only
+                continue
             key = (module.in_features, module.int4_group, module.int4_table.shape[0])
             by_kind.setdefault(key, []).append(module)
-        groups += [FusedProduct(members) for members in by_kind.values() if len(members) > 1]
+        for members in by_kind.values():
+            if len(members) > 1:
+                groups.append(FusedProduct(members))
+                placed.update(members)
     if groups:
         names = {id(m): n for n, m in model.named_modules()}
         example = ", ".join(names.get(id(m), "?").rsplit(".", 1)[-1] for m in groups[0].members)

@@ -153,7 +153,7 @@ class QuantizedLinear(nn.Module):
         return spread(scale), None if zero_point is None else spread(zero_point)
 
     def _set_int4(self, packed: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
-        if self._fusion is not None:  # new values: the fused copy is stale
+        if getattr(self, "_fusion", None) is not None:  # new values: the fused copy is stale
             self._fusion[0].dissolve()
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
@@ -249,8 +249,9 @@ class QuantizedLinear(nn.Module):
         if inputs is not None:
             x = fake_quantize_module_input(self, x, inputs)
         if self.kernel == "int4":
-            if self._fusion is not None:
-                out = self._fusion[0].output(self._fusion[1], x)
+            fusion = getattr(self, "_fusion", None)  # (absent from modules pickled before fusion existed)
+            if fusion is not None:
+                out = fusion[0].output(fusion[1], x)
             else:
                 out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
         elif self.kernel in _INT8:
@@ -297,8 +298,6 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy (the bf16 weight) is rebuilt from the buffers
         self._int8_inputs = self._dense = None
-        if self._fusion is not None:  # the fused tensors stay where they are: every member runs alone
-            self._fusion[0].dissolve()
         stored = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
         result = super()._apply(fn, recurse)
         for name, before in stored.items():
@@ -307,6 +306,9 @@ class QuantizedLinear(nn.Module):
             # says which layout the weight is in): they keep their dtypes, on the new device
             if self._buffers[name].dtype != before.dtype:
                 self._buffers[name] = before.to(self._buffers[name].device)
+        fusion = getattr(self, "_fusion", None)
+        if fusion is not None and any(self._buffers[n] is not stored[n] for n in ("int4_weight", "int4_table")):
+            fusion[0].dissolve()  # moved: the fused tensors stayed where they were, every member runs alone
         return result
 
     def __getstate__(self):  # deepcopy, pickle: oneDNN's packed weight has no storage to copy
