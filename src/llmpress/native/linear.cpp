@@ -121,6 +121,23 @@ static void quantize_row(const void *x, int bf16, int64_t cols, int64_t group, i
     }
 }
 
+/* The m rows of x quantized by quantize_row, in buffers of the calling thread kept between calls. */
+struct QuantizedRows {
+    const int16_t *q;
+    const float *step, *sum;
+};
+
+static QuantizedRows quantize_rows(const void *x, bool bf16, int64_t m, int64_t cols, int64_t group) {
+    const int64_t groups = cols / group;
+    static thread_local std::vector<int16_t> xq;
+    static thread_local std::vector<float> xstep, xsum;
+    xq.resize(m * cols), xstep.resize(m * groups), xsum.resize(m * groups);
+    for (int64_t i = 0; i < m; i++)
+        quantize_row(bf16 ? (const void *)((const uint16_t *)x + i * cols) : (const void *)((const float *)x + i * cols), bf16,
+                     cols, group, xq.data() + i * cols, xstep.data() + i * groups, xsum.data() + i * groups);
+    return {xq.data(), xstep.data(), xsum.data()};
+}
+
 /* One row of the weight times one quantized row of x. */
 static inline float gemv_row(const uint8_t *wr, const float *scale, const float *zero, const int16_t *xq, const float *xstep,
                              const float *xsum, int64_t cols, int64_t group) {
@@ -164,14 +181,9 @@ static inline float gemv_row(const uint8_t *wr, const float *scale, const float 
 void gemv(const uint8_t *w, const float *scale, const float *zero, const void *x, void *out, bool bf16, int64_t m, int64_t rows,
           int64_t cols, int64_t group) {
     const int64_t groups = cols / group, half = cols / 2;
-    static thread_local std::vector<int16_t> xq;
-    static thread_local std::vector<float> xstep, xsum;
-    xq.resize(m * cols), xstep.resize(m * groups), xsum.resize(m * groups);
-    for (int64_t i = 0; i < m; i++)
-        quantize_row(bf16 ? (const void *)((const uint16_t *)x + i * cols) : (const void *)((const float *)x + i * cols), bf16,
-                     cols, group, xq.data() + i * cols, xstep.data() + i * groups, xsum.data() + i * groups);
-    const int16_t *xqp = xq.data();
-    const float *xstepp = xstep.data(), *xsump = xsum.data();
+    const QuantizedRows xs = quantize_rows(x, bf16, m, cols, group);
+    const int16_t *xqp = xs.q;
+    const float *xstepp = xs.step, *xsump = xs.sum;
     /* small products run on the calling thread: waking the others costs more than they save */
     const int threads = rows * cols * m >= SERIAL_BELOW ? at::get_num_threads() : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -203,18 +215,15 @@ static inline int64_t int8_x_group(int64_t cols) {
 void gemv_int8(const int8_t *w, const float *scale, const float *corr, const void *x, void *out, bool bf16, int64_t m, int64_t rows,
                int64_t cols) {
     const int64_t group = int8_x_group(cols), groups = cols / group;
-    static thread_local std::vector<int16_t> xq;
-    static thread_local std::vector<float> xstep, xsum, xtotal;
-    xq.resize(m * cols), xstep.resize(m * groups), xsum.resize(m * groups), xtotal.resize(m);
+    const QuantizedRows xs = quantize_rows(x, bf16, m, cols, group);
+    float xtotal[GEMV_MAX_ROWS]; /* each row's sum as the kernel sees it (the caller allows at most GEMV_MAX_ROWS) */
     for (int64_t i = 0; i < m; i++) {
-        quantize_row(bf16 ? (const void *)((const uint16_t *)x + i * cols) : (const void *)((const float *)x + i * cols), bf16, cols,
-                     group, xq.data() + i * cols, xstep.data() + i * groups, xsum.data() + i * groups);
         float total = 0.0f;
-        for (int64_t g = 0; g < groups; g++) total += xsum[i * groups + g];
+        for (int64_t g = 0; g < groups; g++) total += xs.sum[i * groups + g];
         xtotal[i] = total;
     }
-    const int16_t *xqp = xq.data();
-    const float *xstepp = xstep.data(), *xtotalp = xtotal.data();
+    const int16_t *xqp = xs.q;
+    const float *xstepp = xs.step, *xtotalp = xtotal;
     const int threads = rows * cols * m >= SERIAL_BELOW ? at::get_num_threads() : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
