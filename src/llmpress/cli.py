@@ -118,8 +118,9 @@ class _TokenClock:
         steps = [b - a for a, b in zip(self.times[1:], self.times[2:])]  # one per decode step
         if len(steps) < 3:
             return ""
-        steady = sorted(steps[1:])[len(steps[1:]) // 2]
-        rate = f"; decode {len(steps[1:]) / sum(steps[1:]):.1f} tokens/s after the first step"
+        later = steps[1:]
+        steady = sorted(later)[len(later) // 2]
+        rate = f"; decode {len(later) / sum(later):.1f} tokens/s after the first step"
         if not compiled:
             return rate
         cost = steps[0] - steady

@@ -132,8 +132,9 @@ class CompiledGenerate:
         batch, needed, new = _cache_shape(model, args, kwargs)
         if not self.compiled_sizes and self.eager_tokens + batch * (new or 0) < self.after_tokens:
             out = generate(model, *args, **kwargs)  # not yet worth a compile: count what it generated
-            sequences = getattr(out, "sequences", out)
-            self.eager_tokens += batch * max(0, sequences.shape[-1] - _prompt_length(args, kwargs))
+            sequences, prompt = getattr(out, "sequences", out), _prompt(args, kwargs)
+            given = prompt.shape[1] if prompt is not None and not prompt.is_floating_point() else 0  # (embeddings: new ids only)
+            self.eager_tokens += batch * max(0, sequences.shape[-1] - given)
             return out
         from transformers import CompileConfig
 
@@ -193,21 +194,21 @@ def _compiles(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
     return _setting(model, args, kwargs, "cache_implementation") in (None, "static")
 
 
-def _prompt_length(args: tuple, kwargs: dict[str, Any]) -> int:
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    return inputs.shape[-1] if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else 0
+def _prompt(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The call's prompt, ``[batch, tokens]`` ids or ``[batch, tokens, hidden]`` embeddings."""
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    return inputs if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 else None
 
 
 def _cache_shape(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int | None, int | None]:
     """(batch, positions the call needs, new tokens it asks for); None where the call does not say."""
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
-    if inputs is None or not hasattr(inputs, "shape") or inputs.dim() < 2:
+    inputs = _prompt(args, kwargs)
+    if inputs is None:
         return 1, None, None
-    generation_config = kwargs.get("generation_config") or model.generation_config
-    new = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
+    new = _setting(model, args, kwargs, "max_new_tokens")
     if new is not None:
         return inputs.shape[0], inputs.shape[1] + new, new
-    length = kwargs.get("max_length", generation_config.max_length)
+    length = _setting(model, args, kwargs, "max_length")
     return inputs.shape[0], length, None if length is None else max(0, length - inputs.shape[1])
 
 

@@ -275,7 +275,8 @@ class QuantizedLinear(nn.Module):
         block weights and integer grids in bf16 are not exact: prefill dequantizes them for the
         call."""
         args = self.quantization_scheme.weights
-        if self._dense is None and not (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK):  # integers
+        integers = not (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK)
+        if self._dense is None and integers:
             self._dense, self._divisor = self.dequantized_weight(torch.float32).to(kernels.COMPUTE_DTYPE), None
         elif self._dense is None:  # once, from the stored tensors (which stay, for saving)
             unpacked = FORMATS.get(self.format).unpack(self._stored(), self.quantization_scheme)
@@ -286,8 +287,8 @@ class QuantizedLinear(nn.Module):
         # products of q * group scale are global-scale times too large: they run in a dtype with
         # fp32's range (never fp16) and are divided before going back to x's dtype
         wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        if x.numel() < int8_inputs.MIN_ROWS * self.in_features or (x.dtype == self._dense.dtype and self._divisor is None):
-            out = F.linear(x.to(self._dense.dtype), self._dense)  # decode, or a bf16 model's prefill
+        if x.numel() < int8_inputs.MIN_ROWS * self.in_features or (integers and x.dtype == self._dense.dtype):
+            out = F.linear(x.to(self._dense.dtype), self._dense)  # decode, or the prefill of an integer grid in a bf16 model
         elif args.is_fp4:
             out = F.linear(x.to(wide), self._dense.to(wide))
         else:
