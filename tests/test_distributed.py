@@ -41,6 +41,18 @@ quant_stage:
       kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}
 """
 
+#: SmoothQuant, then GPTQ W8A8 with dynamic inputs, calibrated in two passes: SmoothQuant's
+#: ranges come from GPTQ's observing run and the Hessians are rescaled after their reduction
+SMOOTH_W8A8_DYNAMIC = """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.8
+    GPTQModifier:
+      ignore: [lm_head]
+      scheme: W8A8
+"""
+
 AWQ_W4 = """
 quant_stage:
   quant_modifiers:
@@ -51,6 +63,7 @@ quant_stage:
 """
 
 OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1)
+TWO_PASSES = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1, true_sequential=False)
 
 
 def _samples() -> list[list[int]]:
@@ -62,7 +75,7 @@ def _run_rank(rank: int, world: int, init: str, model_dir: str, recipes: list[tu
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         for recipe, output in recipes:
-            llmpress.oneshot(model_dir, recipe, _samples(), output_dir=output, calibration=OPTIONS)
+            llmpress.oneshot(model_dir, recipe, _samples(), output_dir=output, calibration=_options(recipe))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -71,9 +84,13 @@ def _one_process(model_dir: Path, recipe: str, output: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        llmpress.oneshot(str(model_dir), recipe, _samples(), output_dir=output, calibration=OPTIONS)
+        llmpress.oneshot(str(model_dir), recipe, _samples(), output_dir=output, calibration=_options(recipe))
     finally:
         torch.set_num_threads(threads)
+
+
+def _options(recipe: str) -> CalibrationOptions:
+    return TWO_PASSES if recipe == SMOOTH_W8A8_DYNAMIC else OPTIONS
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +98,7 @@ def two_rank_runs(tmp_path_factory):
     """The three recipes on two ranks (one spawn) and in one process."""
     work = tmp_path_factory.mktemp("ranks")
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
-    recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "awq": AWQ_W4}
+    recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
     mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
     for name, recipe in recipes.items():
@@ -89,7 +106,7 @@ def two_rank_runs(tmp_path_factory):
     return work
 
 
-@pytest.mark.parametrize("name", ["gptq", "smooth"])
+@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic"])
 def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")

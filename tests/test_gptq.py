@@ -346,6 +346,25 @@ def test_hessian_accumulator_matches_the_definition(columns):
     torch.testing.assert_close(accumulator.result(), 2 * x.t() @ x / x.shape[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("columns", [200, 1100])
+def test_a_hessian_rescaled_after_the_fact_is_the_hessian_of_the_rescaled_inputs(columns):
+    """SmoothQuant folds ``1/s`` into the inputs after GPTQ saw them: ``diag(f) H diag(f)``."""
+    from llmpress.errors import SessionError
+    from llmpress.modifiers.gptq.hessians import HessianAccumulator
+
+    batches = [torch.randn(2, 40, columns) for _ in range(3)]
+    factor = torch.rand(columns) + 0.1
+    rescaled, direct = HessianAccumulator(columns, torch.device("cpu")), HessianAccumulator(columns, torch.device("cpu"))
+    for batch in batches:
+        rescaled.add(batch)
+        direct.add(batch * factor)
+    rescaled.scale_inputs(factor.sqrt())
+    rescaled.scale_inputs(factor.sqrt())  # scales compose
+    torch.testing.assert_close(rescaled.result(), direct.result(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(SessionError, match="after they were rescaled"):
+        rescaled.add(batches[0])
+
+
 def test_shared_inputs_share_one_hessian():
     from llmpress.modifiers.gptq.hessians import HessianCollector
 

@@ -144,6 +144,35 @@ quant_stage:
     assert "SmoothQuantModifier" in (tmp_path / "recipe.yaml").read_text()
 
 
+def test_smoothquant_reads_its_ranges_in_gptqs_observing_run(calibration_and_eval, monkeypatch):
+    """Calibrated in two passes, SmoothQuant + GPTQ run each block twice, not three times:
+    SmoothQuant's ranges come from GPTQ's observing run and GPTQ's Hessians are rescaled by
+    ``1/s`` afterwards. The scales are those of a run of its own; the checkpoint that of the
+    Hessians of the smoothed inputs, to float rounding."""
+    batches, ids = calibration_and_eval
+    options = llmpress.CalibrationOptions(true_sequential=False, batch_size=2)
+
+    def run(defer: bool):
+        if not defer:
+            monkeypatch.setattr(SmoothQuantModifier, "_watched_balance", lambda self, block, mapping: None)
+        model = outlier_model()
+        calls = []
+        handle = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: calls.append(1))
+        llmpress.oneshot(model, [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])],
+                         batches, calibration=options)
+        handle.remove()
+        return model, len(calls)
+
+    deferred, runs = run(defer=True)
+    own, own_runs = run(defer=False)
+    assert own_runs - runs == len(batches) // 2  # one run of the block fewer (besides: the mapping checks)
+    torch.testing.assert_close(deferred.model.layers[0].input_layernorm.weight, own.model.layers[0].input_layernorm.weight)
+    reference = logits(outlier_model(), ids)
+    error, own_error = rel(logits(deferred, ids), reference), rel(logits(own, ids), reference)
+    assert error < 1.1 * own_error
+    assert rel(logits(deferred, ids), logits(own, ids)) < 0.5 * own_error
+
+
 # -- AWQ ---------------------------------------------------------------------------------------
 def w3_groups():
     return {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "symmetric": True,

@@ -8,6 +8,9 @@ modifiers never hook the model themselves, so a pipeline can:
 * run a stand-in in a module's place and still have its input observed (``feed``);
 * re-run compressed modules without the modifiers seeing those inputs again (``paused``);
 * let only some modules observe in a forward (``only``: one group of a block at a time).
+
+A modifier may also watch a module for one block (``watch`` ... ``unwatch``): SmoothQuant gathers
+its channel ranges in the block's observing run instead of a run of its own.
 """
 
 from __future__ import annotations
@@ -52,15 +55,21 @@ def with_primary_input(args: tuple, kwargs: dict[str, Any], value: Any) -> tuple
 
 class Observation:
     def __init__(self, modifiers: Iterable[Modifier]) -> None:
+        self.modifiers = list(modifiers)  # in the session's order: the order their hooks run in
         self.watchers: dict[nn.Module, list[tuple[Modifier, str]]] = {}
-        for modifier in modifiers:
+        for modifier in self.modifiers:
             for name, module in modifier.calibration_targets().items():
                 self.watchers.setdefault(module, []).append((modifier, name))
         self._only: set[nn.Module] | None = None
         self._paused = 0
         # first among the module's pre-hooks: the input as the module is called with it (before
         # an input quantization of an earlier stage), as a stand-in hands it over too
-        self._handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True) for m in self.watchers]
+        self._handles = [self._hook_on(m) for m in self.watchers]
+        self._added: dict[nn.Module, Any] = {}  # the hooks of modules only ``watch`` added
+        self._temporary: list[tuple[nn.Module, Modifier, str]] = []
+
+    def _hook_on(self, module: nn.Module) -> Any:
+        return module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
 
     @property
     def targets(self) -> list[nn.Module]:
@@ -79,6 +88,24 @@ class Observation:
         """Hand ``x`` to the modifiers watching ``module`` as its input."""
         for modifier, name in self.watchers.get(module, ()):
             modifier.observe(name, x)
+
+    def watch(self, module: nn.Module, modifier: Modifier, name: str) -> None:
+        """``modifier.observe(name, x)`` gets ``module``'s inputs too, until ``unwatch``."""
+        if module not in self.watchers:
+            self._added[module] = self._hook_on(module)
+        self.watchers.setdefault(module, []).append((modifier, name))
+        self._temporary.append((module, modifier, name))
+
+    def unwatch(self, modifier: Modifier) -> None:
+        """End every ``watch`` of ``modifier``."""
+        mine = [t for t in self._temporary if t[1] is modifier]
+        self._temporary = [t for t in self._temporary if t[1] is not modifier]
+        for module, _, name in mine:  # by identity: two modifiers may compare equal (same config)
+            watching = self.watchers[module]
+            del watching[next(i for i, (w, n) in enumerate(watching) if w is modifier and n == name)]
+            if not watching:
+                del self.watchers[module]
+                self._added.pop(module).remove()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -100,7 +127,9 @@ class Observation:
             self._only = previous
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *self._added.values()]:
             handle.remove()
         self._handles.clear()
+        self._added.clear()
+        self._temporary.clear()
         self.watchers.clear()

@@ -11,6 +11,8 @@ a default a subclass overrides:
 ``acts_after_window``     whether training events still reach it after its window closed
 ``calibration_targets()`` modules whose inputs it observes while calibrating (none by default)
 ``observe(name, x)``      one such input, handed over by the session
+``scales_inputs(name)``   whether what it gathered from ``name``'s inputs can be rescaled
+``scale_inputs(n, f)``    rescale it: those inputs are now ``x * f`` per channel (smoothing)
 ``step_note()``           a short note for the pipeline's progress bar
 ``reduces_across_ranks``  whether it reduces what it gathers over torch.distributed ranks
 ``events``                derived: the events it has an ``on_<event>`` hook for
@@ -261,6 +263,18 @@ class Modifier:
     def observe(self, name: str, x: torch.Tensor) -> None:
         """The input ``x`` of target ``name`` in one calibration forward."""
         raise NotImplementedError(f"{type(self).__name__} has calibration targets but no observe()")
+
+    def scales_inputs(self, name: str) -> bool:
+        """Whether what it has gathered from target ``name``'s inputs can be rescaled per input
+        channel after the fact (``scale_inputs``; a Hessian can, a per-tensor range cannot). Where
+        every watcher of a block's balance layers can, SmoothQuant reads its ranges in the run
+        that observes the block instead of a run of its own."""
+        return False
+
+    def scale_inputs(self, names: list[str], factor: torch.Tensor) -> None:
+        """The inputs of targets ``names`` are ``x * factor`` per channel from now on (scales
+        folded in after they were observed, before they are used): rescale what was gathered."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rescale what it observed")
 
     def step_note(self) -> str:
         """A short note on the modifier's last step (a layer's GPTQ losses, say), shown next to

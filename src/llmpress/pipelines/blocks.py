@@ -54,6 +54,9 @@ class CalibrationBlock:
     inputs: Inputs
     observation: Observation | None = None
     spill: Path | None = None  # where the module-by-module stages keep what they keep (kept.py), or in memory
+    #: one run observes every target of the block at once (two passes), its modules_calibrated
+    #: then names them all: a transform may read its statistics in that run (``scale_inputs``)
+    observed_at_once: bool = False
 
     @torch.no_grad()
     def inputs_to(self, submodule: nn.Module) -> Inputs:

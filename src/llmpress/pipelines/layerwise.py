@@ -124,12 +124,13 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
         if index < start:
             continue
         block = CalibrationBlock(index, module, inputs, session.observation, spill)
-        session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
         # the watched modules and every linear: each one is handed over (modules_calibrated) in
         # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
         targets = [m for m in module.modules() if m in watched or is_linear(m)]
         plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
+        block.observed_at_once = plan is None
+        session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
         if plan is None:
             rest = calibrate_block_reference(block, session, [targets], outputs_needed)
         else:

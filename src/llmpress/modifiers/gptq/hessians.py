@@ -42,6 +42,7 @@ class HessianAccumulator:
         self.samples = 0
         self.members: list[str] = []
         self._result: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None  # per input channel, applied when finished (scale_inputs)
         edges = list(range(0, columns, TRIANGLE_BLOCK)) + [columns]
         # up to two blocks wide, the whole product is as fast as its triangle
         spans = list(zip(edges[:-1], edges[1:])) if columns > 2 * TRIANGLE_BLOCK else [(0, columns)]
@@ -50,10 +51,21 @@ class HessianAccumulator:
                       for start, end in spans]
 
     def add(self, x: torch.Tensor) -> None:
+        if self._scale is not None:
+            raise SessionError("a Hessian took inputs after they were rescaled", expected="scale_inputs after the last add")
         x = x.detach().reshape(-1, x.shape[-1]).to(device=self.device, dtype=torch.float32)
         self.samples += x.shape[0]
         for start, end, rows in self._rows:
             native.add_float32_(rows, x[:, start:end].t() @ x[:, start:])
+
+    def scale_inputs(self, factor: torch.Tensor) -> None:
+        """The inputs were ``x * factor`` per channel all along (a smoothing scale folded in after
+        the last ``add``): the Hessian becomes ``diag(f) H diag(f)``, applied when finished, after
+        any ``reduce``, so that every rank sums what one process sums."""
+        factor = factor.detach().to(device=self.device, dtype=torch.float64).reshape(-1)
+        if factor.numel() != self.columns:
+            raise SessionError("a Hessian's input scale does not fit", got=f"{factor.numel()} channels", expected=str(self.columns))
+        self._scale = factor if self._scale is None else self._scale * factor
 
     def reduce(self, dst: int | None = None) -> None:
         """Sum every rank's running ``X^T X`` and token count onto rank ``dst``, or onto every
@@ -72,6 +84,9 @@ class HessianAccumulator:
         Each float64 row block is freed once narrowed, and the lower triangle is the upper one's
         mirror, copied block by block (exact in float32: no whole-matrix temporary)."""
         if self._result is None:
+            if self._scale is not None:
+                for start, _, rows in self._rows:
+                    rows.mul_(self._scale[start : start + rows.shape[0], None]).mul_(self._scale[start:])
             if len(self._rows) == 1:
                 self._result = self._rows[0][2].mul_(2.0 / max(self.samples, 1)).to(torch.float32)
             else:
@@ -114,6 +129,11 @@ class HessianCollector:
             self.of_module[name].members.append(name)
         if self._leader[name]:
             self.of_module[name].add(x)
+
+    def scale_inputs(self, names: list[str], factor: torch.Tensor) -> None:
+        """``HessianAccumulator.scale_inputs`` for the inputs of ``names`` (each shared one once)."""
+        for accumulator in {id(a): a for n in names if (a := self.of_module.get(n)) is not None}.values():
+            accumulator.scale_inputs(factor)
 
     def agree(self, names: list[str], device: torch.device) -> None:
         """Under torch.distributed: each of ``names`` that any rank has an accumulator for gets

@@ -123,6 +123,13 @@ class GPTQModifier(Modifier):
         if has_static_inputs(scheme):
             self.inputs.record(name, x)
 
+    def scales_inputs(self, name: str) -> bool:
+        entry = self.pending.get(name)
+        return entry is not None and not has_static_inputs(entry[1])  # a Hessian rescales; a range does not
+
+    def scale_inputs(self, names: list[str], factor: torch.Tensor) -> None:
+        self.hessians.scale_inputs([n for n in names if n in self.pending], factor)
+
     def on_modules_calibrated(self, state: State, block: CalibrationBlock, modules: list[nn.Module]) -> None:
         self.quantize(names_of(modules, self.pending), f"layer {block.index}")
 

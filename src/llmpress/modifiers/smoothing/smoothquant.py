@@ -15,8 +15,7 @@ Example recipe (llm-compressor's, unchanged)::
           targets: [Linear]
           ignore: [lm_head]
 
-At the start of each block (``block_start``, before anything of it is observed or quantized) the
-block runs on its calibration inputs once; each mapping's input channels get
+Each mapping's input channels get
 ``s = range(X)^a / (2 max|W|)^(1 - a)`` (``range`` = max - min of the channel over the
 calibration tokens, ``max|W|`` over the balance layers' column, as llm-compressor computes it), or
 ``range / log2(2 + range)`` for ``algorithm: log_equalization``. ``1/s`` goes into the norm,
@@ -24,16 +23,30 @@ calibration tokens, ``max|W|`` over the balance layers' column, as llm-compresso
 quantizers of the stage then calibrate the block as it now is (GPTQ's Hessians are of the
 smoothed inputs). Without ``mappings`` they are read from each block (``mappings.py``): norms to
 the Linears reading their output.
+
+Where the ranges come from:
+
+- where the block is calibrated in one observing run (two passes) and every other modifier
+  watching a mapping's balance layers comes later in the recipe and can rescale what it
+  gathered (GPTQ's Hessians: ``diag(1/s) H diag(1/s)``), the ranges are read in that very run
+  and the scales folded in at ``modules_calibrated``, before the others use what they gathered:
+  the block runs twice, not three times;
+- otherwise the block runs on its calibration inputs once at ``block_start``, before anything of
+  it is observed or quantized, up to the last mapping's input.
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import field_validator
+from torch import nn
 
-from llmpress.modifiers.base import MODIFIERS
+from llmpress.errors import SessionError
+from llmpress.integrations.distributed import max_across_ranks, min_across_ranks
+from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.mappings import Mapping, apply_scales, channel_statistics
 
@@ -62,11 +75,70 @@ class SmoothQuantModifierConfig(SmoothingConfig):
 class SmoothQuantModifier(SmoothingModifier):
     Config = SmoothQuantModifierConfig
 
+    def on_initialize(self, state: State) -> None:
+        super().on_initialize(state)
+        self.deferred: list[_Gathered] = []  # mappings whose ranges this block's observing run reads
+
     def smooth(self, block: CalibrationBlock, mappings: list[Mapping]) -> None:
-        stats = channel_statistics(block, mappings, self.config.num_calibration_steps)
+        watched = {id(m): self._watched_balance(block, m) for m in mappings}
+        now = [m for m in mappings if watched[id(m)] is None]
+        if now:
+            stats = channel_statistics(block, now, self.config.num_calibration_steps)
+            for mapping in now:
+                seen = stats[mapping.smooth_name]
+                apply_scales(mapping, self._scales(mapping, seen["max"] - seen["min"]))
         for mapping in mappings:
-            seen = stats[mapping.smooth_name]
-            apply_scales(mapping, self._scales(mapping, seen["max"] - seen["min"]))
+            if watched[id(mapping)] is not None:
+                self.deferred.append(_Gathered(mapping))
+                block.observation.watch(watched[id(mapping)], self, mapping.smooth_name)
+
+    def _watched_balance(self, block: CalibrationBlock, mapping: Mapping) -> nn.Module | None:
+        """The balance layer whose inputs give the mapping's ranges in the block's observing run,
+        or None where the ranges must come first, from a run of their own: the block is not
+        observed at once, or another modifier watching a balance layer comes before this one or
+        cannot rescale what it gathers."""
+        observation = block.observation
+        if not block.observed_at_once or observation is None:
+            return None
+        order = {id(m): i for i, m in enumerate(observation.modifiers)}
+        mine = order.get(id(self), -1)
+        seen_by = [(m, w) for m in mapping.balance for w in observation.watchers.get(m, ())]
+        if not seen_by or any(order.get(id(w), -1) <= mine or not w.scales_inputs(n) for _, (w, n) in seen_by):
+            return None
+        # one that sees every token (not an expert) and that the run observes (a target)
+        plain = [m for n, m in zip(mapping.balance_names, mapping.balance)
+                 if not re.search(r"\.experts\.\d+\.", n) and observation.watchers.get(m)]
+        return plain[0] if plain else None
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        gathered = next(g for g in self.deferred if g.mapping.smooth_name == name)
+        steps = self.config.num_calibration_steps
+        if steps is None or gathered.batches < steps:
+            gathered.add(x)
+
+    def on_modules_calibrated(self, state: State, block: CalibrationBlock, modules: list[nn.Module]) -> None:
+        """The observing run is over: fold the scales in, then have the later watchers rescale
+        what they gathered from the balance layers' (now smoothed) inputs."""
+        if not self.deferred:
+            return
+        block.observation.unwatch(self)
+        for gathered in self.deferred:
+            mapping = gathered.mapping
+            low, high = gathered.reduced()
+            scales = self._scales(mapping, high - low)
+            apply_scales(mapping, scales)
+            names: dict[int, tuple[Modifier, list[str]]] = {}
+            for module in mapping.balance:
+                for watcher, name in block.observation.watchers.get(module, ()):
+                    names.setdefault(id(watcher), (watcher, []))[1].append(name)
+            for watcher, watched in names.values():
+                watcher.scale_inputs(watched, 1.0 / scales.to(torch.float64))
+        self.deferred = []
+
+    def on_layer_calibrated(self, state: State, block: CalibrationBlock) -> None:
+        if self.deferred:  # the pipeline's promise (observed_at_once) was not kept
+            raise SessionError(f"{type(self).__name__}: block {block.index} ended before its observing run was reported",
+                               expected="modules_calibrated after the run that observes the whole block")
 
     def _scales(self, mapping: Mapping, activation_range: torch.Tensor) -> torch.Tensor:
         if self.config.algorithm == "log_equalization":
@@ -79,3 +151,29 @@ class SmoothQuantModifier(SmoothingModifier):
             scales = activation_range.pow(alpha) / weight_range.pow(1 - alpha)
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
+
+
+class _Gathered:
+    """One mapping's per-channel input minimum and maximum, read in the block's observing run."""
+
+    def __init__(self, mapping: Mapping) -> None:
+        self.mapping = mapping
+        self.batches = 0
+        self.low: torch.Tensor | None = None
+        self.high: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        low, high = x.amin(0), x.amax(0)
+        self.low = low if self.low is None else torch.minimum(self.low, low, out=self.low)
+        self.high = high if self.high is None else torch.maximum(self.high, high, out=self.high)
+        self.batches += 1
+
+    def reduced(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The minimum and maximum over every rank's batches (torch.distributed)."""
+        if self.low is None:
+            raise SessionError(f"SmoothQuantModifier: {self.mapping.smooth_name}'s balance layers saw no input",
+                               expected="the block's observing run to reach them")
+        min_across_ranks(self.low)
+        max_across_ranks(self.high)
+        return self.low, self.high
