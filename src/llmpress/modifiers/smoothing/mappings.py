@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.errors import LlmpressError
+from llmpress.errors import LlmpressError, SessionError
 from llmpress.integrations.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
 from llmpress.models.experts import mixing_all_experts
 from llmpress.models.linear import input_major
@@ -39,7 +39,7 @@ from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
 from llmpress.targets import matches
 
-__all__ = ["Mapping", "apply_scales", "channel_statistics", "find_mappings", "reads_columns", "resolve_mappings"]
+__all__ = ["ChannelStatistics", "Mapping", "apply_scales", "channel_statistics", "find_mappings", "reads_columns", "resolve_mappings"]
 
 
 def reads_columns(module: nn.Module) -> bool:
@@ -76,6 +76,10 @@ class Mapping:
         experts = {m.group(1) for n in local if (m := re.search(r"\.(\d+)\.", n))}
         more = f" ({len(experts)} experts)" if len(experts) > 1 else ""
         return f"{self.smooth_name.rsplit('.', 1)[-1]} -> {', '.join(inner)}{more}"
+
+    def plain_balance(self) -> list[nn.Module]:
+        """The balance layers that see every token: not experts (a router, a shared expert, q/k/v)."""
+        return [m for n, m in zip(self.balance_names, self.balance) if not re.search(r"\.experts\.\d+\.", n)]
 
 
 def _per_channel_weight(module: nn.Module, width: int) -> bool:
@@ -290,37 +294,63 @@ class _Seen(LlmpressError):
     right there; an LlmpressError as every exception the package defines)."""
 
 
+class ChannelStatistics:
+    """One mapping's input per channel over the batches it is given: ``min``, ``max`` and
+    ``abs_mean`` (mean of ``|x|``), by ``reduced()`` over every rank's batches."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.batches = 0
+        self.tokens = 0
+        self.low: torch.Tensor | None = None
+        self.high: torch.Tensor | None = None
+        self.abs_sum: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        if self.low is None:
+            self.low, self.high, self.abs_sum = x.amin(0), x.amax(0), x.abs().sum(0)
+        else:
+            torch.minimum(self.low, x.amin(0), out=self.low)
+            torch.maximum(self.high, x.amax(0), out=self.high)
+            self.abs_sum += x.abs().sum(0)
+        self.tokens += x.shape[0]
+        self.batches += 1
+
+    def reduced(self) -> dict[str, torch.Tensor]:
+        """``min``, ``max`` and ``abs_mean`` over every rank's batches (torch.distributed; in one
+        process, this one's). Call once: the reduction is in place."""
+        if self.low is None:
+            raise SessionError(f"{self.name}: no balance layer of its mapping saw an input",
+                               expected="calibration batches that reach the mapping")
+        count = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.low.device)
+        min_across_ranks(self.low)
+        max_across_ranks(self.high)
+        sum_across_ranks(self.abs_sum)
+        sum_across_ranks(count)
+        return {"min": self.low, "max": self.high, "abs_mean": self.abs_sum / max(float(count.item()), 1.0)}
+
+
 @torch.no_grad()
 def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Per input channel of each mapping, over the block's calibration tokens (the first
-    ``batches`` batches, default all): ``min``, ``max`` and ``abs_mean`` (mean of ``|x|``), by
-    smooth layer name. Each batch runs through the block only until the last mapping's input
-    has been seen (a Llama block stops before its MLP's products: a third of the work)."""
-    stats: dict[str, dict[str, torch.Tensor]] = {}
-    counts: dict[str, int] = {}
+    ``batches`` batches, default all): ``ChannelStatistics.reduced()``, by smooth layer name.
+    Each batch runs through the block only until the last mapping's input has been seen (a
+    Llama block stops before its MLP's products: a third of the work)."""
+    stats = {m.smooth_name: ChannelStatistics(m.smooth_name) for m in mappings}
     pending: set[str] = set()
     handles = []
     for mapping in mappings:
         def seen(module: nn.Module, args: tuple, name: str = mapping.smooth_name) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            found = stats.get(name)
-            if found is None:
-                stats[name] = {"min": x.amin(0), "max": x.amax(0), "abs_mean": x.abs().sum(0)}
-            else:
-                torch.minimum(found["min"], x.amin(0), out=found["min"])
-                torch.maximum(found["max"], x.amax(0), out=found["max"])
-                found["abs_mean"] += x.abs().sum(0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            stats[name].add(args[0])
             pending.discard(name)
             if not pending:
                 raise _Seen("every mapping's input of this batch is seen")
 
-        # a balance layer that sees every token: not an expert (a router, a shared expert) where there is one
-        plain = [m for n, m in zip(mapping.balance_names, mapping.balance) if not re.search(r"\.experts\.\d+\.", n)]
-        handles.append((plain or mapping.balance)[0].register_forward_pre_hook(seen))
+        handles.append((mapping.plain_balance() or mapping.balance)[0].register_forward_pre_hook(seen))
     try:
         for batch in block.inputs[:batches]:
-            pending.update(m.smooth_name for m in mappings)
+            pending.update(stats)
             try:
                 block.run(block.module, [batch])
             except _Seen:
@@ -328,12 +358,4 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
     finally:
         for handle in handles:
             handle.remove()
-    for name in dict.fromkeys(m.smooth_name for m in mappings):  # over every rank's batches (torch.distributed)
-        found = stats[name]
-        count = torch.tensor([float(counts[name])], dtype=torch.float64, device=found["max"].device)
-        min_across_ranks(found["min"])
-        max_across_ranks(found["max"])
-        sum_across_ranks(found["abs_mean"])
-        sum_across_ranks(count)
-        found["abs_mean"] /= max(float(count.item()), 1.0)
-    return stats
+    return {name: found.reduced() for name, found in stats.items()}  # over every rank's batches (torch.distributed)

@@ -37,7 +37,6 @@ Where the ranges come from:
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -45,10 +44,9 @@ from pydantic import field_validator
 from torch import nn
 
 from llmpress.errors import SessionError
-from llmpress.integrations.distributed import max_across_ranks, min_across_ranks
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
-from llmpress.modifiers.smoothing.mappings import Mapping, apply_scales, channel_statistics
+from llmpress.modifiers.smoothing.mappings import ChannelStatistics, Mapping, apply_scales, channel_statistics
 
 if TYPE_CHECKING:
     from llmpress.pipelines.blocks import CalibrationBlock
@@ -77,7 +75,7 @@ class SmoothQuantModifier(SmoothingModifier):
 
     def on_initialize(self, state: State) -> None:
         super().on_initialize(state)
-        self.deferred: list[_Gathered] = []  # mappings whose ranges this block's observing run reads
+        self.deferred: list[tuple[Mapping, ChannelStatistics]] = []  # mappings whose ranges this block's observing run reads
 
     def smooth(self, block: CalibrationBlock, mappings: list[Mapping]) -> None:
         watched = {id(m): self._watched_balance(block, m) for m in mappings}
@@ -85,11 +83,10 @@ class SmoothQuantModifier(SmoothingModifier):
         if now:
             stats = channel_statistics(block, now, self.config.num_calibration_steps)
             for mapping in now:
-                seen = stats[mapping.smooth_name]
-                apply_scales(mapping, self._scales(mapping, seen["max"] - seen["min"]))
+                self._fold(mapping, stats[mapping.smooth_name])
         for mapping in mappings:
             if watched[id(mapping)] is not None:
-                self.deferred.append(_Gathered(mapping))
+                self.deferred.append((mapping, ChannelStatistics(f"{type(self).__name__}, {mapping.smooth_name}")))
                 block.observation.watch(watched[id(mapping)], self, mapping.smooth_name)
 
     def _watched_balance(self, block: CalibrationBlock, mapping: Mapping) -> nn.Module | None:
@@ -106,15 +103,14 @@ class SmoothQuantModifier(SmoothingModifier):
         if not seen_by or any(order.get(id(w), -1) <= mine or not w.scales_inputs(n) for _, (w, n) in seen_by):
             return None
         # one that sees every token (not an expert) and that the run observes (a target)
-        plain = [m for n, m in zip(mapping.balance_names, mapping.balance)
-                 if not re.search(r"\.experts\.\d+\.", n) and observation.watchers.get(m)]
+        plain = [m for m in mapping.plain_balance() if observation.watchers.get(m)]
         return plain[0] if plain else None
 
     def observe(self, name: str, x: torch.Tensor) -> None:
-        gathered = next(g for g in self.deferred if g.mapping.smooth_name == name)
+        stats = next(stats for mapping, stats in self.deferred if mapping.smooth_name == name)
         steps = self.config.num_calibration_steps
-        if steps is None or gathered.batches < steps:
-            gathered.add(x)
+        if steps is None or stats.batches < steps:
+            stats.add(x)
 
     def on_modules_calibrated(self, state: State, block: CalibrationBlock, modules: list[nn.Module]) -> None:
         """The observing run is over: fold the scales in, then have the later watchers rescale
@@ -122,11 +118,8 @@ class SmoothQuantModifier(SmoothingModifier):
         if not self.deferred:
             return
         block.observation.unwatch(self)
-        for gathered in self.deferred:
-            mapping = gathered.mapping
-            low, high = gathered.reduced()
-            scales = self._scales(mapping, high - low)
-            apply_scales(mapping, scales)
+        for mapping, stats in self.deferred:
+            scales = self._fold(mapping, stats.reduced())
             names: dict[int, tuple[Modifier, list[str]]] = {}
             for module in mapping.balance:
                 for watcher, name in block.observation.watchers.get(module, ()):
@@ -140,6 +133,12 @@ class SmoothQuantModifier(SmoothingModifier):
             raise SessionError(f"{type(self).__name__}: block {block.index} ended before its observing run was reported",
                                expected="modules_calibrated after the run that observes the whole block")
 
+    def _fold(self, mapping: Mapping, seen: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mapping's scales from its inputs' ranges, folded into it; returns them."""
+        scales = self._scales(mapping, seen["max"] - seen["min"])
+        apply_scales(mapping, scales)
+        return scales
+
     def _scales(self, mapping: Mapping, activation_range: torch.Tensor) -> torch.Tensor:
         if self.config.algorithm == "log_equalization":
             scales = activation_range / torch.log2(2 + activation_range)
@@ -152,28 +151,3 @@ class SmoothQuantModifier(SmoothingModifier):
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
 
-
-class _Gathered:
-    """One mapping's per-channel input minimum and maximum, read in the block's observing run."""
-
-    def __init__(self, mapping: Mapping) -> None:
-        self.mapping = mapping
-        self.batches = 0
-        self.low: torch.Tensor | None = None
-        self.high: torch.Tensor | None = None
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        low, high = x.amin(0), x.amax(0)
-        self.low = low if self.low is None else torch.minimum(self.low, low, out=self.low)
-        self.high = high if self.high is None else torch.maximum(self.high, high, out=self.high)
-        self.batches += 1
-
-    def reduced(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The minimum and maximum over every rank's batches (torch.distributed)."""
-        if self.low is None:
-            raise SessionError(f"SmoothQuantModifier: {self.mapping.smooth_name}'s balance layers saw no input",
-                               expected="the block's observing run to reach them")
-        min_across_ranks(self.low)
-        max_across_ranks(self.high)
-        return self.low, self.high
