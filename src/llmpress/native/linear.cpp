@@ -464,12 +464,7 @@ at::Tensor int4_linear_meta(const at::Tensor &x, const at::Tensor &weight, const
     return at::empty(shape, x.options());
 }
 
-at::Tensor int8_linear_bf16_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = weight.size(0);
-    return at::empty(shape, x.options());
-}
-
+/* int8_linear and int8_linear_bf16 alike: x's shape with the weight's rows, in x's dtype. */
 at::Tensor int8_linear_meta(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scale, const c10::optional<at::Tensor> &correction) {
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = weight.size(0);
@@ -499,6 +494,6 @@ TORCH_LIBRARY_IMPL(llmpress, CPU, m) {
 TORCH_LIBRARY_IMPL(llmpress, Meta, m) {
     m.impl("int4_linear", &int4_linear_meta);
     m.impl("int4_dequantize", &int4_dequantize_meta);
-    m.impl("int8_linear_bf16", &int8_linear_bf16_meta);
+    m.impl("int8_linear_bf16", &int8_linear_meta);
     m.impl("int8_linear", &int8_linear_meta);
 }

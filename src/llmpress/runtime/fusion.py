@@ -58,15 +58,13 @@ class FusedProduct:
         """Member ``index``'s product with ``x`` (no bias). Decode-sized inputs share one group
         product; longer ones (prefill) run each member on its own rows, which costs no more
         and keeps no group-sized product alive."""
-        member = self.members[index]
-        if x.numel() > kernels.PREFILL_ROWS * x.shape[-1]:
+        member, kept = self.members[index], self.kept
+        waiting = kept is not None and index not in kept[2]  # the group's product waits for this member
+        if x.numel() > kernels.PREFILL_ROWS * x.shape[-1] or (waiting and kept[0] is not x):
+            # prefill, or another input than the waiting product's: its own rows only
             return kernels.int4_matmul(x, member.int4_weight, self.group, member.int4_table)
-        kept = self.kept
-        if kept is not None and kept[0] is x and index not in kept[2]:
+        if waiting:
             product, served = kept[1], kept[2] | {index}
-        elif kept is not None and kept[0] is not x and index not in kept[2]:
-            # another input while the group's product waits for this member: its own rows only
-            return kernels.int4_matmul(x, member.int4_weight, self.group, member.int4_table)
         else:  # the first member of a round (or one called again: a new round)
             product, served = kernels.int4_matmul(x, self.weight, self.group, self.table), frozenset((index,))
         self.kept = None if len(served) == len(self.members) else (x, product, served)

@@ -59,6 +59,10 @@ _STORED = ("dequant", "bf16")  # kernels that keep the stored tensors as they ar
 
 
 class QuantizedLinear(nn.Module):
+    #: (FusedProduct, index) while fused with layers reading the same input (fusion.py); a class
+    #: default, so modules pickled before fusion existed read None too
+    _fusion: tuple | None = None
+
     def __init__(
         self,
         in_features: int,
@@ -81,7 +85,6 @@ class QuantizedLinear(nn.Module):
         self._int8_inputs: int8_inputs.Int8Inputs | None = None  # packed on the first long input
         self._dense: torch.Tensor | None = None  # kernel bf16: the weight, dequantized on the first forward
         self._divisor: torch.Tensor | None = None  # and NVFP4's global scale, which divides its products
-        self._fusion: tuple | None = None  # (FusedProduct, index) when fused with layers reading the same input (fusion.py)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -153,7 +156,7 @@ class QuantizedLinear(nn.Module):
         return spread(scale), None if zero_point is None else spread(zero_point)
 
     def _set_int4(self, packed: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None) -> None:
-        if getattr(self, "_fusion", None) is not None:  # new values: the fused copy is stale
+        if self._fusion is not None:  # new values: the fused copy is stale
             self._fusion[0].dissolve()
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zero_point)
@@ -249,9 +252,8 @@ class QuantizedLinear(nn.Module):
         if inputs is not None:
             x = fake_quantize_module_input(self, x, inputs)
         if self.kernel == "int4":
-            fusion = getattr(self, "_fusion", None)  # (absent from modules pickled before fusion existed)
-            if fusion is not None:
-                out = fusion[0].output(fusion[1], x)
+            if self._fusion is not None:
+                out = self._fusion[0].output(self._fusion[1], x)
             else:
                 out = kernels.int4_matmul(x, self.int4_weight, self.int4_group, self.int4_table)
         elif self.kernel in _INT8:
@@ -307,9 +309,8 @@ class QuantizedLinear(nn.Module):
             # says which layout the weight is in): they keep their dtypes, on the new device
             if self._buffers[name].dtype != before.dtype:
                 self._buffers[name] = before.to(self._buffers[name].device)
-        fusion = getattr(self, "_fusion", None)
-        if fusion is not None and any(self._buffers[n] is not stored[n] for n in ("int4_weight", "int4_table")):
-            fusion[0].dissolve()  # moved: the fused tensors stayed where they were, every member runs alone
+        if self._fusion is not None and any(self._buffers[n] is not stored[n] for n in ("int4_weight", "int4_table")):
+            self._fusion[0].dissolve()  # moved: the fused tensors stayed where they were, every member runs alone
         return result
 
     def __getstate__(self):  # deepcopy, pickle: oneDNN's packed weight has no storage to copy
