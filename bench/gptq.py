@@ -116,19 +116,50 @@ def run_worker(python: Path, tool: str, recipe: Path, model: Path, tokens: Path,
     return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
 
 
-def run_pairs(ours_tool: str, recipe: Path, model: Path, tokens: Path, output: Path, runs: int,
+def run_pairs(ours_tool: str, recipe: Path, model: Path, tokens: Path | list[Path], output: Path, runs: int,
               peer_recipe: Path | None = None) -> dict:
     """``runs`` pairs of compressions, llmpress then llm-compressor back to back (into
     ``output``-llmpress and ``output``-llmcompressor; llm-compressor reads ``peer_recipe`` when
     given): per-figure medians of each tool and the median of the pairs' ratios (a pair sees the
-    machine in one state)."""
+    machine in one state). ``tokens`` may be a list of files, calibration orders
+    (``calibration_orders``): pair i calibrates on file i (cycling) and its checkpoints are
+    kept, order i's in ``output``-TOOL-order{i} from the second on (``pair_outputs``)."""
     ours_runs, peer_runs = [], []
-    for _ in range(runs):
-        ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, model, tokens, Path(f"{output}-llmpress")))
-        peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", peer_recipe or recipe, model, tokens, Path(f"{output}-llmcompressor")))
+    files = tokens if isinstance(tokens, list) else [tokens]
+    for i in range(runs):
+        order = i % len(files)
+        ours, peer = pair_outputs(output, order)
+        ours_runs.append(run_worker(Path(sys.executable), ours_tool, recipe, model, files[order], ours))
+        peer_runs.append(run_worker(PEER_PYTHON, "llmcompressor", peer_recipe or recipe, model, files[order], peer))
     ratios = {key: statistics.median(o[key] / p[key] for o, p in zip(ours_runs, peer_runs)) for key in ours_runs[0]}
     return {"ours": median_run(ours_runs), "peer": median_run(peer_runs), "ratios": ratios,
             "runs": {"ours": ours_runs, "peer": peer_runs}}
+
+
+def pair_outputs(output: Path, order: int) -> tuple[Path, Path]:
+    """Where pair ``order``'s checkpoints go: llmpress's, llm-compressor's."""
+    suffix = f"-order{order}" if order else ""
+    return Path(f"{output}-llmpress{suffix}"), Path(f"{output}-llmcompressor{suffix}")
+
+
+def calibration_orders(tokens: Path, count: int) -> list[Path]:
+    """``tokens`` and ``count - 1`` shuffles of its samples (seeds 1, 2, ...), one file each. GPTQ
+    rounds differently when the batches come in another order (float sums), and through the
+    per-token int8 inputs of the next layers that moves a W8A8 model's perplexity by a few
+    thousandths: one run per tool says nothing about which tool is more accurate at that level.
+    llmpress calibrates on each file in its order; llm-compressor shuffles every run itself
+    (an unseeded sampler), so its runs are as many random orders."""
+    import random
+
+    lines = tokens.read_text(encoding="utf-8").splitlines(keepends=True)
+    files = [tokens]
+    for seed in range(1, count):
+        shuffled = list(lines)
+        random.Random(seed).shuffle(shuffled)
+        path = tokens.with_name(f"{tokens.stem}-order{seed}.jsonl")
+        path.write_text("".join(shuffled), encoding="utf-8")
+        files.append(path)
+    return files
 
 
 def transformers_perplexity(checkpoint: Path, windows: torch.Tensor) -> float:

@@ -3,6 +3,7 @@ files, the same tokens, separate processes, one run.
 
     python bench/recipes.py [--configs sq-gptq-w8a8 gptq-w8a8 kv-fp8] [--repeat 1] [--work DIR]
     python bench/recipes.py --configs sq-gptq-w8a8 --models random-1024     # where the work dominates
+    python bench/recipes.py --configs sq-gptq-w8a8 --orders 8              # perplexity over 8 calibration orders
 
 Models: the shared tiny trained Llama, and the same model with activation outliers (a few
 channels of each norm x50 and the Linears reading them /50: the same function, the activations of
@@ -19,6 +20,11 @@ transformers + compressed-tensors at llmpress's pins; and at llm-compressor's (t
 compressed-tensors 0.19, its own environment). The last column says whether that loader
 registered the KV-cache scales. ``--models random-1024`` runs a config on the random hidden-1024
 Llama of the GPTQ bench instead, where time and memory are what mean something.
+
+``--orders N`` runs N pairs, each on another order of the calibration samples, and reads every
+checkpoint: at W8A8 the order alone moves either tool's perplexity by a few thousandths (GPTQ's
+float sums round differently, and per-token int8 inputs pass that on), so one run per tool does
+not say which is more accurate; the medians over N orders do.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +40,7 @@ from pathlib import Path
 import torch
 from awq import read_back_perplexity
 from common import PEER_PYTHON, REPO, fixture, work_folder
-from gptq import bench_inputs, prepare_peer_runs, run_pairs
+from gptq import bench_inputs, calibration_orders, pair_outputs, prepare_peer_runs, run_pairs
 
 KV = "{num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}"
 RECIPES = {
@@ -118,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
+    parser.add_argument("--orders", type=int, default=1,
+                        help="N pairs, each on another order of the calibration samples; every checkpoint's perplexity is read")
     parser.add_argument("--work", default=None)
     parser.add_argument("--models", nargs="+", default=None, choices=["tiny", "tiny-outliers", "random-1024"],
                         help="the models to run each config on (default: the tiny ones each config is meant for)")
@@ -134,10 +143,14 @@ def main() -> None:
         recipe = work / f"{config}.yaml"
         recipe.write_text(RECIPES[config])
         for name in args.models or MODELS[config]:
-            row = {"config": config, "model": name, **run_pairs("llmpress", recipe, models[name], tokens, work / f"{name}-{config}", args.repeat)}
-            for tool in ("llmpress", "llmcompressor"):
-                checkpoint = work / f"{name}-{config}-{tool}"
+            output = work / f"{name}-{config}"
+            orders = calibration_orders(tokens, args.orders) if args.orders > 1 else tokens
+            row = {"config": config, "model": name, **run_pairs("llmpress", recipe, models[name], orders, output, max(args.repeat, args.orders))}
+            for tool, checkpoint in zip(("llmpress", "llmcompressor"), pair_outputs(output, 0)):
                 row[tool] = readings(checkpoint, windows, work / "windows.pt")
+            row["orders"] = {tool: [row[tool]["llmpress.load"]] + [read_back_perplexity(pair_outputs(output, i)[side], windows)
+                                                                   for i in range(1, args.orders)]
+                             for side, tool in enumerate(("llmpress", "llmcompressor"))}
             rows.append(row)
             print(json.dumps(row), flush=True)
 
@@ -153,6 +166,11 @@ def main() -> None:
                   f" {theirs:>17} {theirs_peer:>15} {scales:>9}")
     print("\nin-process: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
           "\nperplexity: 200 windows of 256 tokens of the shared evaluation text.")
+    if args.orders > 1:
+        print(f"\nperplexity (llmpress.load) over {args.orders} calibration orders: median [min, max]")
+        for r in rows:
+            cells = [f"{tool} {statistics.median(p):.4f} [{min(p):.4f}, {max(p):.4f}]" for tool, p in r["orders"].items()]
+            print(f"{r['config']:<13} {r['model']:<14} " + "   ".join(cells))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ and measures, each in its own process at the machine's thread count:
   a rounding flip in one layer grows through the next ones);
 - each int8 × int8 module's output against float64 arithmetic on the same input (the input
   fake-quantized as the scheme says, the dequantized weight): what the product itself adds, with
-  no earlier layer's rounding in it.
+  no earlier layer's rounding in it;
+- the fp64 and fp32 dense views layer by layer (all tokens, the median token, the worst): after
+  the first layer the median token is still at float rounding and a few tokens are not (an int8
+  input rounded the other way); by the second, attention has spread that to every token.
 """
 
 from __future__ import annotations
@@ -82,6 +85,33 @@ def per_module_gap(checkpoint, tokens: int = 64) -> float:
     return max(gaps)
 
 
+def divergence_by_layer(checkpoint, tokens: int = 64) -> list[tuple[float, float, float]]:
+    """How the fp64 and fp32 dense views of one checkpoint drift apart, layer by layer, on the
+    tokens of ``logits_gaps``: each decoder layer's output, relative L2 over all tokens, and of
+    the median and the worst token. Where the median token of the first layer is at float
+    rounding and its worst is not, a per-token int8 input rounded the other way there; that
+    token's error then crosses more rounding boundaries in the next quantized inputs, and
+    attention hands it to every later token."""
+    import llmpress
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32000, (2, tokens))  # as load_worker.py's logits task
+    outputs = []
+    for dtype in (torch.float32, torch.float64):
+        model, hidden = llmpress.load(checkpoint, dequantize=True, dtype=dtype), []
+        for layer in model.model.layers:
+            layer.register_forward_hook(lambda module, args, out: hidden.append((out[0] if isinstance(out, tuple) else out).double()))
+        with torch.no_grad():
+            model(ids.clamp(max=model.config.vocab_size - 1))
+        outputs.append(hidden)
+        del model
+    rows = []
+    for low, high in zip(*outputs):
+        per_token = ((low - high).norm(dim=-1) / high.norm(dim=-1)).flatten()
+        rows.append((float((low - high).norm() / high.norm()), float(per_token.median()), float(per_token.max())))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -101,6 +131,7 @@ def main() -> None:
         print(json.dumps({label: rows[label]}), flush=True)
     tiny = compress_w8a8(fixture("tiny-llama"), work / "tiny-w8a8")
     gaps = {"random-2048": (*logits_gaps(w8a8, work), per_module_gap(w8a8)), "tiny": (*logits_gaps(tiny, work), per_module_gap(tiny))}
+    drift = divergence_by_layer(w8a8)
 
     print(f"\nrandom-2048 Llama, batch 1, {torch.get_num_threads()} threads: prefill of {args.tokens} tokens,"
           f" greedy decode of {args.new_tokens} (ratios to fp32)")
@@ -114,6 +145,10 @@ def main() -> None:
     print(f"{'model':<12} {'llmpress.load':>14} {'fp64 view vs fp32 view':>23} {'per module':>11}")
     for name, (gap, floor, module) in gaps.items():
         print(f"{name:<12} {gap:>14.2e} {floor:>23.2e} {module:>11.2e}")
+    print("\nrandom-2048: the fp64 view against the fp32 view, each layer's output (relative L2)")
+    print(f"{'layer':<6} {'all tokens':>11} {'median token':>13} {'worst token':>12}")
+    for index, (whole, median, worst) in enumerate(drift):
+        print(f"{index:<6} {whole:>11.2e} {median:>13.2e} {worst:>12.2e}")
 
 
 if __name__ == "__main__":

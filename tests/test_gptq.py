@@ -347,6 +347,36 @@ def test_hessian_accumulator_matches_the_definition(columns):
 
 
 @pytest.mark.parametrize("columns", [200, 1100])
+def test_a_hessian_does_not_depend_on_how_its_samples_are_batched_or_ordered(columns):
+    from llmpress.modifiers.gptq.hessians import HessianAccumulator
+
+    samples = torch.randn(6, 40, columns)
+    together, reordered = HessianAccumulator(columns, torch.device("cpu")), HessianAccumulator(columns, torch.device("cpu"))
+    for batch in samples.split(2):
+        together.add(batch)
+    for batch in samples[[4, 1, 5, 0, 3, 2]].split(3):
+        reordered.add(batch)
+    assert torch.equal(together.result(), reordered.result())
+
+
+def test_a_shuffle_or_another_batch_size_of_the_samples_gives_the_same_checkpoint():
+    """GPTQ's Hessians sum one product per sample, so neither the order of the calibration
+    samples nor their batching changes a rounding (a product per batch of two moved the shared
+    tiny model's W8A8 perplexity by up to 0.009 between shuffles)."""
+    samples = token_batches(8, 32, seed=3)
+
+    def run(shuffle_seed: int, batch_size: int):
+        model = make_tiny_llama()
+        options = CalibrationOptions(num_samples=8, seq_len=32, seed=shuffle_seed, batch_size=batch_size, true_sequential=False)
+        llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"]), samples, calibration=options)
+        return {n: b for n, b in model.state_dict().items() if n.endswith(("weight", "weight_scale"))}
+
+    first, other = run(0, 2), run(1, 4)
+    assert first.keys() == other.keys()
+    assert all(torch.equal(first[n], other[n]) for n in first), [n for n in first if not torch.equal(first[n], other[n])][:3]
+
+
+@pytest.mark.parametrize("columns", [200, 1100])
 def test_a_hessian_rescaled_after_the_fact_is_the_hessian_of_the_rescaled_inputs(columns):
     """SmoothQuant folds ``1/s`` into the inputs after GPTQ saw them: ``diag(f) H diag(f)``."""
     from llmpress.errors import SessionError

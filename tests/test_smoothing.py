@@ -375,6 +375,34 @@ def test_an_moe_norm_maps_to_its_router_and_every_expert(family, tmp_path, caplo
         assert getattr(mlp.shared_expert_gate, "weight_scale", None) is None
 
 
+def test_an_moe_mapping_reads_its_ranges_at_an_expert_in_gptqs_observing_run(tmp_path, monkeypatch):
+    """Qwen3-MoE's post-attention norm feeds its router, which GPTQ does not observe (not a
+    Linear), and its experts. While every expert calibrates on every token an expert's input is
+    the norm's output, so SmoothQuant reads that mapping's ranges at an expert in GPTQ's observing
+    run too: one run of the block fewer, the scales of a run of its own."""
+    model_dir = moe_model("qwen3_moe", tmp_path / "moe")
+    vocab = llmpress.load(model_dir, dtype=torch.float32).config.vocab_size
+    batches = token_batches(4, 32, vocab=vocab)
+    options = llmpress.CalibrationOptions(true_sequential=False, batch_size=2)
+
+    def run(defer: bool):
+        if not defer:
+            monkeypatch.setattr(SmoothQuantModifier, "_watched_balance", lambda self, block, mapping: None)
+        model = llmpress.load(model_dir, dtype=torch.float32)
+        calls = []
+        handle = model.model.layers[-1].post_attention_layernorm.register_forward_pre_hook(lambda m, a: calls.append(1))
+        llmpress.oneshot(model, [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])],
+                         batches, calibration=options)
+        handle.remove()
+        return model, len(calls)
+
+    deferred, runs = run(defer=True)
+    own, own_runs = run(defer=False)
+    assert own_runs - runs == len(batches) // 2
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        torch.testing.assert_close(getattr(deferred.model.layers[-1], name).weight, getattr(own.model.layers[-1], name).weight)
+
+
 def test_experts_without_tokens_cannot_pass_for_a_mapping(tmp_path):
     """On a one-token batch most experts get no token: a check that looked only at the routed
     output would accept anything for them (gate_proj -> down_proj through the activation). The

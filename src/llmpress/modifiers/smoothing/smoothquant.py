@@ -30,7 +30,10 @@ Where the ranges come from:
   watching a mapping's balance layers comes later in the recipe and can rescale what it
   gathered (GPTQ's Hessians: ``diag(1/s) H diag(1/s)``), the ranges are read in that very run
   and the scales folded in at ``modules_calibrated``, before the others use what they gathered:
-  the block runs twice, not three times;
+  the block runs twice, not three times. They are read at a balance layer the run observes that
+  sees every token: not an MoE expert, unless every expert calibrates on every token
+  (``calibrating_all_experts``, the default), as for Qwen3-MoE's norm, whose other reader, the
+  router, nobody observes;
 - otherwise the block runs on its calibration inputs once at ``block_start``, before anything of
   it is observed or quantized, up to the last mapping's input.
 """
@@ -44,6 +47,7 @@ from pydantic import field_validator
 from torch import nn
 
 from llmpress.errors import SessionError
+from llmpress.models.experts import LinearExperts
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.mappings import ChannelStatistics, Mapping, apply_scales, channel_statistics
@@ -102,9 +106,11 @@ class SmoothQuantModifier(SmoothingModifier):
         seen_by = [(m, w) for m in mapping.balance for w in observation.watchers.get(m, ())]
         if not seen_by or any(order.get(id(w), -1) <= mine or not w.scales_inputs(n) for _, (w, n) in seen_by):
             return None
-        # one that sees every token (not an expert) and that the run observes (a target)
+        # one the run observes (a target) that sees every token: not an expert, unless its
+        # experts are calibrating on every token (then its input is the smooth layer's output)
         plain = [m for m in mapping.plain_balance() if observation.watchers.get(m)]
-        return plain[0] if plain else None
+        every = [m for m in mapping.balance if observation.watchers.get(m) and m in _experts_seeing_every_token(block.module)]
+        return (plain or every or [None])[0]
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         stats = next(stats for mapping, stats in self.deferred if mapping.smooth_name == name)
@@ -151,3 +157,9 @@ class SmoothQuantModifier(SmoothingModifier):
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
 
+
+def _experts_seeing_every_token(block: nn.Module) -> set[nn.Module]:
+    """The expert Linears of ``block`` that run on every token of a batch while observed
+    (``LinearExperts`` with ``calibrate_all``, as ``calibrating_all_experts`` sets it)."""
+    return {m for experts in block.modules() if isinstance(experts, LinearExperts) and experts.calibrate_all
+            for m in experts.modules() if m is not experts}
