@@ -94,15 +94,15 @@ def divergence_by_layer(checkpoint, tokens: int = 64) -> list[tuple[float, float
     attention hands it to every later token."""
     import llmpress
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 32000, (2, tokens))  # as load_worker.py's logits task
     outputs = []
     for dtype in (torch.float32, torch.float64):
         model, hidden = llmpress.load(checkpoint, dequantize=True, dtype=dtype), []
         for layer in model.model.layers:
             layer.register_forward_hook(lambda module, args, out: hidden.append((out[0] if isinstance(out, tuple) else out).double()))
+        # the tokens of load_worker.py's logits task
+        ids = torch.randint(3, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            model(ids.clamp(max=model.config.vocab_size - 1))
+            model(ids)
         outputs.append(hidden)
         del model
     rows = []
