@@ -144,27 +144,26 @@ quant_stage:
     assert "SmoothQuantModifier" in (tmp_path / "recipe.yaml").read_text()
 
 
+def two_pass_smoothquant_gptq(model, counted, batches):
+    """SmoothQuant (0.8) + GPTQ W8A8 on ``model``, two passes a block, batches of 2: the model, and
+    how many times the module ``counted(model)`` ran."""
+    calls = []
+    handle = counted(model).register_forward_pre_hook(lambda m, a: calls.append(1))
+    llmpress.oneshot(model, [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])],
+                     batches, calibration=llmpress.CalibrationOptions(true_sequential=False, batch_size=2))
+    handle.remove()
+    return model, len(calls)
+
+
 def test_smoothquant_reads_its_ranges_in_gptqs_observing_run(calibration_and_eval, monkeypatch):
     """Calibrated in two passes, SmoothQuant + GPTQ run each block twice, not three times:
     SmoothQuant's ranges come from GPTQ's observing run and GPTQ's Hessians are rescaled by
     ``1/s`` afterwards. The scales are those of a run of its own; the checkpoint that of the
     Hessians of the smoothed inputs, to float rounding."""
     batches, ids = calibration_and_eval
-    options = llmpress.CalibrationOptions(true_sequential=False, batch_size=2)
-
-    def run(defer: bool):
-        if not defer:
-            monkeypatch.setattr(SmoothQuantModifier, "_watched_balance", lambda self, block, mapping: None)
-        model = outlier_model()
-        calls = []
-        handle = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: calls.append(1))
-        llmpress.oneshot(model, [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])],
-                         batches, calibration=options)
-        handle.remove()
-        return model, len(calls)
-
-    deferred, runs = run(defer=True)
-    own, own_runs = run(defer=False)
+    deferred, runs = two_pass_smoothquant_gptq(outlier_model(), lambda m: m.model.layers[0].self_attn.q_proj, batches)
+    monkeypatch.setattr(SmoothQuantModifier, "_watched_balance", lambda self, block, mapping: None)  # a run of its own
+    own, own_runs = two_pass_smoothquant_gptq(outlier_model(), lambda m: m.model.layers[0].self_attn.q_proj, batches)
     assert own_runs - runs == len(batches) // 2  # one run of the block fewer (besides: the mapping checks)
     torch.testing.assert_close(deferred.model.layers[0].input_layernorm.weight, own.model.layers[0].input_layernorm.weight)
     reference = logits(outlier_model(), ids)
@@ -383,21 +382,13 @@ def test_an_moe_mapping_reads_its_ranges_at_an_expert_in_gptqs_observing_run(tmp
     model_dir = moe_model("qwen3_moe", tmp_path / "moe")
     vocab = llmpress.load(model_dir, dtype=torch.float32).config.vocab_size
     batches = token_batches(4, 32, vocab=vocab)
-    options = llmpress.CalibrationOptions(true_sequential=False, batch_size=2)
 
-    def run(defer: bool):
-        if not defer:
-            monkeypatch.setattr(SmoothQuantModifier, "_watched_balance", lambda self, block, mapping: None)
-        model = llmpress.load(model_dir, dtype=torch.float32)
-        calls = []
-        handle = model.model.layers[-1].post_attention_layernorm.register_forward_pre_hook(lambda m, a: calls.append(1))
-        llmpress.oneshot(model, [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])],
-                         batches, calibration=options)
-        handle.remove()
-        return model, len(calls)
+    def norm(model):
+        return model.model.layers[-1].post_attention_layernorm
 
-    deferred, runs = run(defer=True)
-    own, own_runs = run(defer=False)
+    deferred, runs = two_pass_smoothquant_gptq(llmpress.load(model_dir, dtype=torch.float32), norm, batches)
+    monkeypatch.setattr(SmoothQuantModifier, "_watched_balance", lambda self, block, mapping: None)  # a run of its own
+    own, own_runs = two_pass_smoothquant_gptq(llmpress.load(model_dir, dtype=torch.float32), norm, batches)
     assert own_runs - runs == len(batches) // 2
     for name in ("input_layernorm", "post_attention_layernorm"):
         torch.testing.assert_close(getattr(deferred.model.layers[-1], name).weight, getattr(own.model.layers[-1], name).weight)
