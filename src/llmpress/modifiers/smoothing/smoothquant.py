@@ -109,7 +109,8 @@ class SmoothQuantModifier(SmoothingModifier):
         # one the run observes (a target) that sees every token: not an expert, unless its
         # experts are calibrating on every token (then its input is the smooth layer's output)
         plain = [m for m in mapping.plain_balance() if observation.watchers.get(m)]
-        every = [m for m in mapping.balance if observation.watchers.get(m) and m in _experts_seeing_every_token(block.module)]
+        seeing_all = _experts_seeing_every_token(block.module)
+        every = [m for m in mapping.balance if observation.watchers.get(m) and m in seeing_all]
         return (plain or every or [None])[0]
 
     def observe(self, name: str, x: torch.Tensor) -> None:
