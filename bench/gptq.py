@@ -143,12 +143,13 @@ def pair_outputs(output: Path, order: int) -> tuple[Path, Path]:
 
 
 def calibration_orders(tokens: Path, count: int) -> list[Path]:
-    """``tokens`` and ``count - 1`` shuffles of its samples (seeds 1, 2, ...), one file each. GPTQ
-    rounds differently when the batches come in another order (float sums), and through the
-    per-token int8 inputs of the next layers that moves a W8A8 model's perplexity by a few
-    thousandths: one run per tool says nothing about which tool is more accurate at that level.
-    llmpress calibrates on each file in its order; llm-compressor shuffles every run itself
-    (an unseeded sampler), so its runs are as many random orders."""
+    """``tokens`` and ``count - 1`` shuffles of its samples (seeds 1, 2, ...), one file each.
+    llm-compressor's GPTQ rounds differently when the samples come in another order (float sums),
+    and through the per-token int8 inputs of the next layers that moves a W8A8 model's perplexity
+    by a few thousandths, so one run of it says little at that level; it shuffles every run
+    itself (an unseeded sampler), so its runs are as many random orders. llmpress calibrates on
+    each file in its order and, summing one Hessian product per sample, writes the same
+    checkpoint for every order: the files show that, and llm-compressor's spread."""
     import random
 
     lines = tokens.read_text(encoding="utf-8").splitlines(keepends=True)

@@ -22,9 +22,9 @@ registered the KV-cache scales. ``--models random-1024`` runs a config on the ra
 Llama of the GPTQ bench instead, where time and memory are what mean something.
 
 ``--orders N`` runs N pairs, each on another order of the calibration samples, and reads every
-checkpoint: at W8A8 the order alone moves either tool's perplexity by a few thousandths (GPTQ's
-float sums round differently, and per-token int8 inputs pass that on), so one run per tool does
-not say which is more accurate; the medians over N orders do.
+checkpoint: at W8A8 the order alone moves llm-compressor's perplexity by a few thousandths (its
+GPTQ's float sums round differently, and per-token int8 inputs pass that on), so one of its runs
+says little at that level; its median over N orders does. llmpress's is the same for every order.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from torch import nn
 
 from llmpress.errors import LlmpressError, SessionError
 from llmpress.integrations.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
-from llmpress.models.experts import mixing_all_experts
+from llmpress.models.experts import LinearExperts, mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
@@ -77,9 +77,15 @@ class Mapping:
         more = f" ({len(experts)} experts)" if len(experts) > 1 else ""
         return f"{self.smooth_name.rsplit('.', 1)[-1]} -> {', '.join(inner)}{more}"
 
-    def plain_balance(self) -> list[nn.Module]:
-        """The balance layers that see every token: not experts (a router, a shared expert, q/k/v)."""
-        return [m for n, m in zip(self.balance_names, self.balance) if not re.search(r"\.experts\.\d+\.", n)]
+    def balance_seeing_every_token(self, block: nn.Module) -> list[nn.Module]:
+        """The balance layers that see every token of a batch: those that are not experts (a
+        router, a shared expert, q/k/v), then the experts of ``block`` that run on every token
+        while calibrating (``LinearExperts.calibrate_all``, as ``calibrating_all_experts`` sets
+        it), whose input is then the smooth layer's whole output."""
+        plain = [m for n, m in zip(self.balance_names, self.balance) if not re.search(r"\.experts\.\d+\.", n)]
+        everyone = {m for experts in block.modules() if isinstance(experts, LinearExperts) and experts.calibrate_all
+                    for m in experts.modules() if m is not experts}
+        return plain + [m for m in self.balance if m in everyone]
 
 
 def _per_channel_weight(module: nn.Module, width: int) -> bool:
@@ -347,7 +353,7 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
             if not pending:
                 raise _Seen("every mapping's input of this batch is seen")
 
-        handles.append((mapping.plain_balance() or mapping.balance)[0].register_forward_pre_hook(seen))
+        handles.append((mapping.balance_seeing_every_token(block.module) or mapping.balance)[0].register_forward_pre_hook(seen))
     try:
         for batch in block.inputs[:batches]:
             pending.update(stats)

@@ -47,7 +47,6 @@ from pydantic import field_validator
 from torch import nn
 
 from llmpress.errors import SessionError
-from llmpress.models.experts import LinearExperts
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.mappings import ChannelStatistics, Mapping, apply_scales, channel_statistics
@@ -106,12 +105,9 @@ class SmoothQuantModifier(SmoothingModifier):
         seen_by = [(m, w) for m in mapping.balance for w in observation.watchers.get(m, ())]
         if not seen_by or any(order.get(id(w), -1) <= mine or not w.scales_inputs(n) for _, (w, n) in seen_by):
             return None
-        # one the run observes (a target) that sees every token: not an expert, unless its
-        # experts are calibrating on every token (then its input is the smooth layer's output)
-        plain = [m for m in mapping.plain_balance() if observation.watchers.get(m)]
-        seeing_all = _experts_seeing_every_token(block.module)
-        every = [m for m in mapping.balance if observation.watchers.get(m) and m in seeing_all]
-        return (plain or every or [None])[0]
+        # one that sees every token and that the run observes (a target)
+        seeing = [m for m in mapping.balance_seeing_every_token(block.module) if observation.watchers.get(m)]
+        return seeing[0] if seeing else None
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         stats = next(stats for mapping, stats in self.deferred if mapping.smooth_name == name)
@@ -157,10 +153,3 @@ class SmoothQuantModifier(SmoothingModifier):
             scales = activation_range.pow(alpha) / weight_range.pow(1 - alpha)
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
-
-
-def _experts_seeing_every_token(block: nn.Module) -> set[nn.Module]:
-    """The expert Linears of ``block`` that run on every token of a batch while observed
-    (``LinearExperts`` with ``calibrate_all``, as ``calibrating_all_experts`` sets it)."""
-    return {m for experts in block.modules() if isinstance(experts, LinearExperts) and experts.calibrate_all
-            for m in experts.modules() if m is not experts}
