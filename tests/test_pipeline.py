@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from llmpress.observation import Observation
 from llmpress.pipelines import layerwise
 from llmpress.pipelines.blocks import CalibrationBlock, capture_block_inputs, find_blocks, share_repeated
 from llmpress.pipelines.plan import BlockPlan, plan_block
-from llmpress.pipelines.reference import calibrate_block_reference
+from llmpress.pipelines.reference import calibrate_block_reference, observe_block
 from llmpress.pipelines.sequential import calibrate_block_by_module
 
 
@@ -220,6 +221,51 @@ def test_control_flow_that_changes_between_batches_is_an_error():
     inputs = [((torch.ones(2, 8),), {}), ((torch.full((2, 8), 1e7),), {})]
     with pytest.raises(UnsupportedModelError, match="true_sequential=False"):
         _calibrate(block, inputs, by_module=True)
+
+
+def _observing_run(block: nn.Module, inputs: list) -> tuple[dict[str, int], Counter]:
+    """``observe_block`` with every Linear of ``block`` watched, in one group: how many inputs
+    each one handed over, and how many times each one computed its output."""
+    holder = nn.Module()
+    holder.block = block
+    session = llmpress.Session(_Squash()).initialize(model=holder)
+    session.calibration_start()
+    names = {m: n for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+    computed = Counter()
+    handles = [m.register_forward_hook(lambda m, a, o: computed.update([names[m]])) for m in names]
+    try:
+        observe_block(CalibrationBlock(0, block, inputs, session.observation), session.observation, list(names))
+    finally:
+        for handle in handles:
+            handle.remove()
+        session.abandon_calibration()
+    return {n.removeprefix("block."): len(x) for n, x in session.modifiers[0].seen.items()}, computed
+
+
+def test_the_observing_run_stops_each_batch_after_the_last_input_it_waits_for():
+    """A Llama block's observing run computes down_proj's product for the first batch only (the
+    batch that shows where the last input is); every module still sees every batch's input."""
+    model = make_tiny_llama()
+    block, inputs = find_blocks(model)[0], _inputs(model, batches=4)
+    seen, computed = _observing_run(block, inputs)
+    names = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+    assert seen == dict.fromkeys(names, 4)
+    assert computed == {**dict.fromkeys(names, 4), "mlp.down_proj": 1}
+
+
+def test_the_observing_run_stops_early_only_where_every_batch_feeds_every_module_once():
+    """A module called twice per batch, or a batch that skips one, runs whole: stopping at a
+    count another batch showed could drop an input that comes after it."""
+    twice = _Twice()
+    seen, computed = _observing_run(twice, [((torch.randn(2, 8),), {}) for _ in range(3)])
+    assert seen == {"proj": 6} and computed == {"proj": 6}
+    block = _SkipsOnce()  # the second module runs only on small inputs
+    small, large = ((torch.ones(2, 8),), {}), ((torch.full((2, 8), 1e7),), {})
+    seen, computed = _observing_run(block, [large, small, large, small, small])
+    assert seen == {"first": 5, "second": 3}
+    # the first small batch shows where the last input is; the later ones stop there, the large
+    # ones never reach that count and run whole
+    assert computed == {"first": 5, "second": 1}
 
 
 def test_a_block_offers_its_submodules_inputs_and_reruns_them_unobserved():

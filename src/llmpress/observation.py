@@ -11,10 +11,15 @@ modifiers never hook the model themselves, so a pipeline can:
 
 A modifier may also watch a module for one block (``watch`` ... ``unwatch``): SmoothQuant gathers
 its channel ranges in the block's observing run instead of a run of its own.
+
+A run that needs only the inputs can stop each forward once they are all in (``until``): the
+hook raises ``InputsSeen`` right after the last one, and what follows it in the block is not
+computed.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -22,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from llmpress.errors import LlmpressError
+
 if TYPE_CHECKING:
     from llmpress.modifiers.base import Modifier
 
-__all__ = ["Observation", "primary_input", "with_primary_input"]
+__all__ = ["InputsSeen", "Observation", "primary_input", "with_primary_input"]
 
 
 def _primary_key(args: tuple, kwargs: dict[str, Any]) -> int | str | None:
@@ -53,6 +60,11 @@ def with_primary_input(args: tuple, kwargs: dict[str, Any], value: Any) -> tuple
     return args, {**kwargs, key or "hidden_states": value}
 
 
+class InputsSeen(LlmpressError):
+    """Every input a forward waits for is observed (``Observation.until``): raised by the hook,
+    caught by whoever runs the forward, so the rest of it is not computed."""
+
+
 class Observation:
     def __init__(self, modifiers: Iterable[Modifier]) -> None:
         self.modifiers = list(modifiers)  # in the session's order: the order their hooks run in
@@ -67,6 +79,8 @@ class Observation:
         self._handles = [self._hook_on(m) for m in self.watchers]
         self._added: dict[nn.Module, Any] = {}  # the hooks of modules only ``watch`` added
         self._temporary: list[tuple[nn.Module, Modifier, str]] = []
+        self._fed: Counter | None = None  # inputs observed per module, inside ``until``
+        self._enough: Counter | None = None
 
     def _hook_on(self, module: nn.Module) -> Any:
         return module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
@@ -83,6 +97,10 @@ class Observation:
         if self._paused or (self._only is not None and module not in self._only):
             return
         self.feed(module, primary_input(args, kwargs))
+        if self._fed is not None:
+            self._fed[module] += 1
+            if self._fed == self._enough:
+                raise InputsSeen("every input this forward waits for is observed")
 
     def feed(self, module: nn.Module, x: torch.Tensor) -> None:
         """Hand ``x`` to the modifiers watching ``module`` as its input."""
@@ -125,6 +143,17 @@ class Observation:
             yield
         finally:
             self._only = previous
+
+    @contextmanager
+    def until(self, enough: Counter | None) -> Iterator[Counter]:
+        """Count the inputs observed inside, per module (the Counter yielded); once the count is
+        ``enough`` (when given), the hook raises ``InputsSeen`` after handing that input over."""
+        previous = self._fed, self._enough
+        self._fed, self._enough = Counter(), enough
+        try:
+            yield self._fed
+        finally:
+            self._fed, self._enough = previous
 
     def remove(self) -> None:
         for handle in [*self._handles, *self._added.values()]:

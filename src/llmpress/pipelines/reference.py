@@ -7,7 +7,8 @@ that group observed (no run when nobody watches it), and let the modifiers compr
 run, unobserved, with everything compressed, whose outputs become the next block's inputs::
 
     for group in groups:                         # [all targets] for two passes
-        run the block on every batch, observing only `group`
+        run the block on every batch, observing only `group`, each batch only as far as
+            the last input of `group` (once a batch showed where that is)
         session.modules_calibrated(block, group)
     session.layer_calibrated(block)
     run the block on every batch, unobserved: outputs -> next block's inputs
@@ -23,10 +24,11 @@ import torch
 from torch import nn
 
 from llmpress.models.experts import routed_experts_only
+from llmpress.observation import InputsSeen, Observation
 from llmpress.pipelines.blocks import CalibrationBlock, hand_on
 from llmpress.session import Session
 
-__all__ = ["calibrate_block_reference", "run_block"]
+__all__ = ["calibrate_block_reference", "observe_block", "run_block"]
 
 
 @torch.no_grad()
@@ -37,15 +39,35 @@ def calibrate_block_reference(block: CalibrationBlock, session: Session, groups:
     observation = session.observation
     for group in filter(None, groups):
         if any(observation.watches(m) for m in group):  # else there is nothing to observe
-            with observation.only(group):
-                for args, kwargs in block.inputs:
-                    block.module(*args, **kwargs)
+            observe_block(block, observation, group)
         session.modules_calibrated(block, group)
     session.layer_calibrated(block)
     if not outputs_needed:
         return None
     with observation.paused():
         return run_block(block)
+
+
+@torch.no_grad()
+def observe_block(block: CalibrationBlock, observation: Observation, group: list[nn.Module]) -> None:
+    """Run every batch through the block with only ``group`` observed. Only the inputs are
+    wanted, so once a batch has fed every watched module of the group exactly once, later
+    batches stop right after that many inputs (``Observation.until``): what follows the last
+    one is not computed (a Llama block's down_proj product, a quarter of its Linear work; a
+    q/k/v group's attention and MLP). A batch that feeds other modules or counts runs whole;
+    a block that feeds some module twice, or leaves one unfed (an expert no token reached),
+    never stops early."""
+    watched = {m for m in group if observation.watches(m)}
+    enough = None
+    with observation.only(group):
+        for args, kwargs in block.inputs:
+            with observation.until(enough) as fed:
+                try:
+                    block.module(*args, **kwargs)
+                except InputsSeen:
+                    continue
+            if enough is None and set(fed) == watched and set(fed.values()) == {1}:
+                enough = fed
 
 
 @torch.no_grad()

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.errors import LlmpressError, SessionError
+from llmpress.errors import SessionError
 from llmpress.integrations.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
 from llmpress.models.experts import LinearExperts, mixing_all_experts
 from llmpress.models.linear import input_major
-from llmpress.observation import primary_input
+from llmpress.observation import InputsSeen, primary_input
 from llmpress.pipelines.blocks import hidden_of
 from llmpress.targets import matches
 
@@ -295,11 +295,6 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
     return _checked(block, candidates, ignore, prefix)
 
 
-class _Seen(LlmpressError):
-    """Every mapping's input of this batch is in: the rest of the block need not run (caught
-    right there; an LlmpressError as every exception the package defines)."""
-
-
 class ChannelStatistics:
     """One mapping's input per channel over the batches it is given: ``min``, ``max`` and
     ``abs_mean`` (mean of ``|x|``), by ``reduced()`` over every rank's batches."""
@@ -351,7 +346,7 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
             stats[name].add(args[0])
             pending.discard(name)
             if not pending:
-                raise _Seen("every mapping's input of this batch is seen")
+                raise InputsSeen("every mapping's input of this batch is seen")
 
         handles.append((mapping.balance_seeing_every_token(block.module) or mapping.balance)[0].register_forward_pre_hook(seen))
     try:
@@ -359,7 +354,7 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
             pending.update(stats)
             try:
                 block.run(block.module, [batch])
-            except _Seen:
+            except InputsSeen:
                 pass
     finally:
         for handle in handles:
