@@ -1,6 +1,7 @@
 """AWQ against llm-compressor 0.14: same recipe file, same tokens, separate processes, one run.
 
     python bench/awq.py [--models tiny random-1024] [--configs w4 w3 w3-asym] [--repeat 1] [--work DIR]
+    python bench/awq.py --models tiny --orders 4      # perplexity over 4 orders of the calibration samples
 
 The recipe is llm-compressor's AWQ example: ``AWQModifier`` (duo scaling, a grid of 20) followed by
 a ``QuantizationModifier`` giving the scheme (int weights in groups of 128, lm_head dense). On the
@@ -8,17 +9,23 @@ trained tiny model each checkpoint's perplexity is read back through its exact d
 (``llmpress.load(..., dequantize=True)``), beside plain RTN with the same scheme; on the random
 hidden-1024 Llama only time and memory mean anything. Ratios are llmpress / llm-compressor,
 medians over pairs of runs made back to back.
+
+``--orders N`` runs N pairs on the tiny model, each on another order of the calibration samples
+(``gptq.calibration_orders``), and reads every checkpoint: llm-compressor shuffles the samples in
+every run, and its AWQ perplexity moves by a few hundredths with the order, so its median over N
+orders is what llmpress's figure is set against.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
 from common import work_folder
-from gptq import bench_inputs, prepare_peer_runs, rtn_perplexity, run_pairs
+from gptq import bench_inputs, calibration_orders, pair_outputs, prepare_peer_runs, rtn_perplexity, run_pairs
 
 CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
 
@@ -57,6 +64,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
     parser.add_argument("--work", default=None)
     parser.add_argument("--clip", action="store_true", help="llmpress with apply_clip: true (its clipping search); llm-compressor as before")
+    parser.add_argument("--orders", type=int, default=1,
+                        help="tiny model: N pairs, each on another order of the calibration samples; every checkpoint is read")
     args = parser.parse_args()
     prepare_peer_runs()
     work = work_folder(args.work, "llmpress-awq-")
@@ -69,11 +78,14 @@ def main() -> None:
             bits, symmetric = CONFIGS[config]
             recipe = awq_recipe(work / f"awq-{config}.yaml", bits, symmetric)
             ours_recipe = awq_recipe(work / f"awq-{config}-clip.yaml", bits, symmetric, clip=True) if args.clip else recipe
+            orders = calibration_orders(tokens, args.orders) if name == "tiny" and args.orders > 1 else [tokens]
+            output = work / f"{name}-{config}"
             row = {"model": name, "config": config + ("+clip" if args.clip else ""),
-                   **run_pairs("llmpress", ours_recipe, models[name], tokens, work / f"{name}-{config}", args.repeat, peer_recipe=recipe)}
+                   **run_pairs("llmpress", ours_recipe, models[name], orders, output, max(args.repeat, len(orders)), peer_recipe=recipe)}
             if name == "tiny":
-                row["ppl_ours"] = read_back_perplexity(work / f"{name}-{config}-llmpress", windows)
-                row["ppl_peer"] = read_back_perplexity(work / f"{name}-{config}-llmcompressor", windows)
+                read = [[read_back_perplexity(path, windows) for path in pair_outputs(output, i)] for i in range(len(orders))]
+                row["orders"] = {"ours": [r[0] for r in read], "peer": [r[1] for r in read]}
+                row["ppl_ours"], row["ppl_peer"] = (statistics.median(p) for p in row["orders"].values())
                 row["ppl_rtn"] = rtn_perplexity(tiny, bits, windows, symmetric)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -91,7 +103,14 @@ def main() -> None:
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f}"
         print(line)
     print("\nin-process: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
-          "\nperplexities of the saved checkpoints through llmpress.load(dequantize=True) (200 windows of 256 tokens).")
+          "\nperplexities of the saved checkpoints through llmpress.load(dequantize=True) (200 windows of 256 tokens)"
+          + (f", medians over {args.orders} calibration orders" if args.orders > 1 else "") + ".")
+    if args.orders > 1:
+        print(f"\nperplexity over {args.orders} calibration orders: median [min, max]")
+        for r in (r for r in rows if "orders" in r):
+            cells = [f"{tool} {statistics.median(p):.3f} [{min(p):.3f}, {max(p):.3f}]"
+                     for tool, p in (("llmpress", r["orders"]["ours"]), ("llm-compressor", r["orders"]["peer"]))]
+            print(f"{r['config']:>8}   " + "   ".join(cells))
 
 
 if __name__ == "__main__":

@@ -261,6 +261,36 @@ def test_a_single_linear_is_scored_exactly_from_its_gram_matrix():
     assert by_gram() == pytest.approx(by_run(), rel=1e-4)
 
 
+def test_channel_means_do_not_depend_on_how_the_samples_are_batched():
+    """Each sequence's |x| is summed on its own, as llm-compressor sums one sample a batch: the
+    mean AWQ's scales start from is the same, bit for bit, at every batch size."""
+    from llmpress.modifiers.smoothing.mappings import ChannelStatistics
+
+    x = torch.randn(6, 7, 16, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 16)
+    means = []
+    for size in (1, 2, 3, 6):
+        stats = ChannelStatistics("norm")
+        for start in range(0, 6, size):
+            stats.add(x[start:start + size])
+        means.append(stats.reduced()["abs_mean"])
+    assert all(torch.equal(m, means[0]) for m in means)
+
+
+def test_a_run_score_joins_batches_in_runs_of_bounded_size():
+    """Batches are joined into forwards of at most ``joined_tokens`` tokens (memory stays that
+    of one such run, whatever the calibration set): the error is the one of a run per batch."""
+    from llmpress.modifiers.smoothing.awq import _RunScore
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    block = CalibrationBlock(0, mlp, [((torch.randn(2, 5, 16),), {}) for _ in range(5)])
+    joined, apart = _RunScore(block, mlp, joined_tokens=20), _RunScore(block, mlp, joined_tokens=1)
+    assert [a[0].shape[0] for a, _ in joined.inputs] == [4, 4, 2] and len(apart.inputs) == 5
+    with torch.no_grad():
+        mlp[0].weight.add_(0.01 * torch.randn_like(mlp[0].weight))
+    assert joined() == pytest.approx(apart(), rel=1e-5)
+
+
 LLM_COMPRESSOR_SAVED_AWQ = """
 quant_stage:
   quant_modifiers:

@@ -27,6 +27,14 @@ Linear computed exactly over every token from its inputs' Gram matrix. The best 
 quantizer then quantizes ``W * s`` and the smooth layer computes ``x / s``. ``s = 1`` is always a
 candidate, so AWQ never scores worse than plain rounding on the calibration tokens.
 
+The arithmetic is llm-compressor's: ``x`` summed one sequence at a time in float32, ``w`` in
+float64, so the scales are float64, and ``W * s`` rounded to the weight's dtype before it is
+quantized, as it will be stored. It matters: symmetric grids put each group's largest weight on a
+rounding tie (``|w| / scale = 7.5`` at 4 bits), so one unit in the last place of a scale moves
+some weights by a whole step and reorders close candidates. With ``search_tokens: null`` and the
+samples in llm-compressor's order, llmpress picks its scales (4 bits on the tiny trained model:
+63.877 against its 63.882).
+
 ``apply_clip: true`` (llmpress's addition, off by default as llm-compressor has none) then
 searches each group's clipping range on the output, AutoAWQ's ``auto_clip`` (``clip.py``). On
 the trained tiny model before round-to-nearest, 3 bits: perplexity 64.80 -> 64.31 (4 bits:
@@ -105,7 +113,8 @@ def grid(n_grid: int, duo_scaling: bool | str) -> list[tuple[float, bool]]:
 
 def column_means(layers: list[nn.Linear], args: QuantizationArgs) -> torch.Tensor:
     """Mean over all rows of the balance layers of ``|W|`` relative to the largest ``|W|`` of its
-    quantization group (row for channel, the whole weight for tensor), per input column."""
+    quantization group (row for channel, the whole weight for tensor), per input column; summed
+    in float64, so the candidate scales ``x^r / w^(1-r)`` are float64 as llm-compressor's are."""
     total, rows = 0, 0
     for layer in layers:
         w = layer.weight.detach().abs().float()
@@ -117,7 +126,7 @@ def column_means(layers: list[nn.Linear], args: QuantizationArgs) -> torch.Tenso
             w = w / (w.max() + 1e-6)
         else:  # channel (or a group that does not divide the columns: per row)
             w = w / (w.amax(dim=-1, keepdim=True) + 1e-6)
-        total = total + w.sum(dim=0)
+        total = total + w.sum(dim=0, dtype=torch.float64)
         rows += out
     return total / rows
 
@@ -191,25 +200,47 @@ def _spread(inputs: list[tuple[tuple, dict]], tokens: int | None) -> list[tuple[
     return [inputs[round(i * len(inputs) / count)] for i in range(count)]
 
 
+def _runs(inputs: list[tuple[tuple, dict]], tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``[start, stop)`` runs of the batches, each of at most ``tokens`` tokens (a
+    larger batch alone)."""
+    runs, start, held = [], 0, 0
+    for index, (args, kwargs) in enumerate(inputs):
+        x = primary_input(args, kwargs)
+        size = x.shape[:-1].numel() if isinstance(x, torch.Tensor) else 0
+        if index > start and held + size > tokens:
+            runs.append((start, index))
+            start, held = index, 0
+        held += size
+    return runs + ([(start, len(inputs))] if inputs else [])
+
+
 class _RunScore:
     """Mean squared error of the owner's output against its full-precision output, the owner run
-    on its cached inputs (as one batch where that gives the same output)."""
+    on its cached inputs, joined into batches of up to ``joined_tokens`` tokens where that gives
+    the same output (one forward per joined batch)."""
 
-    def __init__(self, block: CalibrationBlock, owner: nn.Module) -> None:
+    def __init__(self, block: CalibrationBlock, owner: nn.Module, joined_tokens: int = 4096) -> None:
         self.block, self.owner = block, owner
-        self.inputs = block.inputs_to(owner)
+        inputs = block.inputs_to(owner)
         with routed_experts_only(owner):
-            self.reference = [hidden_of(out).float() for out in block.run(owner, self.inputs)]  # batches may differ in length
-        merged = _merged(self.inputs)
-        if merged is not self.inputs:
-            try:
-                with routed_experts_only(owner):
-                    joined = hidden_of(block.run(owner, merged)[0]).float()
-                same = torch.allclose(joined, torch.cat(self.reference), rtol=1e-4, atol=1e-5)
-            except Exception:  # a joined input the owner cannot take: one run per batch, as given
-                return
-            if same:
-                self.inputs, self.reference = merged, [torch.cat(self.reference)]
+            reference = [hidden_of(out).float() for out in block.run(owner, inputs)]  # batches may differ in length
+        self.inputs, self.reference = [], []
+        for start, stop in _runs(inputs, joined_tokens):
+            part, merged = inputs[start:stop], _merged(inputs[start:stop])
+            if merged is not part and self._gives_the_same(merged, reference[start:stop]):
+                self.inputs += merged
+                self.reference.append(torch.cat(reference[start:stop]))
+            else:  # one run per batch, as given
+                self.inputs += part
+                self.reference += reference[start:stop]
+
+    def _gives_the_same(self, merged: list, reference: list[torch.Tensor]) -> bool:
+        try:
+            with routed_experts_only(self.owner):
+                joined = hidden_of(self.block.run(self.owner, merged)[0]).float()
+            return torch.allclose(joined, torch.cat(reference), rtol=1e-4, atol=1e-5)
+        except Exception:  # a joined input the owner cannot take
+            return False
 
     def __call__(self) -> float:
         total, count = 0.0, 0
@@ -330,32 +361,38 @@ class AWQModifier(SmoothingModifier):
         args = self._search_args(mapping.balance[quantized.index(True)])
         searched = [layer for layer, on in zip(mapping.balance, quantized) if on]
         w_mean = column_means(searched, args) if self.config.duo_scaling else None
-        best, best_error, first_error = None, float("inf"), None
+
+        def put(scales: torch.Tensor) -> None:
+            """The balance weights as the quantizer will round them with ``scales`` folded in:
+            ``Q(W * s) / s``, ``W * s`` in the weight's own dtype as it will be stored."""
+            for layer, weight, on in zip(mapping.balance, originals, quantized):
+                if on:  # unquantized: Q(W s) / s is W itself
+                    scaled = (weight.to(scales.dtype) * scales).to(weight.dtype)
+                    on_grid = fake_quantize_weight(scaled.float(), args)
+                    layer.weight.copy_((on_grid.to(scales.dtype) / scales).to(weight.dtype))
+
+        scored: list[tuple[float, int, torch.Tensor]] = []  # (error, grid position, scales)
         try:
-            for ratio, duo in grid(self.config.n_grid, self.config.duo_scaling):
+            for position, (ratio, duo) in enumerate(grid(self.config.n_grid, self.config.duo_scaling)):
                 scales = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4) if duo else x_mean.pow(ratio)
                 scales = scales.clamp(min=1e-4)
                 scales = scales / (scales.max() * scales.min()).sqrt()
                 scales = torch.nan_to_num(scales, nan=1.0, posinf=1.0)
-                for layer, weight, on in zip(mapping.balance, originals, quantized):
-                    if not on:  # unquantized: Q(W s) / s is W itself
-                        continue
-                    scaled = weight.float() * scales
-                    on_grid = fake_quantize_weight(scaled, args)
-                    layer.weight.copy_((on_grid / scales).to(weight.dtype))
-                error = score()
-                first_error = error if first_error is None else first_error
-                if error < best_error:
-                    best, best_error = scales.clone(), error
+                put(scales)
+                scored.append((score(), position, scales))
         finally:
             for layer, weight in zip(mapping.balance, originals):
                 layer.weight.copy_(weight)
-        self.errors.append((mapping.smooth_name, first_error, best_error))
-        logger.debug("AWQ %s: output error %.3e at s = 1, %.3e at the best scales", mapping.smooth_name, first_error, best_error)
-        if best is None:  # every candidate gave a non-finite output
+        finite = [c for c in scored if c[0] < float("inf")]
+        chosen = min(finite, key=lambda c: (c[0], c[1])) if finite else None  # the first of equals, as llm-compressor
+        first_error = scored[0][0]
+        if chosen is None:  # every candidate gave a non-finite output
+            self.errors.append((mapping.smooth_name, first_error, first_error))
             logger.warning("AWQ %s: no candidate scale gave a finite output; left unscaled", mapping.smooth_name)
             return torch.ones_like(x_mean)
-        return best
+        self.errors.append((mapping.smooth_name, first_error, chosen[0]))
+        logger.debug("AWQ %s: output error %.3e at s = 1, %.3e at the chosen scales", mapping.smooth_name, first_error, chosen[0])
+        return chosen[2]
 
     @torch.no_grad()
     def _clip(self, block: CalibrationBlock, mappings: list[Mapping], prefix: str) -> None:

@@ -100,16 +100,18 @@ def _per_channel_weight(module: nn.Module, width: int) -> bool:
 @torch.no_grad()
 def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
     """Fold ``scales`` into the mapping: the smooth layer's output channels divided by them, the
-    balance layers' input columns multiplied (the function is unchanged)."""
+    balance layers' input columns multiplied (the function is unchanged). Computed in float64
+    for float64 scales (AWQ's, as llm-compressor folds them), else in float32."""
     smooth = mapping.smooth
-    s = scales.to(torch.float32)
+    compute = torch.float64 if scales.dtype == torch.float64 else torch.float32
+    s = scales.to(compute)
     column = s.view(-1, 1) if isinstance(smooth, nn.Linear) else s
-    smooth.weight.copy_((smooth.weight.float() / column.to(smooth.weight.device)).to(smooth.weight.dtype))
+    smooth.weight.copy_((smooth.weight.to(compute) / column.to(smooth.weight.device)).to(smooth.weight.dtype))
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
-        bias.copy_((bias.float() / s.to(bias.device)).to(bias.dtype))
+        bias.copy_((bias.to(compute) / s.to(bias.device)).to(bias.dtype))
     for linear in mapping.balance:
-        linear.weight.copy_((linear.weight.float() * s.to(linear.weight.device)).to(linear.weight.dtype))
+        linear.weight.copy_((linear.weight.to(compute) * s.to(linear.weight.device)).to(linear.weight.dtype))
 
 
 def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor], set[str]]:
@@ -308,13 +310,18 @@ class ChannelStatistics:
         self.abs_sum: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).float()
+        """One batch: ``[batch, tokens, channels]`` (each sequence's ``|x|`` summed on its own and
+        added, so the sum does not depend on how the samples are batched) or ``[tokens, channels]``."""
+        x = x.detach().float()
+        sequences = x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() > 2 else x[None]
+        x = x.reshape(-1, x.shape[-1])
         if self.low is None:
-            self.low, self.high, self.abs_sum = x.amin(0), x.amax(0), x.abs().sum(0)
+            self.low, self.high, self.abs_sum = x.amin(0), x.amax(0), x.new_zeros(x.shape[-1])
         else:
             torch.minimum(self.low, x.amin(0), out=self.low)
             torch.maximum(self.high, x.amax(0), out=self.high)
-            self.abs_sum += x.abs().sum(0)
+        for sequence in sequences:
+            self.abs_sum += sequence.abs().sum(0)
         self.tokens += x.shape[0]
         self.batches += 1
 
