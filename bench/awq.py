@@ -2,6 +2,7 @@
 
     python bench/awq.py [--models tiny random-1024] [--configs w4 w3 w3-asym] [--repeat 1] [--work DIR]
     python bench/awq.py --models tiny --orders 4      # perplexity over 4 orders of the calibration samples
+    python bench/awq.py --models tiny --every-token   # llmpress scoring on every token, as llm-compressor
 
 The recipe is llm-compressor's AWQ example: ``AWQModifier`` (duo scaling, a grid of 20) followed by
 a ``QuantizationModifier`` giving the scheme (int weights in groups of 128, lm_head dense). On the
@@ -30,8 +31,10 @@ from gptq import bench_inputs, calibration_orders, pair_outputs, prepare_peer_ru
 CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
 
 
-def awq_recipe(path: Path, bits: int, symmetric: bool, clip: bool = False) -> Path:
-    extra = "      apply_clip: true\n" if clip else ""  # llmpress's addition: llm-compressor has no such field
+def awq_recipe(path: Path, bits: int, symmetric: bool, clip: bool = False, every_token: bool = False) -> Path:
+    # llmpress's additions (llm-compressor has no such fields): the clipping search, and scoring
+    # every candidate on every calibration token (llm-compressor's way) instead of a spread of 4096
+    extra = ("      apply_clip: true\n" if clip else "") + ("      search_tokens: null\n" if every_token else "")
     path.write_text(f"""quant_stage:
   quant_modifiers:
     AWQModifier:
@@ -64,6 +67,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool (the median is shown)")
     parser.add_argument("--work", default=None)
     parser.add_argument("--clip", action="store_true", help="llmpress with apply_clip: true (its clipping search); llm-compressor as before")
+    parser.add_argument("--every-token", action="store_true",
+                        help="llmpress with search_tokens: null (every candidate scored on every token, as llm-compressor)")
     parser.add_argument("--orders", type=int, default=1,
                         help="tiny model: N pairs, each on another order of the calibration samples; every checkpoint is read")
     args = parser.parse_args()
@@ -77,10 +82,11 @@ def main() -> None:
         for config in args.configs if name == "tiny" else args.configs[:1]:
             bits, symmetric = CONFIGS[config]
             recipe = awq_recipe(work / f"awq-{config}.yaml", bits, symmetric)
-            ours_recipe = awq_recipe(work / f"awq-{config}-clip.yaml", bits, symmetric, clip=True) if args.clip else recipe
+            ours_recipe = (awq_recipe(work / f"awq-{config}-ours.yaml", bits, symmetric, clip=args.clip, every_token=args.every_token)
+                           if args.clip or args.every_token else recipe)
             orders = calibration_orders(tokens, args.orders) if name == "tiny" and args.orders > 1 else [tokens]
             output = work / f"{name}-{config}"
-            row = {"model": name, "config": config + ("+clip" if args.clip else ""),
+            row = {"model": name, "config": config + ("+clip" if args.clip else "") + ("+all" if args.every_token else ""),
                    **run_pairs("llmpress", ours_recipe, models[name], orders, output, max(args.repeat, len(orders)), peer_recipe=recipe)}
             if name == "tiny":
                 read = [[read_back_perplexity(path, windows) for path in pair_outputs(output, i)] for i in range(len(orders))]

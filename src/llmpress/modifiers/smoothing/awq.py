@@ -32,8 +32,9 @@ float64, so the scales are float64, and ``W * s`` rounded to the weight's dtype 
 quantized, as it will be stored. It matters: symmetric grids put each group's largest weight on a
 rounding tie (``|w| / scale = 7.5`` at 4 bits), so one unit in the last place of a scale moves
 some weights by a whole step and reorders close candidates. With ``search_tokens: null`` and the
-samples in llm-compressor's order, llmpress picks its scales (4 bits on the tiny trained model:
-63.877 against its 63.882).
+samples in llm-compressor's order, llmpress scores the first layer's candidates exactly as it
+does (later layers differ by float rounding: it batches two samples, llm-compressor one) and
+lands at 63.877 against its 63.882 (4 bits, tiny trained model).
 
 ``apply_clip: true`` (llmpress's addition, off by default as llm-compressor has none) then
 searches each group's clipping range on the output, AutoAWQ's ``auto_clip`` (``clip.py``). On
@@ -86,7 +87,8 @@ class AWQModifierConfig(SmoothingConfig):
     #: calibration tokens a candidate is scored on where that means running layers (batches spread
     #: over the set; None: all, as llm-compressor does). The activation statistics use every token,
     #: and a single-Linear owner is scored on all of them (from its inputs' Gram matrix) whatever
-    #: this says. On the tiny model 4096 of 16384 tokens moved perplexity by at most 0.03, 4x faster.
+    #: this says. On the tiny model (4 bits, median of 4 sample orders) 4096 of 16384 tokens read
+    #: 63.901 against 63.865 for all of them, in half the time (llm-compressor: 63.904 / 63.867).
     search_tokens: int | None = 4096
     #: after the scales, clip each group's weights where that lowers the output error (AutoAWQ's
     #: auto_clip; ``clip.py``): an llmpress addition, off as in llm-compressor; for RTN after it
