@@ -320,13 +320,20 @@ def test_blocks_that_cannot_go_module_by_module_take_two_passes(monkeypatch, cap
 
 
 def test_automatic_choice_takes_two_passes_when_the_kept_activations_dwarf_the_block(monkeypatch, caplog):
+    """The first block is probed and refused (said at INFO); the blocks like it are refused
+    without a probe of their own."""
     monkeypatch.setattr(layerwise, "KEPT_PER_BLOCK_WEIGHTS", 0)
+    probes = []
+    probe = layerwise.plan_block
+    monkeypatch.setattr(layerwise, "plan_block", lambda *a, **k: probes.append(1) or probe(*a, **k))
     model = make_tiny_llama()
-    with caplog.at_level(logging.INFO, logger="llmpress.pipelines.layerwise"):
+    with caplog.at_level(logging.DEBUG, logger="llmpress.pipelines.layerwise"):
         llmpress.oneshot(model, GPTQModifier(scheme="W4A16"), token_batches(4, 32),
                          calibration=CalibrationOptions(num_samples=4, seq_len=32))
-    refusals = [r.getMessage() for r in caplog.records if "two passes" in r.getMessage()]
-    assert len(refusals) == len(model.model.layers) >= 2 and all("would keep" in m for m in refusals)
+    refusals = [r for r in caplog.records if "two passes" in r.getMessage()]
+    assert len(refusals) == len(model.model.layers) >= 2 and len(probes) == 1
+    assert refusals[0].levelno == logging.INFO and "block 0" in refusals[0].getMessage() and "would keep" in refusals[0].getMessage()
+    assert all(r.levelno == logging.DEBUG and "as the blocks like it: it would keep" in r.getMessage() for r in refusals[1:])
 
 
 def test_keyword_inputs_equal_across_batches_are_kept_once():

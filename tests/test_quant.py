@@ -301,3 +301,50 @@ def test_importing_the_package_is_cheap_and_names_arrive_on_use():
         "    raise SystemExit('no AttributeError')\n"
     )
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_bits": 8, "strategy": "token", "dynamic": True},
+    {"num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": False},
+    {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False},
+    {"num_bits": 8, "strategy": "channel"},
+    {"num_bits": 8, "strategy": "tensor"},
+])
+def test_fake_quantize_is_dequantize_of_quantize_bit_for_bit(kwargs):
+    """Integer grids fake-quantize in one float buffer, without the int8 copy: the same bits."""
+    from llmpress.quant.qdq import activation_qparams
+
+    args = QuantizationArgs(**kwargs)
+    x = torch.randn(48, 96) * torch.linspace(0.1, 4, 96)
+    scale, zero_point = activation_qparams(x, args)
+    expected = dequantize(quantize(x, scale, zero_point, args), scale, zero_point, args)
+    assert torch.equal(fake_quantize(x, scale, zero_point, args), expected)
+    assert torch.equal(fake_quantize(x.to(torch.bfloat16), scale, zero_point, args),
+                       dequantize(quantize(x.to(torch.bfloat16), scale, zero_point, args), scale, zero_point, args, torch.bfloat16))
+
+
+def test_modules_reading_one_input_share_its_dynamic_fake_quantization(monkeypatch):
+    """q/k/v read one tensor with equal dynamic args: it is fake-quantized once a forward, and
+    each gets what a quantization of its own gives; a tensor written in between, or one with
+    calibrated qparams, is quantized again."""
+    import llmpress.quant.attach as attach
+    from llmpress.quant import preset_scheme
+    from llmpress.quant.attach import attach_scheme, fake_quantize_module_input
+
+    computed = []
+    real = attach.fake_quantize_activation
+    monkeypatch.setattr(attach, "fake_quantize_activation", lambda *a, **k: computed.append(1) or real(*a, **k))
+    q, k, v = (torch.nn.Linear(64, 64) for _ in range(3))
+    for module in (q, k, v):
+        attach_scheme(module, preset_scheme("W8A8"))
+    args = q.quantization_scheme.input_activations
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        outs = [fake_quantize_module_input(m, x, args) for m in (q, k, v)]
+    assert len(computed) == 1 and all(torch.equal(o, real(x, args)) for o in outs)
+    x.mul_(2)  # written: its version moved
+    with torch.no_grad():
+        again = fake_quantize_module_input(k, x, args)
+    assert len(computed) == 2 and torch.equal(again, real(x, args))
+    del x, outs, again
+    assert attach._shared_input.entry is None  # the result went with its input

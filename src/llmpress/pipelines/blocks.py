@@ -24,7 +24,7 @@ from llmpress.pipelines.kept import SpilledInputs
 from llmpress.pipelines.stand_ins import stood_in
 
 __all__ = ["CalibrationBlock", "Inputs", "capture_block_inputs", "find_blocks", "hand_on", "hidden_of", "rest_of", "share_repeated",
-           "with_rest"]
+           "structure_of", "with_rest"]
 
 #: one ``(args, kwargs)`` per calibration batch
 Inputs = list[tuple[tuple, dict]]
@@ -43,6 +43,14 @@ def find_blocks(model: nn.Module) -> nn.ModuleList | None:
         if size > best_size:
             best, best_size = module, size
     return best
+
+
+def structure_of(block: nn.Module) -> tuple:
+    """What makes two blocks the same for anything decided by running one of them: every
+    submodule's name and class and its own parameters' names and shapes (a model's repeated
+    layers have one structure; a dense layer before MoE ones, or a sliding-window one, differs)."""
+    return tuple((name, type(m).__name__, tuple((k, tuple(p.shape)) for k, p in m.named_parameters(recurse=False)))
+                 for name, m in block.named_modules())
 
 
 @dataclass

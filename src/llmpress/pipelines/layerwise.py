@@ -28,9 +28,9 @@ from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
 from llmpress.observation import primary_input
 from llmpress.pipelines.basic import run_basic_calibration
-from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated
+from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated, structure_of
 from llmpress.pipelines.kept import close_spill_files
-from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block
+from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block, tokens_per_batch
 from llmpress.pipelines.reference import calibrate_block_reference
 from llmpress.pipelines.resume import WorkFolder
 from llmpress.pipelines.sequential import calibrate_block_by_module
@@ -168,13 +168,22 @@ def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, h
 
 
 class _Planner:
-    """Each block's module-by-module plan, or None (logged) where it takes two passes."""
+    """Each block's module-by-module plan, or None (logged) where it takes two passes. A block
+    like one refused for what it would keep (the same structure, targets and batches) is
+    refused without probing it again."""
 
     def __init__(self, automatic: bool, by_module: bool) -> None:
         self.automatic, self.by_module = automatic, by_module
+        self.refused: dict[tuple, str] = {}
 
     def plan(self, block: CalibrationBlock, targets: list[nn.Module]) -> BlockPlan | None:
         if not self.by_module:
+            return None
+        names = {m: n for n, m in block.module.named_modules()}
+        watched = block.observation.watchers if block.observation is not None else {}
+        key = (structure_of(block.module), tuple((names.get(m), m in watched) for m in targets), tuple(tokens_per_batch(block.inputs)))
+        if key in self.refused:
+            logger.debug("block %d is calibrated in two passes, as the blocks like it: %s", block.index, self.refused[key])
             return None
         plan = plan_block(block.module, block.inputs[0], targets, block.observation)
         release_free_memory()  # the probe's activations
@@ -187,5 +196,6 @@ class _Planner:
                 return plan
             reason = (f"it would keep {kept / 2**20:.0f} MB of activations, "
                       f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
+            self.refused[key] = reason  # (other reasons may come from the probe's batch: an expert it missed)
         logger.info("block %d is calibrated in two passes, not module by module: %s", block.index, reason)
         return None

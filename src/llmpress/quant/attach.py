@@ -9,6 +9,9 @@ computes; input activations are fake-quantized by a forward pre-hook.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from torch import nn
 
@@ -182,9 +185,38 @@ def enable_input_quantization(module: nn.Module) -> None:
 def fake_quantize_module_input(module: nn.Module, x: torch.Tensor, args) -> torch.Tensor:
     """``x`` fake-quantized as ``module``'s input: with its calibrated ``input_scale`` /
     ``input_zero_point`` / ``input_global_scale`` where it has them (the training hook and the
-    runtime module both quantize inputs this way)."""
-    return fake_quantize_activation(x, args, getattr(module, "input_scale", None), getattr(module, "input_zero_point", None),
-                                    getattr(module, "input_global_scale", None))
+    runtime module both quantize inputs this way). Modules that read one tensor with the same
+    dynamic args and no calibrated qparams (q/k/v, gate/up) get one result (``_shared_input``)."""
+    qparams = (getattr(module, "input_scale", None), getattr(module, "input_zero_point", None),
+               getattr(module, "input_global_scale", None))
+    if qparams == (None, None, None) and not (x.requires_grad and torch.is_grad_enabled()):
+        return _shared_input.get(x, args)
+    return fake_quantize_activation(x, args, *qparams)
+
+
+class _SharedInput(threading.local):
+    """The last input fake-quantized without calibrated qparams, and its result, kept while
+    that input lives (a weak reference drops the result with it) and is not written to: the
+    next module reading the same tensor with equal args gets the same result, not another
+    pass over the tensor."""
+
+    def __init__(self) -> None:
+        self.entry: tuple | None = None  # (weakref to the input, its version, args, result)
+
+    def get(self, x: torch.Tensor, args) -> torch.Tensor:
+        entry = self.entry
+        if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == args:
+            return entry[3]
+        result = fake_quantize_activation(x, args)
+        self.entry = (weakref.ref(x, self._drop), x._version, args, result)
+        return result
+
+    def _drop(self, reference: weakref.ref) -> None:
+        if self.entry is not None and self.entry[0] is reference:
+            self.entry = None
+
+
+_shared_input = _SharedInput()
 
 
 def detach_quantization(module: nn.Module) -> None:

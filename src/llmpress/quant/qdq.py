@@ -129,7 +129,7 @@ def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tenso
         return x.min().reshape(1), x.max().reshape(1)
     if args.strategy == QuantizationStrategy.CHANNEL:
         return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-    if args.strategy == QuantizationStrategy.TOKEN:
+    if args.strategy == QuantizationStrategy.TOKEN:  # (torch.aminmax along a dim is ~6x slower on CPU)
         flat = x.reshape(-1, x.shape[-1])
         return flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
     if args.strategy == QuantizationStrategy.BLOCK:
@@ -228,9 +228,22 @@ def fake_quantize(
     args: QuantizationArgs,
     global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``dequantize(quantize(x))`` in ``x``'s dtype: what the model sees after compression."""
-    q = quantize(x, scale, zero_point, args, global_scale)
-    return dequantize(q, scale, zero_point, args, x.dtype, global_scale)
+    """``dequantize(quantize(x))`` in ``x``'s dtype: what the model sees after compression.
+    Integer grids stay in the one float32 buffer (the rounded values are exact there), with
+    no int8 copy and back: the same values in three fewer passes over ``x``."""
+    if args.is_float:
+        q = quantize(x, scale, zero_point, args, global_scale)
+        return dequantize(q, scale, zero_point, args, x.dtype, global_scale)
+    zero_point = None if zero_point is None else zero_point.to(torch.float32)
+    values = float_copy(x)
+    view, scale, zero_point = grouped(values, effective_scale(scale, args, global_scale), zero_point, args)
+    view.div_(scale)
+    if zero_point is not None:
+        view.add_(zero_point)
+    view = round_to_grid(view, args)
+    if zero_point is not None:
+        view.sub_(zero_point)
+    return view.mul_(scale).reshape(x.shape).to(x.dtype)
 
 
 def activation_qparams(

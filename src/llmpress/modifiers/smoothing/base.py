@@ -11,7 +11,7 @@ from pydantic import field_validator
 
 from llmpress.errors import UnsupportedModelError
 from llmpress.modifiers.base import Modifier, ModifierConfig, OneShotFields, State
-from llmpress.modifiers.smoothing.mappings import Mapping, find_mappings, resolve_mappings
+from llmpress.modifiers.smoothing.mappings import Mapping, MappingMemo, find_mappings, resolve_mappings
 
 if TYPE_CHECKING:
     from llmpress.pipelines.blocks import CalibrationBlock
@@ -58,14 +58,15 @@ class SmoothingModifier(Modifier):
         self.smoothed: list[str] = []  # one line per mapping applied
         self.blocks = 0
         self._last_found = ""
+        self.memo = MappingMemo()  # repeated blocks: found and checked once
 
     def on_block_start(self, state: State, block: CalibrationBlock) -> None:
         self.blocks += 1
         prefix = self.prefix_of.get(block.module, "")
         if self.config.mappings:
-            mappings, skipped = resolve_mappings(block, prefix, self.config.mappings, self.config.ignore)
+            mappings, skipped = resolve_mappings(block, prefix, self.config.mappings, self.config.ignore, self.memo)
         else:
-            mappings, skipped = find_mappings(block, prefix, self.config.ignore, self.linear_sources)
+            mappings, skipped = find_mappings(block, prefix, self.config.ignore, self.linear_sources, self.memo)
         mappings = self.usable(mappings, skipped)
         described = Counter(m.describe() for m in mappings)  # an MoE's experts: "up_proj -> down_proj (x4)"
         found = "; ".join(text + (f" (x{count})" if count > 1 else "") for text, count in described.items())

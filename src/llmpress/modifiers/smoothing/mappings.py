@@ -36,10 +36,10 @@ from llmpress.integrations.distributed import max_across_ranks, min_across_ranks
 from llmpress.models.experts import LinearExperts, mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.observation import InputsSeen, primary_input
-from llmpress.pipelines.blocks import hidden_of
+from llmpress.pipelines.blocks import hidden_of, structure_of
 from llmpress.targets import matches
 
-__all__ = ["ChannelStatistics", "Mapping", "apply_scales", "channel_statistics", "find_mappings", "reads_columns", "resolve_mappings"]
+__all__ = ["ChannelStatistics", "Mapping", "MappingMemo", "apply_scales", "channel_statistics", "find_mappings", "reads_columns", "resolve_mappings"]
 
 
 def reads_columns(module: nn.Module) -> bool:
@@ -228,16 +228,42 @@ def keeps_function(block: Any, mapping: Mapping, reference: torch.Tensor, start:
     return bool((out.float() - reference.float()).norm() <= tolerance * added.norm().clamp(min=1e-12))
 
 
+class MappingMemo:
+    """What the blocks of one structure share (the same module names, classes and parameter
+    shapes: a model's repeated layers): the candidates found by data flow, and whether each
+    keeps the function when scaled. Only the first block of each structure runs the block to
+    find and check them; what depends on the block's place (ignored names, an earlier stage's
+    quantization) is still decided per block. An MoE block finds its candidates itself (which
+    experts its first batch reached is its own), and reuses the checks."""
+
+    def __init__(self) -> None:
+        self.candidates: dict[tuple, tuple[list[tuple[str, list[str]]], list[str]]] = {}
+        self.verdicts: dict[tuple, bool] = {}
+
+
 def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: str,
-             skipped: list[str] | None = None) -> tuple[list[Mapping], list[str]]:
+             skipped: list[str] | None = None, memo: MappingMemo | None = None) -> tuple[list[Mapping], list[str]]:
     """The candidates that keep the block's function when scaled, checked with every expert of
     an MoE block mixed into the output (``mixing_all_experts``: an expert this batch routes no
     token to still counts). A mapping whose smooth layer, or every balance layer, is ignored is
     left out; ignored balance layers among others take the scales (the function needs them) and
-    are not quantized."""
-    with mixing_all_experts(block.module):
-        reference = hidden_of(block.run(block.module, block.inputs[:1])[0])
-    start = primary_input(*block.inputs[0])
+    are not quantized. ``memo``: checks a block of the same structure made are not run again."""
+    structure = structure_of(block.module) if memo is not None else None
+    outputs: list[torch.Tensor] = []  # the block's output on its first batch, once a check needs it
+
+    def keeps(mapping: Mapping) -> bool:
+        key = (structure, mapping.smooth_name, tuple(mapping.balance_names))
+        if memo is not None and key in memo.verdicts:
+            return memo.verdicts[key]
+        if not outputs:
+            with mixing_all_experts(block.module):
+                outputs.append(hidden_of(block.run(block.module, block.inputs[:1])[0]))
+        start = primary_input(*block.inputs[0])
+        verdict = keeps_function(block, mapping, outputs[0], start if isinstance(start, torch.Tensor) else None)
+        if memo is not None:
+            memo.verdicts[key] = verdict
+        return verdict
+
     kept, skipped = [], list(skipped or [])
     smooths: set[int] = set()
     balanced: set[int] = set()
@@ -258,7 +284,7 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
             skipped.append(f"{mapping.describe()} (its output width is not the balance layers' input width)")
         elif any(getattr(m, name, None) is not None for m in modules for name in ("weight_scale", "input_scale")):
             skipped.append(f"{mapping.describe()} (an earlier stage quantized it already)")
-        elif keeps_function(block, mapping, reference, start if isinstance(start, torch.Tensor) else None):
+        elif keeps(mapping):
             kept.append(Mapping(full[0], mapping.smooth, full[1:], mapping.balance))
             smooths.add(id(mapping.smooth))
             balanced.update(id(m) for m in mapping.balance)
@@ -267,14 +293,25 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
     return kept, skipped
 
 
-def find_mappings(block: Any, prefix: str, ignore: list[str], linear_sources: bool = False) -> tuple[list[Mapping], list[str]]:
+def find_mappings(block: Any, prefix: str, ignore: list[str], linear_sources: bool = False,
+                  memo: MappingMemo | None = None) -> tuple[list[Mapping], list[str]]:
     """The block's mappings found by data flow and checked by running, with full names
-    (``prefix`` + the name inside the block), and the candidates dropped (why)."""
-    candidates, skipped = _candidates(block, linear_sources)
-    return _checked(block, candidates, ignore, prefix, skipped)
+    (``prefix`` + the name inside the block), and the candidates dropped (why). ``memo``: what
+    an earlier block of the same structure found is used, not found again."""
+    key = (linear_sources, structure_of(block.module)) if memo is not None else None
+    if key is not None and key in memo.candidates:
+        found, skipped = memo.candidates[key]
+        modules = dict(block.module.named_modules())
+        candidates = [Mapping(smooth, modules[smooth], list(names), [modules[n] for n in names]) for smooth, names in found]
+    else:
+        candidates, skipped = _candidates(block, linear_sources)
+        if key is not None and not any(isinstance(m, LinearExperts) for m in block.module.modules()):
+            memo.candidates[key] = ([(m.smooth_name, list(m.balance_names)) for m in candidates], list(skipped))
+    return _checked(block, candidates, ignore, prefix, skipped, memo)
 
 
-def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], str]], ignore: list[str]) -> tuple[list[Mapping], list[str]]:
+def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], str]], ignore: list[str],
+                     memo: MappingMemo | None = None) -> tuple[list[Mapping], list[str]]:
     """A recipe's mappings ``[[balance patterns], smooth pattern]`` in this block: each smooth
     layer the pattern matches, with the Linears matching the balance patterns under its closest
     ancestor that has any; checked by running as found ones are."""
@@ -294,7 +331,7 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
             under.pop(smooth_name, None)
             if under:
                 candidates.append(Mapping(smooth_name, smooth, list(under), list(under.values())))
-    return _checked(block, candidates, ignore, prefix)
+    return _checked(block, candidates, ignore, prefix, memo=memo)
 
 
 class ChannelStatistics:
