@@ -75,16 +75,32 @@ def model_dir(tmp_path):
     return tmp_path
 
 
-def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, monkeypatch, caplog):
+@pytest.mark.parametrize("inputs_after", [1, 0, -1])
+def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, monkeypatch, caplog, inputs_after):
+    """Stopped after its second layer, with the next inputs written after it (1), after the
+    first layer only (0: the second is forwarded on them when resuming) or never (-1: both are
+    forwarded from the first block's inputs)."""
+    from llmpress.pipelines import resume
+
     whole = run(model_dir, model_dir / "whole")
+    save = WorkFolder.save_layer
+
+    def save_when_due(self, index, *args):
+        monkeypatch.setattr(resume, "INPUTS_EVERY_S", 0.0 if index <= inputs_after else 1e9)
+        save(self, index, *args)
+
+    monkeypatch.setattr(WorkFolder, "save_layer", save_when_due)
     with pytest.raises(Stop):
         run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch)
     assert not (model_dir / "cut").exists()
     progress = json.loads((model_dir / "cut.llmpress-work" / "progress.json").read_text())
-    assert progress["layers"] == 2
+    assert progress["layers"] == 2 and progress["inputs_after"] == inputs_after
+    inputs_files = sorted(p.name for p in (model_dir / "cut.llmpress-work").glob("*.inputs.*"))
+    assert inputs_files == ([f"layer-{inputs_after:05d}.inputs.rank0.pt"] if inputs_after >= 0 else [])
     with caplog.at_level(logging.INFO, logger="llmpress"):
         resumed = run(model_dir, model_dir / "cut", resume=True)
     assert "resumed after layer 1 of 4" in caplog.text
+    assert ("forwarded layers" in caplog.text) == (inputs_after < 1)
     one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
     assert any(k.endswith("k_scale") for k in one) and any(k.endswith("input_scale") for k in one)

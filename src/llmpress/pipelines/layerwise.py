@@ -31,7 +31,7 @@ from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated, structure_of
 from llmpress.pipelines.kept import close_spill_files
 from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block, tokens_per_batch
-from llmpress.pipelines.reference import calibrate_block_reference
+from llmpress.pipelines.reference import calibrate_block_reference, run_block
 from llmpress.pipelines.resume import WorkFolder
 from llmpress.pipelines.sequential import calibrate_block_by_module
 from llmpress.pipelines.tail import TailError, run_tail
@@ -118,7 +118,7 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
     if true_sequential and not by_module:
         logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
     planner = _Planner(automatic=true_sequential is None, by_module=by_module)
-    start, rest = _restore_finished(blocks, inputs, session, held, work)
+    start, rest = _restore_finished(blocks, inputs, session, held, work, spill)
     bar = tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process())
     for index, module in enumerate(blocks):
         if index < start:
@@ -146,9 +146,10 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
 
 
 def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, held: CompactWeights,
-                      work: WorkFolder | None) -> tuple[int, tuple | None]:
+                      work: WorkFolder | None, spill: Path | None) -> tuple[int, tuple | None]:
     """Put back the blocks an earlier run of this one finished (``work``), and the inputs of the
-    next; returns how many, and what the last of them returned besides its hidden states."""
+    next (``inputs`` holds the first block's): the last ones written, through the finished
+    blocks after them. Returns how many, and what the last returned besides its hidden states."""
     done = 0 if work is None else min(work.layers_done, len(blocks))
     if not done:
         return 0, None
@@ -162,8 +163,16 @@ def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, h
     for index in range(done):
         work.restore_layer(index, blocks[index], held)
         session.layer_restored(CalibrationBlock(index, blocks[index], [], session.observation))
-    inputs[:], rest = work.last_inputs()
-    logger.info("resumed after layer %d of %d", done - 1, len(blocks))
+    written, rest = min(work.inputs_after, done - 1), None
+    if written >= 0:
+        inputs[:], rest = work.last_inputs()
+    for index in range(written + 1, done):  # finished after the inputs were last written: forward them
+        held.release(blocks[index])
+        with session.observation.paused():
+            rest = run_block(CalibrationBlock(index, blocks[index], inputs, session.observation, spill))
+        held.hold(blocks[index])
+    logger.info("resumed after layer %d of %d%s", done - 1, len(blocks),
+                f" (forwarded layers {written + 1}-{done - 1} on the inputs written after layer {written})" if written < done - 1 else "")
     return done, rest
 
 

@@ -4,15 +4,20 @@ After each block, layer-by-layer calibration writes to ``<output>.llmpress-work/
 
 * ``layer-NNNNN.state.pt``: the block as compressed (weights on their grid as the integers
   ``quant/compact.py`` holds them, scales, folded smoothing scales, KV-cache scales);
-* ``layer-NNNNN.inputs.rankR.pt``: the next block's inputs on each rank (the block's outputs);
+* ``layer-NNNNN.inputs.rankR.pt``: the next block's inputs on each rank (the block's outputs),
+  only once ``INPUTS_EVERY_S`` seconds have gone by since the last ones were written (and only
+  the newest are kept): they are the whole calibration set's activations, for an 8B model on
+  512 x 2048 tokens 8.6 GB a layer in bf16, while a block's state is its weights;
 * ``progress.json``: the run's fingerprint (model, recipe, batches, options, ranks), the layers
-  done, each file's SHA-256.
+  done, after which layer the inputs were last written, each file's SHA-256.
 
 Every file is written to a temporary name and renamed into place, and ``progress.json`` names a
 layer only once its files are whole, so a kill at any point leaves the last finished layer
 readable. ``oneshot(..., resume=True)`` checks the fingerprint and each file's hash, puts the
-finished blocks back (the modifiers hear ``layer_restored``) and goes on from the next one:
-the checkpoint is the one an uninterrupted run writes, bit for bit. When the checkpoint is
+finished blocks back (the modifiers hear ``layer_restored``), runs those finished after the
+last inputs written on those inputs (one forward each, as calibration ran them, instead of
+calibrating them again) and goes on from the next one: the checkpoint is the one an
+uninterrupted run writes, bit for bit. When the checkpoint is
 written, the run's fingerprint goes into it (``llmpress_run.json``) and the work folder goes.
 
 Resume covers recipes of one one-shot stage on the layerwise pipeline (what one-shot recipes
@@ -25,6 +30,7 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,9 @@ logger = logging.getLogger(__name__)
 PROGRESS = "progress.json"
 RUN_RECORD = "llmpress_run.json"  # in a finished checkpoint: the fingerprint of the run that wrote it
 HELD = "@held"  # suffix of a weight's key whose integers CompactWeights holds
+#: the next block's inputs are written after a block once this long has gone by since they were
+#: last written: a resumed run then forwards at most this much calibration's worth of blocks
+INPUTS_EVERY_S = 300.0
 
 
 def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any) -> str:
@@ -74,7 +83,9 @@ class WorkFolder:
         output = Path(output_dir).absolute()
         self.path = output.with_name(output.name + ".llmpress-work")
         self.output, self.fingerprint = output, fingerprint
-        self.progress: dict[str, Any] = {"fingerprint": fingerprint, "llmpress": llmpress.__version__, "layers": 0, "files": {}}
+        self.progress: dict[str, Any] = {"fingerprint": fingerprint, "llmpress": llmpress.__version__, "layers": 0,
+                                         "inputs_after": -1, "files": {}}
+        self._inputs_written = time.monotonic()
 
     # -- opening -----------------------------------------------------------------------------
     @classmethod
@@ -127,27 +138,38 @@ class WorkFolder:
     def layers_done(self) -> int:
         return int(self.progress["layers"])
 
+    @property
+    def inputs_after(self) -> int:
+        """The layer whose outputs were last written as the next one's inputs; -1 for none."""
+        return int(self.progress.get("inputs_after", self.layers_done - 1))
+
     # -- writing -----------------------------------------------------------------------------
     def save_layer(self, index: int, block: nn.Module, held: CompactWeights, inputs: list, rest: Any) -> None:
-        """Block ``index`` is finished: its state (rank 0) and the next block's inputs (each rank;
-        empty after the last block when nothing runs after it)."""
+        """Block ``index`` is finished: its state (rank 0) and, when due (``INPUTS_EVERY_S``), the
+        next block's inputs (each rank; empty after the last block when nothing runs after it)."""
         files: dict[str, str] = {}
         if is_main_process():
             name = f"layer-{index:05d}.state.pt"
             files[name] = write_file(self.path / name, _block_state(block, held))
-        name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
-        files[name] = write_file(self.path / name, (list(inputs), rest))  # spilled inputs read back
+        due = gather_objects(time.monotonic() - self._inputs_written >= INPUTS_EVERY_S)[0]  # rank 0's clock decides
+        if due:
+            name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
+            files[name] = write_file(self.path / name, (list(inputs), rest))  # spilled inputs read back
+            self._inputs_written = time.monotonic()
         everyone = gather_objects(files)  # every rank's files are whole before progress names them
         if is_main_process():
             for written in everyone:
                 self.progress["files"].update(written)
+            previous = self.inputs_after
             self.progress["layers"] = index + 1
+            if due:
+                self.progress["inputs_after"] = index
             self._write_progress()
-            previous = self.path / f"layer-{index - 1:05d}.inputs.rank{{}}.pt"
-            for r in range(world_size()):  # only the last inputs are needed to go on
-                stale = Path(str(previous).format(r))
-                self.progress["files"].pop(stale.name, None)
-                stale.unlink(missing_ok=True)
+            if due and previous >= 0:  # only the newest inputs are needed to go on
+                for r in range(world_size()):
+                    stale = self.path / f"layer-{previous:05d}.inputs.rank{r}.pt"
+                    self.progress["files"].pop(stale.name, None)
+                    stale.unlink(missing_ok=True)
 
     def finish(self) -> None:
         """The checkpoint is written: it records the run, and the work folder goes."""
@@ -191,9 +213,9 @@ class WorkFolder:
                 set_module_buffer(module, attribute, tensor)
 
     def last_inputs(self) -> tuple[list, Any]:
-        """This rank's inputs of the first block not done, and what the last done block returned
+        """This rank's inputs of the block after ``inputs_after``, and what that layer returned
         besides its hidden states."""
-        return self._load(f"layer-{self.layers_done - 1:05d}.inputs.rank{rank()}.pt")
+        return self._load(f"layer-{self.inputs_after:05d}.inputs.rank{rank()}.pt")
 
 
 def _block_state(block: nn.Module, held: CompactWeights) -> dict[str, torch.Tensor]:

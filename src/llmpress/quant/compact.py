@@ -157,6 +157,16 @@ class CompactWeights:
         setattr(model, HELD_ATTR, self)
         self._model = model
 
+    def release(self, layer: nn.Module) -> None:
+        """Rebuild the held weights of ``layer``'s modules, which then run again (a resumed run
+        forwarding a finished block); ``hold`` takes them back."""
+        inside = set(layer.modules())
+        for module, param, k, guard in [entry for entry in self._held if entry[0] in inside]:
+            param.data = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
+            module.weight = param
+            guard.remove()
+        self._held = [entry for entry in self._held if entry[0] not in inside]
+
     def restore(self) -> None:
         """Rebuild every held weight. One that cannot be rebuilt (out of memory, say) stays
         held, guarded, with its integers; the others are still restored, then the error raised."""
