@@ -335,11 +335,11 @@ def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], st
 
 
 class ChannelStatistics:
-    """One mapping's input per channel over the batches it is given: ``min``, ``max`` and
-    ``abs_mean`` (mean of ``|x|``), by ``reduced()`` over every rank's batches."""
+    """One mapping's input per channel over the batches it is given: ``min``, ``max`` and, with
+    ``abs_mean`` (AWQ's), the mean of ``|x|``, by ``reduced()`` over every rank's batches."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, abs_mean: bool = True) -> None:
+        self.name, self.abs_mean = name, abs_mean
         self.batches = 0
         self.tokens = 0
         self.low: torch.Tensor | None = None
@@ -357,7 +357,7 @@ class ChannelStatistics:
         else:
             torch.minimum(self.low, x.amin(0), out=self.low)
             torch.maximum(self.high, x.amax(0), out=self.high)
-        for sequence in sequences:
+        for sequence in sequences if self.abs_mean else ():
             self.abs_sum += sequence.abs().sum(0)
         self.tokens += x.shape[0]
         self.batches += 1
@@ -373,16 +373,19 @@ class ChannelStatistics:
         max_across_ranks(self.high)
         sum_across_ranks(self.abs_sum)
         sum_across_ranks(count)
+        if not self.abs_mean:
+            return {"min": self.low, "max": self.high}
         return {"min": self.low, "max": self.high, "abs_mean": self.abs_sum / max(float(count.item()), 1.0)}
 
 
 @torch.no_grad()
-def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None = None,
+                       abs_mean: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """Per input channel of each mapping, over the block's calibration tokens (the first
     ``batches`` batches, default all): ``ChannelStatistics.reduced()``, by smooth layer name.
     Each batch runs through the block only until the last mapping's input has been seen (a
     Llama block stops before its MLP's products: a third of the work)."""
-    stats = {m.smooth_name: ChannelStatistics(m.smooth_name) for m in mappings}
+    stats = {m.smooth_name: ChannelStatistics(m.smooth_name, abs_mean) for m in mappings}
     pending: set[str] = set()
     handles = []
     for mapping in mappings:

@@ -84,12 +84,12 @@ class SmoothQuantModifier(SmoothingModifier):
         watched = {id(m): self._watched_balance(block, m) for m in mappings}
         now = [m for m in mappings if watched[id(m)] is None]
         if now:
-            stats = channel_statistics(block, now, self.config.num_calibration_steps)
+            stats = channel_statistics(block, now, self.config.num_calibration_steps, abs_mean=False)
             for mapping in now:
                 self._fold(mapping, stats[mapping.smooth_name])
         for mapping in mappings:
             if watched[id(mapping)] is not None:
-                self.deferred.append((mapping, ChannelStatistics(f"{type(self).__name__}, {mapping.smooth_name}")))
+                self.deferred.append((mapping, ChannelStatistics(f"{type(self).__name__}, {mapping.smooth_name}", abs_mean=False)))
                 block.observation.watch(watched[id(mapping)], self, mapping.smooth_name)
 
     def _watched_balance(self, block: CalibrationBlock, mapping: Mapping) -> nn.Module | None:
