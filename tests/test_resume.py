@@ -51,7 +51,7 @@ class Stop(Exception):
     pass
 
 
-def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=None, monkeypatch=None):
+def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=None, monkeypatch=None, options=OPTIONS):
     if stop_after is not None:
         original = WorkFolder.save_layer
 
@@ -63,7 +63,7 @@ def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=
         monkeypatch.setattr(WorkFolder, "save_layer", save_then_stop)
     try:
         return llmpress.oneshot(str(tmp_path / "model"), recipe, samples or token_batches(count=6), output_dir=out,
-                                calibration=OPTIONS, resume=resume)
+                                calibration=options, resume=resume)
     finally:
         if stop_after is not None:
             monkeypatch.setattr(WorkFolder, "save_layer", original)
@@ -75,14 +75,17 @@ def model_dir(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("inputs_after", [1, 0, -1])
-def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, monkeypatch, caplog, inputs_after):
+@pytest.mark.parametrize("inputs_after, two_passes", [(1, False), (0, False), (-1, False), (-1, True)])
+def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, monkeypatch, caplog, inputs_after, two_passes):
     """Stopped after its second layer, with the next inputs written after it (1), after the
     first layer only (0: the second is forwarded on them when resuming) or never (-1: both are
-    forwarded from the first block's inputs)."""
+    forwarded from the first block's inputs); blocks calibrated module by module, or in two passes."""
+    from dataclasses import replace
+
     from llmpress.pipelines import resume
 
-    whole = run(model_dir, model_dir / "whole")
+    options = replace(OPTIONS, true_sequential=False) if two_passes else OPTIONS
+    whole = run(model_dir, model_dir / "whole", options=options)
     save = WorkFolder.save_layer
 
     def save_when_due(self, index, *args):
@@ -91,16 +94,17 @@ def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, mo
 
     monkeypatch.setattr(WorkFolder, "save_layer", save_when_due)
     with pytest.raises(Stop):
-        run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch)
+        run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch, options=options)
     assert not (model_dir / "cut").exists()
     progress = json.loads((model_dir / "cut.llmpress-work" / "progress.json").read_text())
     assert progress["layers"] == 2 and progress["inputs_after"] == inputs_after
     inputs_files = sorted(p.name for p in (model_dir / "cut.llmpress-work").glob("*.inputs.*"))
     assert inputs_files == ([f"layer-{inputs_after:05d}.inputs.rank0.pt"] if inputs_after >= 0 else [])
     with caplog.at_level(logging.INFO, logger="llmpress"):
-        resumed = run(model_dir, model_dir / "cut", resume=True)
+        resumed = run(model_dir, model_dir / "cut", resume=True, options=options)
     assert "resumed after layer 1 of 4" in caplog.text
     assert ("forwarded layers" in caplog.text) == (inputs_after < 1)
+    assert two_passes or "two passes" not in caplog.text  # the default here: module by module
     one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
     assert any(k.endswith("k_scale") for k in one) and any(k.endswith("input_scale") for k in one)
