@@ -189,7 +189,8 @@ def fake_quantize_module_input(module: nn.Module, x: torch.Tensor, args) -> torc
     dynamic args and no calibrated qparams (q/k/v, gate/up) get one result (``_shared_input``)."""
     qparams = (getattr(module, "input_scale", None), getattr(module, "input_zero_point", None),
                getattr(module, "input_global_scale", None))
-    if qparams == (None, None, None) and not (x.requires_grad and torch.is_grad_enabled()):
+    shareable = not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()  # (a traced graph has its own)
+    if qparams == (None, None, None) and shareable:
         return _shared_input.get(x, args)
     return fake_quantize_activation(x, args, *qparams)
 
