@@ -158,3 +158,21 @@ def test_recipe_file_needs_no_suffix_and_may_be_a_pipe(tmp_path):
         os.close(read)
     with pytest.raises(RecipeError, match="cannot read the recipe file"):
         Recipe.from_file(tmp_path)
+
+
+def test_saved_recipes_are_what_llm_compressor_reads():
+    """compressed-tensors requires each config group's ``targets``, even the default one; lists
+    of names sit on one line; AWQ's mappings keep AWQ's form, SmoothQuant's its own."""
+    from llmpress.modifiers import AWQModifier, QuantizationModifier, SmoothQuantModifier
+
+    groups = {"group_0": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 128}}}
+    mappings = [[["re:.*q_proj$", "re:.*k_proj$"], "re:.*input_layernorm$"]]
+    recipe = Recipe.from_any([AWQModifier(mappings=mappings), SmoothQuantModifier(mappings=mappings),
+                              QuantizationModifier(config_groups=groups, ignore=["lm_head"])])
+    text = recipe.to_yaml()
+    data = yaml.safe_load(text)["default_stage"]["default_modifiers"]
+    assert data["QuantizationModifier"]["config_groups"]["group_0"]["targets"] == ["Linear"]
+    assert "ignore: [lm_head]" in text
+    assert data["AWQModifier"]["mappings"] == [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$"]}]
+    assert data["SmoothQuantModifier"]["mappings"] == mappings
+    assert Recipe.from_yaml(text) == recipe

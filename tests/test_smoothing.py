@@ -454,6 +454,38 @@ def test_an_moe_mapping_reads_its_ranges_at_an_expert_in_gptqs_observing_run(tmp
         torch.testing.assert_close(getattr(first, name).weight, getattr(own.model.layers[0], name).weight)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_the_saved_recipe_names_the_mappings_found_and_runs_again_to_the_same_checkpoint(family, tmp_path):
+    """Mappings found from the blocks go into the checkpoint's recipe.yaml as llm-compressor's
+    patterns (what ``llmpress inspect`` shows); the recipe object given is left as it was, and
+    running the saved recipe writes the same checkpoint: each expert's up_proj -> down_proj is
+    one pattern pair, resolved expert by expert."""
+    from conftest import checkpoint_tensors
+
+    from llmpress.recipe import Recipe
+
+    if family == "llama":
+        model_dir = tmp_path / "llama"
+        make_tiny_llama().save_pretrained(model_dir)
+    else:
+        model_dir = moe_model(family, tmp_path / family)
+    vocab = llmpress.load(model_dir, dtype=torch.float32).config.vocab_size
+    batches = token_batches(4, 32, vocab=vocab)
+    options = llmpress.CalibrationOptions(num_samples=None, seq_len=32)
+    given = Recipe.from_any([AWQModifier(), QuantizationModifier(scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])])
+    llmpress.oneshot(str(model_dir), given, batches, output_dir=tmp_path / "found", calibration=options)
+    assert "mappings" not in given.to_yaml()
+    saved = Recipe.from_file(tmp_path / "found" / "recipe.yaml")
+    mappings = saved.modifiers[0].config.mappings
+    assert (["re:.*\\.self_attn\\.q_proj$", "re:.*\\.self_attn\\.k_proj$", "re:.*\\.self_attn\\.v_proj$"],
+            "re:.*\\.input_layernorm$") in mappings
+    if family == "qwen3_moe":
+        assert (["re:.*\\.mlp\\.experts\\.\\d+\\.down_proj$"], "re:.*\\.mlp\\.experts\\.\\d+\\.up_proj$") in mappings
+    llmpress.oneshot(str(model_dir), tmp_path / "found" / "recipe.yaml", batches, output_dir=tmp_path / "again", calibration=options)
+    one, two = checkpoint_tensors(tmp_path / "found"), checkpoint_tensors(tmp_path / "again")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
 def test_experts_without_tokens_cannot_pass_for_a_mapping(tmp_path):
     """On a one-token batch most experts get no token: a check that looked only at the routed
     output would accept anything for them (gate_proj -> down_proj through the activation). The

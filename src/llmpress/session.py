@@ -158,7 +158,8 @@ class Session:
         model = self.state.get("model")
         if model is not None and self.recipe.stages:
             applied = getattr(model, APPLIED_RECIPE_ATTR, None) or Recipe()
-            setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe)
+            # the session's own modifiers: what they find while running (mappings) is saved too
+            setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe.with_modifiers(self.modifiers))
             route_save_pretrained(model)
 
     # -- where training is ---------------------------------------------------------------

@@ -36,6 +36,19 @@ DEFAULT_STAGE = "default_stage"
 DEFAULT_GROUP = "default_modifiers"
 
 
+class _RecipeDumper(yaml.SafeDumper):
+    """Lists of plain values on one line (``ignore: [lm_head]``, a SmoothQuant mapping's
+    ``[[q_proj, k_proj, v_proj], input_layernorm]``), as recipes are written by hand."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, items: list) -> yaml.Node:
+    flat = all(isinstance(i, (str, int, float, bool)) or (isinstance(i, list) and all(isinstance(j, str) for j in i)) for i in items)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flat and bool(items))
+
+
+_RecipeDumper.add_representer(list, _represent_list)
+
+
 @dataclass
 class RecipeStage:
     name: str
@@ -156,11 +169,20 @@ class Recipe:
     def modifiers(self) -> list[Modifier]:
         return [m for stage in self.stages for m in stage.modifiers]
 
+    def with_modifiers(self, modifiers: list[Modifier]) -> Recipe:
+        """This recipe's stages and groups holding ``modifiers`` instead, in ``self.modifiers``
+        order (a session's own copies, which record what they found: a smoothing modifier's mappings)."""
+        if len(modifiers) != len(self.modifiers):
+            raise ValueError(f"{len(modifiers)} modifiers for a recipe of {len(self.modifiers)}")
+        given = iter(modifiers)
+        return Recipe([RecipeStage(stage.name, {group: [next(given) for _ in members] for group, members in stage.groups.items()},
+                                   stage.run_type) for stage in self.stages])
+
     def to_dict(self) -> dict[str, Any]:
         return {stage.name: stage.to_dict() for stage in self.stages}
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return yaml.dump(self.to_dict(), Dumper=_RecipeDumper, sort_keys=False)
 
     def __add__(self, other: Recipe) -> Recipe:
         """Stages of both, renaming the second recipe's stages when names clash."""

@@ -42,6 +42,16 @@ class SchemeFields(BaseModel):
     #: QuantizationModifier with the scheme, as llm-compressor's recipes write it)
     scheme_from_stage: ClassVar[bool] = False
 
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        """As pydantic dumps it, with each config group's ``targets`` even where it is the
+        default: compressed-tensors (so llm-compressor reading a saved recipe) requires them."""
+        fields = super().model_dump(**kwargs)
+        for name, scheme in (self.config_groups or {}).items():
+            group = fields.get("config_groups", {}).get(name)
+            if isinstance(group, dict):
+                group.setdefault("targets", list(scheme.targets))
+        return fields
+
     @property
     def has_scheme(self) -> bool:
         return self.scheme is not None or self.config_groups is not None

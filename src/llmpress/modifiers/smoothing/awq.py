@@ -312,6 +312,10 @@ class AWQModifier(SmoothingModifier):
         self._told_exact = False
         self._note = ""
 
+    def recipe_mappings(self, found: list[tuple[list[str], str]]) -> list:
+        """``found`` in AWQ's recipe syntax: ``{smooth_layer, balance_layers}``."""
+        return [{"smooth_layer": smooth, "balance_layers": balance} for balance, smooth in found]
+
     def usable(self, mappings: list[Mapping], skipped: list[str]) -> list[Mapping]:
         """Mappings whose quantized balance layers share one weight scheme. Balance layers no
         modifier quantizes (an MoE router the recipe ignores) take the scales and stay exact."""

@@ -4,8 +4,9 @@ change, and a clear error for a model without blocks."""
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import field_validator
 
@@ -42,6 +43,22 @@ class SmoothingConfig(ModifierConfig, OneShotFields):
         return [] if value is None else value
 
 
+def as_patterns(mapping: Mapping, prefix: str) -> tuple[list[str], str]:
+    r"""``mapping`` as ``([balance patterns], smooth pattern)`` for every block: the names inside
+    the block, an expert's number as any number (``re:.*\.mlp\.experts\.\d+\.gate_proj$``). Each
+    smooth layer's balance layers are resolved under its closest ancestor, so one pattern pair
+    names each expert's own ``up_proj -> down_proj``."""
+    def pattern(name: str) -> str:
+        inner = re.escape(name.removeprefix(prefix))
+        return "re:.*\\." + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", inner) + "$"
+
+    balance = []
+    for name in mapping.balance_names:
+        if pattern(name) not in balance:
+            balance.append(pattern(name))
+    return balance, pattern(mapping.smooth_name)
+
+
 class SmoothingModifier(Modifier):
     """Scales folded into each block at ``block_start``; subclasses say how (``smooth``)."""
 
@@ -59,6 +76,7 @@ class SmoothingModifier(Modifier):
         self.blocks = 0
         self._last_found = ""
         self.memo = MappingMemo()  # repeated blocks: found and checked once
+        self.found: list[tuple[list[str], str]] = []  # the mappings applied, as recipe patterns (``to_dict``)
 
     def on_block_start(self, state: State, block: CalibrationBlock) -> None:
         self.blocks += 1
@@ -77,6 +95,23 @@ class SmoothingModifier(Modifier):
         if mappings:
             self.smooth(block, mappings)
             self.smoothed += [f"{m.smooth_name} -> {', '.join(m.balance_names)}" for m in mappings]
+            for entry in (as_patterns(m, prefix) for m in mappings):
+                if entry not in self.found:
+                    self.found.append(entry)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe entry, its mappings in this modifier's syntax; where they were found, not
+        given, the ones applied, as patterns: the saved recipe says what was smoothed
+        (``llmpress inspect``), and running it again applies the same mappings."""
+        entry = super().to_dict()
+        mappings = self.config.mappings or getattr(self, "found", None)
+        if mappings:
+            entry[type(self).__name__]["mappings"] = self.recipe_mappings([(list(b), s) for b, s in mappings])
+        return entry
+
+    def recipe_mappings(self, found: list[tuple[list[str], str]]) -> list:
+        """``found`` in this modifier's recipe syntax: SmoothQuant's ``[[balance], smooth]``."""
+        return [[balance, smooth] for balance, smooth in found]
 
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
         """A resumed run put ``block`` back with its scales folded in: nothing left to do here."""
