@@ -348,8 +348,12 @@ def test_modules_reading_one_input_share_its_dynamic_fake_quantization(monkeypat
     assert len(computed) == 2 and torch.equal(again, real(x, args))
     del x, outs, again
     assert attach._shared_input.entry is None  # the result went with its input
+    with torch.inference_mode():  # inference tensors have no version counter: each module its own
+        z = torch.randn(4, 64)
+        fake_quantize_module_input(q, z, args), fake_quantize_module_input(k, z, args)
+    assert len(computed) == 4 and attach._shared_input.entry is None
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # traced: plain code, no shared state
     y = torch.randn(4, 64)
     with torch.no_grad():
         fake_quantize_module_input(q, y, args), fake_quantize_module_input(k, y, args)
-    assert len(computed) == 4 and attach._shared_input.entry is None
+    assert len(computed) == 6 and attach._shared_input.entry is None

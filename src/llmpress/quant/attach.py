@@ -189,7 +189,9 @@ def fake_quantize_module_input(module: nn.Module, x: torch.Tensor, args) -> torc
     dynamic args and no calibrated qparams (q/k/v, gate/up) get one result (``_shared_input``)."""
     qparams = (getattr(module, "input_scale", None), getattr(module, "input_zero_point", None),
                getattr(module, "input_global_scale", None))
-    shareable = not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()  # (a traced graph has its own)
+    # not under autograd, nor traced (a graph has its own), nor for inference tensors (no
+    # version counter tells whether one was written in between)
+    shareable = not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling() and not x.is_inference()
     if qparams == (None, None, None) and shareable:
         return _shared_input.get(x, args)
     return fake_quantize_activation(x, args, *qparams)
