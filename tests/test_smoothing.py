@@ -462,7 +462,7 @@ def test_the_saved_recipe_names_the_mappings_found_and_runs_again_to_the_same_ch
     one pattern pair, resolved expert by expert."""
     from conftest import checkpoint_tensors
 
-    from llmpress.recipe import Recipe
+    from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
 
     if family == "llama":
         model_dir = tmp_path / "llama"
@@ -473,8 +473,10 @@ def test_the_saved_recipe_names_the_mappings_found_and_runs_again_to_the_same_ch
     batches = token_batches(4, 32, vocab=vocab)
     options = llmpress.CalibrationOptions(num_samples=None, seq_len=32)
     given = Recipe.from_any([AWQModifier(), QuantizationModifier(scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])])
-    llmpress.oneshot(str(model_dir), given, batches, output_dir=tmp_path / "found", calibration=options)
+    model = llmpress.oneshot(str(model_dir), given, batches, output_dir=tmp_path / "found", calibration=options)
     assert "mappings" not in given.to_yaml()
+    recorded = getattr(model, APPLIED_RECIPE_ATTR).modifiers  # what the model keeps: no running state
+    assert recorded[0].found and not any(hasattr(m, "memo") or hasattr(m, "prefix_of") for m in recorded)
     saved = Recipe.from_file(tmp_path / "found" / "recipe.yaml")
     mappings = saved.modifiers[0].config.mappings
     assert (["re:.*\\.self_attn\\.q_proj$", "re:.*\\.self_attn\\.k_proj$", "re:.*\\.self_attn\\.v_proj$"],

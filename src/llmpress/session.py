@@ -89,6 +89,9 @@ class Session:
     def __init__(self, recipe: Any = None) -> None:
         self.recipe = Recipe.from_any(recipe) if recipe is not None else Recipe()
         self.modifiers: list[Modifier] = [m.clone() for m in self.recipe.modifiers]
+        #: what the model records of this session (``_record_recipe``): copies without the running
+        #: modifiers' state, each told at finalize what it should say (``Modifier.record_into``)
+        self._records: list[Modifier] = [m.clone() for m in self.modifiers]
         self.state = State()
         self.status = Status.CREATED
         self._phase = "idle"
@@ -147,8 +150,9 @@ class Session:
                     "%s never reached the start of its window (training ended at epoch %.2f); "
                     "finalize() applies it without training", ", ".join(unopened), self.state.epoch,
                 )
-        for modifier in self.modifiers:
+        for modifier, record in zip(self.modifiers, self._records):
             modifier.finalize(self.state)
+            modifier.record_into(record)
         self.status = Status.FINALIZED
         return self
 
@@ -158,8 +162,7 @@ class Session:
         model = self.state.get("model")
         if model is not None and self.recipe.stages:
             applied = getattr(model, APPLIED_RECIPE_ATTR, None) or Recipe()
-            # the session's own modifiers: what they find while running (mappings) is saved too
-            setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe.with_modifiers(self.modifiers))
+            setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe.with_modifiers(self._records))
             route_save_pretrained(model)
 
     # -- where training is ---------------------------------------------------------------

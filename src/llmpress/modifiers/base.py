@@ -310,6 +310,11 @@ class Modifier:
     def clone(self) -> Modifier:
         return type(self)(**self.config.model_dump(exclude_defaults=True))
 
+    def record_into(self, record: Modifier) -> None:
+        """Finalized: give ``record`` (a clone the model keeps as its recipe, without this
+        modifier's running state) what the saved recipe should say beyond the config (a
+        smoothing modifier's mappings found)."""
+
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.config == other.config  # type: ignore[attr-defined]
 

@@ -171,7 +171,8 @@ class Recipe:
 
     def with_modifiers(self, modifiers: list[Modifier]) -> Recipe:
         """This recipe's stages and groups holding ``modifiers`` instead, in ``self.modifiers``
-        order (a session's own copies, which record what they found: a smoothing modifier's mappings)."""
+        order (a session's records of its modifiers, which say what they found: a smoothing
+        modifier's mappings)."""
         if len(modifiers) != len(self.modifiers):
             raise ValueError(f"{len(modifiers)} modifiers for a recipe of {len(self.modifiers)}")
         given = iter(modifiers)

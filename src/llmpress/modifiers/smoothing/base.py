@@ -109,6 +109,9 @@ class SmoothingModifier(Modifier):
             entry[type(self).__name__]["mappings"] = self.recipe_mappings([(list(b), s) for b, s in mappings])
         return entry
 
+    def record_into(self, record: Modifier) -> None:
+        record.found = list(getattr(self, "found", []))
+
     def recipe_mappings(self, found: list[tuple[list[str], str]]) -> list:
         """``found`` in this modifier's recipe syntax: SmoothQuant's ``[[balance], smooth]``."""
         return [[balance, smooth] for balance, smooth in found]
