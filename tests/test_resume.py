@@ -115,6 +115,42 @@ def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, mo
     assert not (model_dir / "cut.llmpress-work").exists() and (model_dir / "cut" / "llmpress_run.json").exists()
 
 
+def test_a_run_stopped_after_its_last_layer_resumes_to_the_same_checkpoint_and_recipe(model_dir, monkeypatch):
+    """Every layer restored, none calibrated: SmoothQuant's mappings, found while calibrating,
+    still reach the saved recipe (kept in progress.json with each layer)."""
+    run(model_dir, model_dir / "whole")
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=3, monkeypatch=monkeypatch)
+    run(model_dir, model_dir / "cut", resume=True)
+    one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    recipe = (model_dir / "whole" / "recipe.yaml").read_text()
+    assert "mappings" in recipe and (model_dir / "cut" / "recipe.yaml").read_text() == recipe
+
+
+def test_a_work_folder_written_before_inputs_were_spaced_out_resumes(model_dir, monkeypatch):
+    """progress.json without ``inputs_after`` (inputs were written after every layer): its
+    inputs are the last layer's; a later layer not due to write them keeps that right."""
+    from llmpress.pipelines import resume
+
+    run(model_dir, model_dir / "whole")
+    whole = checkpoint_tensors(model_dir / "whole")
+    monkeypatch.setattr(resume, "INPUTS_EVERY_S", 0.0)
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch)
+    progress_file = model_dir / "cut.llmpress-work" / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    del progress["inputs_after"], progress["notes"]
+    progress_file.write_text(json.dumps(progress))
+    monkeypatch.setattr(resume, "INPUTS_EVERY_S", 1e9)
+    with pytest.raises(Stop):  # layer 2 finishes without writing inputs, then stops
+        run(model_dir, model_dir / "cut", stop_after=2, resume=True, monkeypatch=monkeypatch)
+    assert json.loads(progress_file.read_text())["inputs_after"] == 1
+    run(model_dir, model_dir / "cut", resume=True)
+    cut = checkpoint_tensors(model_dir / "cut")
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+
+
 def test_resume_of_a_finished_run_does_nothing(model_dir, caplog):
     run(model_dir, model_dir / "out")
     stamp = os.stat(model_dir / "out")

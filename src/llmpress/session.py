@@ -348,6 +348,17 @@ class Session:
         return all("layer_restored" in m.events for m in self.modifiers
                    if m.calibration_targets() or "block_start" in m.events or m.runs_blocks() or "layer_calibrated" in m.events)
 
+    def resume_notes(self) -> list:
+        """Each modifier's note to keep with a finished layer (``Modifier.resume_note``)."""
+        return [m.resume_note() for m in self.modifiers]
+
+    def take_resume_notes(self, notes: list | None) -> None:
+        """A resumed run: give each modifier the note it kept (``Modifier.take_resume_note``)."""
+        if notes is not None and len(notes) == len(self.modifiers):
+            for modifier, note in zip(self.modifiers, notes):
+                if note is not None:
+                    modifier.take_resume_note(note)
+
     def calibration_end(self) -> None:
         self.event("calibration_end")
 

@@ -310,6 +310,14 @@ class Modifier:
     def clone(self) -> Modifier:
         return type(self)(**self.config.model_dump(exclude_defaults=True))
 
+    def resume_note(self) -> Any:
+        """Plain data (JSON) to keep with each finished layer for a resumed run (``take_resume_note``):
+        what this modifier gathered from the layers so far that the saved result needs; None for nothing."""
+        return None
+
+    def take_resume_note(self, note: Any) -> None:
+        """A resumed run: the note the interrupted one kept with its last finished layer."""
+
     def record_into(self, record: Modifier) -> None:
         """Finalized: give ``record`` (a clone the model keeps as its recipe, without this
         modifier's running state) what the saved recipe should say beyond the config (a

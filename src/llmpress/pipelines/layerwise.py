@@ -137,7 +137,7 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
             rest = calibrate_block_by_module(block, plan, session, outputs_needed)
         held.hold(module)
         if work is not None:
-            work.save_layer(index, module, held, inputs if outputs_needed else [], rest)
+            work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
         bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
         bar.update()
         release_free_memory()  # the block's solver temporaries and float weights go back
@@ -163,6 +163,7 @@ def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, h
     for index in range(done):
         work.restore_layer(index, blocks[index], held)
         session.layer_restored(CalibrationBlock(index, blocks[index], [], session.observation))
+    session.take_resume_notes(work.notes)
     written, rest = min(work.inputs_after, done - 1), None
     if written >= 0:
         inputs[:], rest = work.last_inputs()

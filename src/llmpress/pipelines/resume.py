@@ -68,7 +68,7 @@ def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] |
             flat = tensor.detach().reshape(-1)
             for part in (flat[:1024], flat[-1024:]):  # a few pages: the model stays where it was loaded
                 digest.update(part.cpu().float().numpy().tobytes())
-    digest.update(recipe.to_yaml().encode())
+    digest.update(json.dumps(recipe.to_dict(), sort_keys=True).encode())  # not its YAML layout
     for batch in batches or []:
         digest.update(batch.cpu().numpy().tobytes())
     digest.update(repr(options).encode())
@@ -104,6 +104,7 @@ class WorkFolder:
                     expected="the model, recipe, data and options of the interrupted run",
                     fix=f"run without --resume to start over (it replaces {work.path.name}), or give the interrupted run's inputs",
                 )
+            found.setdefault("inputs_after", found["layers"] - 1)  # a folder of before: inputs after every layer
             work.progress = found
             logger.warning("resuming: %d layer(s) of %s done", found["layers"], work.output)
             return work
@@ -141,12 +142,20 @@ class WorkFolder:
     @property
     def inputs_after(self) -> int:
         """The layer whose outputs were last written as the next one's inputs; -1 for none."""
-        return int(self.progress.get("inputs_after", self.layers_done - 1))
+        return int(self.progress["inputs_after"])
+
+    @property
+    def notes(self) -> list | None:
+        """What the run's modifiers asked to keep with the last finished layer
+        (``Session.resume_notes``), or None."""
+        return self.progress.get("notes")
 
     # -- writing -----------------------------------------------------------------------------
-    def save_layer(self, index: int, block: nn.Module, held: CompactWeights, inputs: list, rest: Any) -> None:
+    def save_layer(self, index: int, block: nn.Module, held: CompactWeights, inputs: list, rest: Any,
+                   notes: list | None = None) -> None:
         """Block ``index`` is finished: its state (rank 0) and, when due (``INPUTS_EVERY_S``), the
-        next block's inputs (each rank; empty after the last block when nothing runs after it)."""
+        next block's inputs (each rank; empty after the last block when nothing runs after it).
+        ``notes``: what the modifiers keep across a resume (plain data, in progress.json)."""
         files: dict[str, str] = {}
         if is_main_process():
             name = f"layer-{index:05d}.state.pt"
@@ -162,6 +171,7 @@ class WorkFolder:
                 self.progress["files"].update(written)
             previous = self.inputs_after
             self.progress["layers"] = index + 1
+            self.progress["notes"] = notes
             if due:
                 self.progress["inputs_after"] = index
             self._write_progress()

@@ -204,14 +204,15 @@ class _SharedInput(threading.local):
     pass over the tensor."""
 
     def __init__(self) -> None:
-        self.entry: tuple | None = None  # (weakref to the input, its version, args, result)
+        self.entry: tuple | None = None  # (weakref to the input, its version, args, result, its version)
 
     def get(self, x: torch.Tensor, args) -> torch.Tensor:
         entry = self.entry
-        if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == args:
+        if (entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == args
+                and entry[4] == entry[3]._version):  # neither written since (a module changing its input in place)
             return entry[3]
         result = fake_quantize_activation(x, args)
-        self.entry = (weakref.ref(x, self._drop), x._version, args, result)
+        self.entry = (weakref.ref(x, self._drop), x._version, args, result, result._version)
         return result
 
     def _drop(self, reference: weakref.ref) -> None:

@@ -112,6 +112,14 @@ class SmoothingModifier(Modifier):
     def record_into(self, record: Modifier) -> None:
         record.found = list(getattr(self, "found", []))
 
+    def resume_note(self) -> Any:
+        return [[balance, smooth] for balance, smooth in self.found]  # the restored layers' mappings, for the recipe
+
+    def take_resume_note(self, note: Any) -> None:
+        for balance, smooth in note:
+            if (list(balance), smooth) not in self.found:
+                self.found.append((list(balance), smooth))
+
     def recipe_mappings(self, found: list[tuple[list[str], str]]) -> list:
         """``found`` in this modifier's recipe syntax: SmoothQuant's ``[[balance], smooth]``."""
         return [[balance, smooth] for balance, smooth in found]
