@@ -201,7 +201,8 @@ class _SharedInput(threading.local):
     """The last input fake-quantized without calibrated qparams, and its result, kept while
     that input lives (a weak reference drops the result with it) and is not written to: the
     next module reading the same tensor with equal args gets the same result, not another
-    pass over the tensor."""
+    pass over the tensor. Writes are seen through PyTorch's version counters, so a write that
+    bypasses them (through ``.data`` or a numpy alias between two modules' reads) is not."""
 
     def __init__(self) -> None:
         self.entry: tuple | None = None  # (weakref to the input, its version, args, result, its version)
