@@ -194,14 +194,22 @@ def quantize(
 ) -> torch.Tensor:
     """Quantized values (int8 holding ``num_bits``-wide integers, float8_e4m3fn, or float32
     fp4 grid values). Works in one float32 copy of ``x``. ``global_scale``: NVFP4's."""
+    q = _rounded(x, scale, zero_point, args, global_scale)[0].reshape(x.shape)
+    return q if args.is_float else q.to(torch.int8)
+
+
+def _rounded(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantizationArgs,
+    global_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x / scale + zero_point`` rounded onto the grid, in one float32 copy of ``x`` (grouped as
+    ``grouped`` lays it out), with the scale and zero point shaped to broadcast against it."""
     zero_point = None if args.is_float or zero_point is None else zero_point.to(torch.float32)
-    values = float_copy(x)
-    view, scale, zero_point = grouped(values, effective_scale(scale, args, global_scale), zero_point, args)
+    view, scale, zero_point = grouped(float_copy(x), effective_scale(scale, args, global_scale), zero_point, args)
     view.div_(scale)
     if zero_point is not None:
         view.add_(zero_point)
-    q = round_to_grid(view, args).reshape(x.shape)
-    return q if args.is_float else q.to(torch.int8)
+    return round_to_grid(view, args), scale, zero_point
 
 
 def dequantize(
@@ -234,13 +242,8 @@ def fake_quantize(
     if args.is_float:
         q = quantize(x, scale, zero_point, args, global_scale)
         return dequantize(q, scale, zero_point, args, x.dtype, global_scale)
-    zero_point = None if zero_point is None else zero_point.to(torch.float32)
-    values = float_copy(x)
-    view, scale, zero_point = grouped(values, effective_scale(scale, args, global_scale), zero_point, args)
-    view.div_(scale)
-    if zero_point is not None:
-        view.add_(zero_point)
-    view = round_to_grid(view, args).add_(0.0)  # a -0.0 rounding becomes 0.0, as through int8
+    view, scale, zero_point = _rounded(x, scale, zero_point, args, global_scale)
+    view.add_(0.0)  # a -0.0 rounding becomes 0.0, as through int8
     if zero_point is not None:
         view.sub_(zero_point)
     return view.mul_(scale).reshape(x.shape).to(x.dtype)
