@@ -95,9 +95,13 @@ class SmoothingModifier(Modifier):
         if mappings:
             self.smooth(block, mappings)
             self.smoothed += [f"{m.smooth_name} -> {', '.join(m.balance_names)}" for m in mappings]
-            for entry in (as_patterns(m, prefix) for m in mappings):
-                if entry not in self.found:
-                    self.found.append(entry)
+            self._remember(as_patterns(m, prefix) for m in mappings)
+
+    def _remember(self, patterns) -> None:
+        """Add ``([balance patterns], smooth pattern)`` pairs to ``found``, each once."""
+        for balance, smooth in patterns:
+            if (list(balance), smooth) not in self.found:
+                self.found.append((list(balance), smooth))
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe entry, its mappings in this modifier's syntax; where they were found, not
@@ -113,12 +117,10 @@ class SmoothingModifier(Modifier):
         record.found = list(getattr(self, "found", []))
 
     def resume_note(self) -> Any:
-        return [[balance, smooth] for balance, smooth in self.found]  # the restored layers' mappings, for the recipe
+        return list(self.found)  # the restored layers' mappings, for the recipe (JSON writes the pairs as lists)
 
     def take_resume_note(self, note: Any) -> None:
-        for balance, smooth in note:
-            if (list(balance), smooth) not in self.found:
-                self.found.append((list(balance), smooth))
+        self._remember(note)
 
     def recipe_mappings(self, found: list[tuple[list[str], str]]) -> list:
         """``found`` in this modifier's recipe syntax: SmoothQuant's ``[[balance], smooth]``."""

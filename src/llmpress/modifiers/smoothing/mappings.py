@@ -242,13 +242,16 @@ class MappingMemo:
 
 
 def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: str,
-             skipped: list[str] | None = None, memo: MappingMemo | None = None) -> tuple[list[Mapping], list[str]]:
+             skipped: list[str] | None = None, memo: MappingMemo | None = None,
+             structure: tuple | None = None) -> tuple[list[Mapping], list[str]]:
     """The candidates that keep the block's function when scaled, checked with every expert of
     an MoE block mixed into the output (``mixing_all_experts``: an expert this batch routes no
     token to still counts). A mapping whose smooth layer, or every balance layer, is ignored is
     left out; ignored balance layers among others take the scales (the function needs them) and
-    are not quantized. ``memo``: checks a block of the same structure made are not run again."""
-    structure = structure_of(block.module) if memo is not None else None
+    are not quantized. ``memo``: checks a block of the same structure (``structure_of(block)``,
+    passed when the caller has it) made are not run again."""
+    if memo is not None and structure is None:
+        structure = structure_of(block.module)
     outputs: list[torch.Tensor] = []  # the block's output on its first batch, once a check needs it
 
     def keeps(mapping: Mapping) -> bool:
@@ -298,16 +301,17 @@ def find_mappings(block: Any, prefix: str, ignore: list[str], linear_sources: bo
     """The block's mappings found by data flow and checked by running, with full names
     (``prefix`` + the name inside the block), and the candidates dropped (why). ``memo``: what
     an earlier block of the same structure found is used, not found again."""
-    key = (linear_sources, structure_of(block.module)) if memo is not None else None
-    if key is not None and key in memo.candidates:
+    structure = structure_of(block.module) if memo is not None else None
+    key = (linear_sources, structure)
+    if memo is not None and key in memo.candidates:
         found, skipped = memo.candidates[key]
         modules = dict(block.module.named_modules())
         candidates = [Mapping(smooth, modules[smooth], list(names), [modules[n] for n in names]) for smooth, names in found]
     else:
         candidates, skipped = _candidates(block, linear_sources)
-        if key is not None and not any(isinstance(m, LinearExperts) for m in block.module.modules()):
+        if memo is not None and not any(isinstance(m, LinearExperts) for m in block.module.modules()):
             memo.candidates[key] = ([(m.smooth_name, list(m.balance_names)) for m in candidates], list(skipped))
-    return _checked(block, candidates, ignore, prefix, skipped, memo)
+    return _checked(block, candidates, ignore, prefix, skipped, memo, structure)
 
 
 def resolve_mappings(block: Any, prefix: str, patterns: list[tuple[list[str], str]], ignore: list[str],
