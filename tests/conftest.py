@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,22 @@ def trained_model_dir() -> Path:
 def text_path(name: str) -> Path:
     shared = SHARED_FIXTURES / "text" / name
     return shared if shared.exists() else ASSETS / "text" / name
+
+
+@contextmanager
+def gloo_rank(rank: int, world: int, init: str) -> Iterator[None]:
+    """One spawned rank of a gloo group for the length of a ``with`` block, one thread each; the
+    group is ended with a barrier first when the block finished (``end_process_group``)."""
+    from llmpress.integrations.distributed import end_process_group
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        end_process_group(wait_for_others=finished)
 
 
 def make_tiny_llama(seed: int = 0, *, tie: bool = False, intermediate: int = 200, bias: bool = False):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import GPTQ_W4_G32, REPO, checkpoint_tensors, make_tiny_llama, token_batches
+from conftest import GPTQ_W4_G32, REPO, checkpoint_tensors, gloo_rank, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.data import CalibrationOptions
@@ -71,13 +71,9 @@ def _samples() -> list[list[int]]:
 
 
 def _run_rank(rank: int, world: int, init: str, model_dir: str, recipes: list[tuple[str, str]]) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init):
         for recipe, output in recipes:
             llmpress.oneshot(model_dir, recipe, _samples(), output_dir=output, calibration=_options(recipe))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _one_process(model_dir: Path, recipe: str, output: Path) -> None:

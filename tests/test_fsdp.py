@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO, checkpoint_tensors, make_tiny_llama, text_path, token_batches, trained_model_dir
+from conftest import REPO, checkpoint_tensors, gloo_rank, make_tiny_llama, text_path, token_batches, trained_model_dir
 
 from llmpress.errors import CheckpointError
 
@@ -58,9 +58,7 @@ def _sharded_tiny_llama(world: int, samples: int, recipe: str, epochs: int):
 
 
 def _train_rank(rank: int, world: int, init: str, folder: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init):
         import llmpress
         from llmpress.integrations.fsdp import is_dtensor
 
@@ -75,11 +73,6 @@ def _train_rank(rank: int, world: int, init: str, folder: str) -> None:
         # the model is sharded again after the saves, and still trains
         assert is_dtensor(model.model.layers[0].mlp.down_proj.weight)
         model(input_ids=batches[0], labels=batches[0]).loss.backward()
-        # both ranks past their last collective before gloo's threads are torn down: once in
-        # three full runs rank 1 died at teardown ("terminate called without an active exception")
-        torch.distributed.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +150,7 @@ qat_stage:
 
 
 def _qat_rank(rank: int, world: int, init: str, folder: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, init):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         import llmpress
@@ -173,8 +164,6 @@ def _qat_rank(rank: int, world: int, init: str, folder: str) -> None:
         if rank == 0:
             torch.save({"scales": scales, "weights": {k: v for k, v in whole.items() if k.endswith("_proj.weight")}},
                        folder + "-expected.pt")
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_qat_under_fsdp_quantizes_the_whole_weight(tmp_path):
