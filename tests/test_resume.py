@@ -194,7 +194,8 @@ def test_a_recipe_of_several_stages_cannot_resume(model_dir):
 
 
 def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
-    """The command, killed with SIGKILL while it calibrates its third layer, then ``--resume``."""
+    """The command, killed with SIGKILL while it calibrates its third layer (or its fourth, when
+    this process was not scheduled in time to see the second finish), then ``--resume``."""
     data = tmp_path / "samples.jsonl"
     data.write_text("\n".join('{"input_ids": %s}' % s for s in token_batches(count=6)))
     recipe = tmp_path / "recipe.yaml"
@@ -210,12 +211,12 @@ def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
     process = subprocess.Popen(command(tmp_path / "cut"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
-        if progress.exists() and json.loads(progress.read_text())["layers"] == 2:
+        if progress.exists() and json.loads(progress.read_text())["layers"] >= 2:
             break
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert json.loads(progress.read_text())["layers"] == 2, "the run was not killed in its third layer"
+    assert json.loads(progress.read_text())["layers"] in (2, 3), "the run was not killed before its last layer"
     done = subprocess.run(command(tmp_path / "cut", "--resume"), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     one, two = checkpoint_tensors(tmp_path / "whole"), checkpoint_tensors(tmp_path / "cut")
