@@ -78,22 +78,82 @@ def test_blocks_of_one_structure_find_and_check_their_mappings_once():
     assert not any(m.smooth_name.endswith("input_layernorm") for m in ignored) and len(ignored) == len(fresh) - 1
 
 
-def test_a_norm_that_does_not_scale_its_output_is_not_a_mapping():
-    """Gemma's RMSNorm multiplies by ``1 + weight``: dividing its weight does not divide the
-    output, and running the block says so."""
-    from transformers import GemmaConfig, GemmaForCausalLM
+class _SquaredGainNorm(torch.nn.Module):
+    """A norm whose gain is ``weight ** 2``: dividing its weight by ``s`` does not divide its output."""
 
-    torch.manual_seed(0)
-    config = GemmaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    model = GemmaForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.input_layernorm.weight.normal_()
-            layer.post_attention_layernorm.weight.normal_()
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight**2
+
+
+def test_a_norm_that_does_not_scale_its_output_is_not_a_mapping():
+    model = make_tiny_llama(intermediate=256)
+    layer = model.model.layers[0]
+    layer.input_layernorm = _SquaredGainNorm(128)
     block = first_block(model, model.model.layers, token_batches(1, 16))
     mappings, skipped = find_mappings(block, "", [])
-    assert not mappings and len(skipped) == 2
+    assert [m.describe() for m in mappings] == ["post_attention_layernorm -> gate_proj, up_proj"]
+    assert skipped == ["input_layernorm -> q_proj, k_proj, v_proj (scaling it changes the block's output)"]
+
+
+def test_a_gain_offset_is_read_by_running_the_norm():
+    """``c`` of a gain ``c + weight``: 1 for Gemma's RMSNorm, 0 for Llama's and for LayerNorm
+    (with its bias); the parameters are put back as they were."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from llmpress.modifiers.smoothing.mappings import gain_offset
+
+    for norm, offset in ((Gemma2RMSNorm(64), 1.0), (LlamaRMSNorm(64), 0.0), (torch.nn.LayerNorm(64), 0.0),
+                         (_SquaredGainNorm(64), 0.0)):
+        with torch.no_grad():
+            for p in norm.parameters():
+                p.normal_()
+        before = {k: v.clone() for k, v in norm.state_dict().items()}
+        assert gain_offset(norm) == offset, type(norm).__name__
+        assert all(torch.equal(before[k], v) for k, v in norm.state_dict().items())
+
+
+def gemma_with_outliers(family, folder):
+    """A tiny random Gemma-family model whose norms carry activation outliers: channels 3, 17 and
+    40 of each norm that feeds Linears take 50x their gain ``1 + weight`` and the Linears reading
+    them 1/50 of those columns (the same function)."""
+    from architectures import save_tiny
+
+    model = llmpress.load(save_tiny(family, folder), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            for norm, readers in ((layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+                                  (layer.pre_feedforward_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])):
+                for channel in (3, 17, 40):
+                    norm.weight[channel] = (1 + norm.weight[channel]) * 50 - 1
+                    for linear in readers:
+                        linear.weight[:, channel] /= 50
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemmas_one_plus_weight_norms_are_smoothed_with_the_function_kept(family, tmp_path):
+    """Gemma's norms (gain ``1 + weight``) take ``1/s`` as ``(1 + weight) / s - 1``: SmoothQuant
+    alone keeps the function, and on activation outliers SmoothQuant + GPTQ W8A8 is far closer
+    to the model than GPTQ W8A8 alone (llm-compressor 0.14 maps Gemma 2/3's
+    post_attention_layernorm to gate/up_proj, which read pre_feedforward_layernorm: see
+    bench/smoothing_families.py)."""
+    ids = torch.tensor(token_batches(2, 32, vocab=4000, seed=7))
+    reference = logits(gemma_with_outliers(family, tmp_path / "model"), ids)
+    batches = token_batches(8, 64, vocab=4000)
+
+    def run(modifiers):
+        return logits(llmpress.oneshot(gemma_with_outliers(family, tmp_path / "model"), modifiers, batches), ids)
+
+    assert rel(run([SmoothQuantModifier(smoothing_strength=0.8)]), reference) < 1e-5
+    smoothed = rel(run([SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), reference)
+    plain = rel(run([GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), reference)
+    assert smoothed < plain / 4, (smoothed, plain)
 
 
 def outlier_model():
