@@ -105,7 +105,7 @@ def test_a_gain_offset_is_read_by_running_the_norm():
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from llmpress.modifiers.smoothing.mappings import gain_offset
+    from llmpress.modifiers.smoothing.fold import gain_offset
 
     for norm, offset in ((Gemma2RMSNorm(64), 1.0), (LlamaRMSNorm(64), 0.0), (torch.nn.LayerNorm(64), 0.0),
                          (_SquaredGainNorm(64), 0.0)):

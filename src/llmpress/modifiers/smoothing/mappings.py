@@ -17,9 +17,7 @@ are read from the block itself, with no table:
   changes the block's function (``gate_proj`` → ``down_proj`` through the activation, a norm
   output that also feeds the residual) is dropped and said why.
 
-A norm whose gain is ``c + weight`` (Gemma's RMSNorm: ``1 + weight``) takes ``1/s`` as
-``(c + weight) / s - c``, its ``c`` read by running it (``gain_offset``), so Gemma's norms are
-smoothed with the function kept; llm-compressor needs a table of such norm classes for this.
+The scales are folded by ``fold.apply_scales`` (Gemma's ``1 + weight`` norms included).
 
 A recipe's mappings, in llm-compressor's syntax (``[[balance patterns], smooth pattern]``), are
 resolved inside each block and checked the same way.
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import os
 import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,12 +37,12 @@ from llmpress.errors import SessionError
 from llmpress.integrations.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
 from llmpress.models.experts import LinearExperts, mixing_all_experts
 from llmpress.models.linear import input_major
+from llmpress.modifiers.smoothing.fold import apply_scales
 from llmpress.observation import InputsSeen, primary_input
 from llmpress.pipelines.blocks import hidden_of, structure_of
 from llmpress.targets import matches
 
-__all__ = ["ChannelStatistics", "Mapping", "MappingMemo", "apply_scales", "channel_statistics", "find_mappings", "gain_offset",
-           "reads_columns", "resolve_mappings"]
+__all__ = ["ChannelStatistics", "Mapping", "MappingMemo", "channel_statistics", "find_mappings", "reads_columns", "resolve_mappings"]
 
 
 def reads_columns(module: nn.Module) -> bool:
@@ -101,69 +98,6 @@ def _per_channel_weight(module: nn.Module, width: int) -> bool:
         return module.out_features == width
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() == width
-
-
-#: each norm's ``gain_offset``, read once
-_OFFSETS: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
-
-
-@torch.no_grad()
-def gain_offset(module: nn.Module) -> float:
-    """The ``c`` of a norm whose per-channel gain is ``c + weight``: 0 for most norms
-    (``x_hat * weight``), 1 for Gemma's RMSNorm (``x_hat * (1 + weight)``). Read by running the
-    module on a random input with its weight set to 0 and then 1 (its bias, if any, to 0), and
-    the parameters put back. A module that does not behave as such a norm gives 0: the check by
-    running then decides whether its mapping keeps the function."""
-    if module in _OFFSETS:
-        return _OFFSETS[module]
-    weight = module.weight
-    bias = getattr(module, "bias", None)
-    bias = bias if isinstance(bias, torch.Tensor) else None
-    saved = [(t, t.detach().clone()) for t in (weight, bias) if t is not None]
-    probe = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
-    offset = 0.0
-    try:
-        if bias is not None:
-            bias.zero_()
-        weight.zero_()
-        zero = module(probe)
-        weight.fill_(1.0)
-        one = module(probe)
-        if isinstance(zero, torch.Tensor) and isinstance(one, torch.Tensor) and zero.shape == one.shape == probe.shape:
-            unit = one.float() - zero.float()  # x_hat
-            clear = unit.abs() > 1e-3 * unit.abs().max()
-            ratios = zero.float()[clear] / unit[clear]
-            if ratios.numel() and (ratios - ratios.median()).abs().max() < 1e-2:
-                median = ratios.median().item()
-                offset = float(round(median)) if abs(median - round(median)) < 1e-2 else median
-    except (RuntimeError, TypeError, ValueError):  # not callable on a plain tensor: not a norm
-        offset = 0.0
-    finally:
-        for tensor, value in saved:
-            tensor.copy_(value)
-    _OFFSETS[module] = offset
-    return offset
-
-
-@torch.no_grad()
-def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
-    """Fold ``scales`` into the mapping: the smooth layer's output channels divided by them, the
-    balance layers' input columns multiplied (the function is unchanged). A norm's gain
-    ``c + weight`` is divided as a whole (``gain_offset``). Computed in float64 for float64
-    scales (AWQ's, as llm-compressor folds them), else in float32."""
-    smooth = mapping.smooth
-    compute = torch.float64 if scales.dtype == torch.float64 else torch.float32
-    s = scales.to(compute)
-    column = s.view(-1, 1) if isinstance(smooth, nn.Linear) else s
-    weight = smooth.weight.to(compute)
-    offset = 0.0 if isinstance(smooth, nn.Linear) or smooth.weight.dim() != 1 else gain_offset(smooth)
-    divided = (weight + offset) / column.to(weight.device) - offset if offset else weight / column.to(weight.device)
-    smooth.weight.copy_(divided.to(smooth.weight.dtype))
-    bias = getattr(smooth, "bias", None)
-    if isinstance(bias, torch.Tensor):
-        bias.copy_((bias.to(compute) / s.to(bias.device)).to(bias.dtype))
-    for linear in mapping.balance:
-        linear.weight.copy_((linear.weight.to(compute) * s.to(linear.weight.device)).to(linear.weight.dtype))
 
 
 def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor], set[str]]:

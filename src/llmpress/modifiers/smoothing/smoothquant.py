@@ -49,7 +49,8 @@ from torch import nn
 from llmpress.errors import SessionError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
-from llmpress.modifiers.smoothing.mappings import ChannelStatistics, Mapping, apply_scales, channel_statistics
+from llmpress.modifiers.smoothing.fold import apply_scales
+from llmpress.modifiers.smoothing.mappings import ChannelStatistics, Mapping, channel_statistics
 
 if TYPE_CHECKING:
     from llmpress.pipelines.blocks import CalibrationBlock
