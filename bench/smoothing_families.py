@@ -29,27 +29,13 @@ from pathlib import Path
 import torch
 from common import PEER_PYTHON, REPO, fixture, work_folder
 from gptq import run_worker
+from recipes import RECIPES as W8A8_RECIPES
 
 sys.path.insert(0, str(REPO / "tests"))
 from architectures import save_tiny  # noqa: E402
 
 FAMILIES = ["llama", "qwen3", "phi3", "cohere", "gemma", "gemma2", "gemma3_text"]
-RECIPES = {
-    "sq-gptq": """quant_stage:
-  quant_modifiers:
-    SmoothQuantModifier:
-      smoothing_strength: 0.8
-    GPTQModifier:
-      ignore: ["lm_head"]
-      scheme: W8A8
-""",
-    "gptq": """quant_stage:
-  quant_modifiers:
-    GPTQModifier:
-      ignore: ["lm_head"]
-      scheme: W8A8
-""",
-}
+RECIPES = {"sq-gptq": W8A8_RECIPES["sq-gptq-w8a8"], "gptq": W8A8_RECIPES["gptq-w8a8"]}  # the files bench/recipes.py runs
 RUNS = [("sq-gptq", "llmpress"), ("sq-gptq", "llmcompressor"), ("gptq", "llmpress")]
 CHANNELS = (3, 17, 40)
 
