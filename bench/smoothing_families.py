@@ -2,7 +2,7 @@
 tool's smoothing keeps the model, where llmpress reads the mappings from the block and
 llm-compressor from its table of architectures.
 
-    python bench/smoothing_families.py [--families llama gemma2 ...] [--work DIR]
+    python bench/smoothing_families.py [--awq] [--families llama gemma2 ...] [--work DIR]
 
 Each family's tiny random model (``tests/architectures.py``: 2 layers, hidden 128) gets activation
 outliers: channels 3, 17 and 40 of every norm whose output Linears read take 50x their gain
@@ -10,7 +10,8 @@ outliers: channels 3, 17 and 40 of every norm whose output Linears read take 50x
 function, the activations of large models. Then, each run in its own process on the same 16 x 64
 calibration tokens and the same recipe file: ``sq-gptq`` (``SmoothQuantModifier`` 0.8, then
 ``GPTQModifier`` W8A8: int8 weights per channel, int8 inputs per token) by both tools, and
-``gptq`` (the same without SmoothQuant, what smoothing buys) by llmpress.
+``gptq`` (the same without SmoothQuant, what smoothing buys) by llmpress. With ``--awq``:
+``awq`` (bench/awq.py's recipe, AWQ then RTN W4A16 group 128) by both, and ``rtn`` by llmpress.
 
 Each checkpoint's logits on 4 x 32 held-out random tokens are compared with the fp32 outlier
 model's (relative L2), read two ways: ``llmpress.load`` (its int8 x int8 runtime), and
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from awq import awq_recipe
 from common import PEER_PYTHON, REPO, fixture, work_folder
 from gptq import run_worker
 from recipes import RECIPES as W8A8_RECIPES
@@ -37,6 +40,7 @@ from architectures import save_tiny  # noqa: E402
 FAMILIES = ["llama", "qwen3", "phi3", "cohere", "gemma", "gemma2", "gemma3_text"]
 RECIPES = {"sq-gptq": W8A8_RECIPES["sq-gptq-w8a8"], "gptq": W8A8_RECIPES["gptq-w8a8"]}  # the files bench/recipes.py runs
 RUNS = [("sq-gptq", "llmpress"), ("sq-gptq", "llmcompressor"), ("gptq", "llmpress")]
+AWQ_RUNS = [("awq", "llmpress"), ("awq", "llmcompressor"), ("rtn", "llmpress")]
 CHANNELS = (3, 17, 40)
 
 
@@ -112,6 +116,7 @@ def error(logits: torch.Tensor | str, reference: torch.Tensor) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=FAMILIES)
+    parser.add_argument("--awq", action="store_true", help="AWQ W4A16 (+ RTN) and RTN alone instead of the W8A8 recipes")
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     work = work_folder(args.work, "llmpress-smoothing-")
@@ -123,13 +128,15 @@ def main() -> None:
     torch.save(windows, work / "windows.pt")
     for name, text in RECIPES.items():
         (work / f"{name}.yaml").write_text(text)
+    awq_recipe(work / "awq.yaml", bits=4, symmetric=True)
+    (work / "rtn.yaml").write_text(re.sub(r"    AWQModifier:\n(      .*\n)+", "", (work / "awq.yaml").read_text()))
 
     rows = []
     for family in args.families:
         model = save_outlier_model(family, work / family)
         reference = ours_logits(model, windows)
         peer_reference = peer_logits(model, work / "windows.pt", work / f"{family}-fp32-logits.pt")
-        for recipe, tool in RUNS:
+        for recipe, tool in AWQ_RUNS if args.awq else RUNS:
             output = work / f"{family}-{recipe}-{tool}"
             try:
                 seconds = run_worker(Path(sys.executable) if tool == "llmpress" else PEER_PYTHON, tool, work / f"{recipe}.yaml",
@@ -148,7 +155,8 @@ def main() -> None:
     for family, recipe, tool, seconds, ours, theirs in rows:
         print(f"{family:<12} {recipe:<8} {tool:<14} {seconds:>7} {ours:>28} {theirs:>18}")
     print("\nlogits error: relative L2 against the fp32 outlier model on 4 x 32 held-out tokens;"
-          "\nsq-gptq: SmoothQuant 0.8 + GPTQ W8A8; gptq: GPTQ W8A8 alone.")
+          + ("\nawq: AWQ (duo scaling, grid 20) + RTN W4A16 group 128 (bench/awq.py's recipe); rtn: the RTN alone." if args.awq
+             else "\nsq-gptq: SmoothQuant 0.8 + GPTQ W8A8; gptq: GPTQ W8A8 alone."))
 
 
 if __name__ == "__main__":
