@@ -42,9 +42,9 @@ def gain_offset(module: nn.Module) -> float:
         if bias is not None:
             bias.zero_()
         weight.zero_()
-        zero = module(probe)
+        zero = module.forward(probe)  # no hooks: what observes the block does not see the probe
         weight.fill_(1.0)
-        one = module(probe)
+        one = module.forward(probe)
         if isinstance(zero, torch.Tensor) and isinstance(one, torch.Tensor) and zero.shape == one.shape == probe.shape:
             unit = one.float() - zero.float()  # x_hat
             clear = unit.abs() > 1e-3 * unit.abs().max()
