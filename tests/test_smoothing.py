@@ -52,6 +52,42 @@ def test_mappings_follow_the_data_flow_and_are_checked_by_running():
     assert {m.describe() for m in kept} == {"post_attention_layernorm -> gate_proj, up_proj"}
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_fused_linears_part_is_a_mapping(kv_heads):
+    """Phi-3 fuses q/k/v and gate/up: the up half of ``gate_up_proj`` feeds ``down_proj`` (through
+    the product), and without grouped KV heads the v rows of ``qkv_proj`` feed ``o_proj``. Each
+    part is tried, the last first, and the one that keeps the function is the mapping; a recipe's
+    ``gate_up_proj -> down_proj`` (llm-compressor's Phi-3 mapping) resolves to the same part."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from llmpress.modifiers.smoothing.fold import apply_scales
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=kv_heads, pad_token_id=0)
+    model = Phi3ForCausalLM(config).eval()
+    block = first_block(model, model.model.layers, token_batches(2, 16))
+    mappings, skipped = find_mappings(block, "", [], linear_sources=True)
+    found = {m.describe() for m in mappings}
+    assert "gate_up_proj[256:512] -> down_proj" in found
+    if kv_heads == 4:
+        assert "qkv_proj[256:384] -> o_proj" in found
+    else:  # the v rows are narrower than o_proj's input: no part of qkv_proj is a mapping
+        assert "qkv_proj -> o_proj (scaling any part of its rows changes the block's output)" in skipped
+    given, _ = resolve_mappings(block, "", [(["re:.*down_proj$"], "re:.*gate_up_proj$")], [])
+    assert [m.describe() for m in given] == ["gate_up_proj[256:512] -> down_proj"]
+    ids = torch.tensor(token_batches(2, 16, seed=3))
+    before = logits(model, ids)
+    for part in (m for m in mappings if m.rows):  # folded: only its rows of the fused weight change
+        weight = part.smooth.weight.detach().clone()
+        apply_scales(part, torch.rand(part.rows[1] - part.rows[0], generator=torch.Generator().manual_seed(1)) + 0.5)
+        assert torch.equal(part.smooth.weight[:part.rows[0]], weight[:part.rows[0]])
+        assert not torch.equal(part.smooth.weight[part.rows[0]:], weight[part.rows[0]:])
+    assert rel(logits(model, ids), before) < 1e-5
+    llmpress.oneshot(model, [AWQModifier(n_grid=4), QuantizationModifier(scheme="W4A16", ignore=["lm_head"])], token_batches(4, 32))
+    assert model.model.layers[1].mlp.gate_up_proj.weight_scale is not None
+
+
 def test_blocks_of_one_structure_find_and_check_their_mappings_once():
     """The second block of a structure takes the first one's candidates and checks (no run of
     its own) and gets what finding them itself gives, under its own names; ignoring is still

@@ -71,12 +71,14 @@ def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
     compute = torch.float64 if scales.dtype == torch.float64 else torch.float32
     s = scales.to(compute)
     column = s.view(-1, 1) if isinstance(smooth, nn.Linear) else s
-    weight = smooth.weight.to(compute)
+    rows = slice(*mapping.rows) if mapping.rows is not None else slice(None)  # a fused Linear's part
+    target = smooth.weight[rows]
+    weight = target.to(compute)
     offset = 0.0 if isinstance(smooth, nn.Linear) or smooth.weight.dim() != 1 else gain_offset(smooth)
     divided = (weight + offset) / column.to(weight.device) - offset if offset else weight / column.to(weight.device)
-    smooth.weight.copy_(divided.to(smooth.weight.dtype))
+    target.copy_(divided.to(smooth.weight.dtype))
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
-        bias.copy_((bias.to(compute) / s.to(bias.device)).to(bias.dtype))
+        bias[rows].copy_((bias[rows].to(compute) / s.to(bias.device)).to(bias.dtype))
     for linear in mapping.balance:
         linear.weight.copy_((linear.weight.to(compute) * s.to(linear.weight.device)).to(linear.weight.dtype))

@@ -9,9 +9,12 @@ are read from the block itself, with no table:
   the very input of some Linears (or a view of it) is a candidate with those Linears
   (``input_layernorm`` → q/k/v; an MoE's ``post_attention_layernorm`` → its router and every
   expert's gate/up, while all experts calibrate on all tokens, the default);
-- **through the attention or the gated MLP**: with ``linear_sources``, a Linear whose output
-  width is another Linear's input width, where that input came from no recorded module
-  (``v_proj`` → ``o_proj`` without grouped KV heads, ``up_proj`` → ``down_proj``);
+- **through the attention or the gated MLP**: with ``linear_sources``, a Linear run before
+  another in the same module, whose output width is the other's input width, where that input
+  came from no recorded module (``v_proj`` → ``o_proj`` without grouped KV heads, ``up_proj`` →
+  ``down_proj``), or a multiple of it: one part of a fused Linear's rows (Phi-3's
+  ``gate_up_proj[256:512]`` → ``down_proj``, ``qkv_proj``'s v rows → ``o_proj``), each part
+  tried by the check below;
 - **checked by running**: every candidate is applied with random positive scales, the block run
   once more and compared with its output, and the weights put back exactly. A mapping that
   changes the block's function (``gate_proj`` → ``down_proj`` through the activation, a norm
@@ -65,9 +68,13 @@ class Mapping:
     smooth: nn.Module
     balance_names: list[str]
     balance: list[nn.Linear] = field(repr=False)
+    #: the smooth Linear's output rows that take ``1/s`` when it is fused (Phi-3's ``gate_up_proj``:
+    #: its up half feeds ``down_proj``); None: all of them
+    rows: tuple[int, int] | None = None
 
     def describe(self) -> str:
-        """``post_attention_layernorm -> gate, experts.*.gate_proj, experts.*.up_proj (4 experts)``"""
+        """``post_attention_layernorm -> gate, experts.*.gate_proj, experts.*.up_proj (4 experts)``,
+        ``gate_up_proj[256:512] -> down_proj``"""
         parent = self.smooth_name.rpartition(".")[0]
         local = [n.removeprefix(parent + ".") if parent else n for n in self.balance_names]  # the names inside the block
         inner = []
@@ -78,7 +85,8 @@ class Mapping:
                 inner.append(short)
         experts = {m.group(1) for n in local if (m := re.search(r"\.(\d+)\.", n))}
         more = f" ({len(experts)} experts)" if len(experts) > 1 else ""
-        return f"{self.smooth_name.rsplit('.', 1)[-1]} -> {', '.join(inner)}{more}"
+        rows = f"[{self.rows[0]}:{self.rows[1]}]" if self.rows else ""
+        return f"{self.smooth_name.rsplit('.', 1)[-1]}{rows} -> {', '.join(inner)}{more}"
 
     def balance_seeing_every_token(self, block: nn.Module) -> list[nn.Module]:
         """The balance layers that see every token of a batch: those that are not experts (a
@@ -100,17 +108,33 @@ def _per_channel_weight(module: nn.Module, width: int) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.numel() == width
 
 
-def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor], set[str]]:
+def _fused(module: nn.Module, width: int) -> bool:
+    """A Linear with several ``width``-row parts (``gate_up_proj``, a ``qkv_proj`` without
+    grouped KV heads), one of which may feed the balance layers."""
+    return isinstance(module, nn.Linear) and module.out_features > width and module.out_features % width == 0
+
+
+def _parts(mapping: Mapping, width: int) -> list[Mapping]:
+    """The mapping once per ``width``-row part of its fused smooth Linear, the last part first
+    (the up half of ``gate_up_proj``, the v rows of ``qkv_proj``: where the part a product or
+    the attention passes on sits in the models seen)."""
+    count = mapping.smooth.out_features // width
+    return [Mapping(mapping.smooth_name, mapping.smooth, mapping.balance_names, mapping.balance, (k * width, (k + 1) * width))
+            for k in reversed(range(count))]
+
+
+def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str, torch.Tensor], dict[int, torch.Tensor], dict[str, int]]:
     """One forward of the block on its first batch: the innermost module that produced each
-    output tensor (by id), each column reader's input, and the names of the modules that ran."""
+    output tensor (by id), each column reader's input, and the modules that ran, in the order
+    they finished."""
     produced: dict[int, tuple[str, nn.Module]] = {}
     keep: dict[int, torch.Tensor] = {}  # the tensors, so their ids stay theirs during the pass
     inputs: dict[str, torch.Tensor] = {}
-    called: set[str] = set()
+    called: dict[str, int] = {}  # each module that ran, by when it first finished
     handles = []
     for name, module in block.module.named_modules():
         def after(mod, args, output, name=name):
-            called.add(name)
+            called.setdefault(name, len(called))
             if isinstance(output, torch.Tensor) and id(output) not in produced:
                 produced[id(output)] = (name, mod)  # children's hooks fire first: the innermost wins
                 keep[id(output)] = output
@@ -176,14 +200,13 @@ def _candidates(block: Any, linear_sources: bool) -> tuple[list[Mapping], list[s
             else:
                 found.append(mapping)
     if linear_sources:  # through attention or a gated product: no module produced the input
-        order = {n: i for i, n in enumerate(modules)}
         for reader, x in inputs.items():
             if canonical[id(x)] in produced or not isinstance(modules[reader], nn.Linear):
                 continue
             parent = reader.rpartition(".")[0]
-            for name, linear in modules.items():  # a Linear before it in the same module (v_proj -> o_proj)
+            for name, linear in modules.items():  # a Linear run before it in the same module (v_proj -> o_proj)
                 if (isinstance(linear, nn.Linear) and name != reader and name.rpartition(".")[0] == parent
-                        and linear.out_features == x.shape[-1] and order[name] < order[reader]):
+                        and linear.out_features % x.shape[-1] == 0 and called.get(name, len(called)) < called[reader]):
                     found.append(Mapping(name, linear, [reader], [modules[reader]]))
     return found, skipped
 
@@ -241,7 +264,7 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
     outputs: list[torch.Tensor] = []  # the block's output on its first batch, once a check needs it
 
     def keeps(mapping: Mapping) -> bool:
-        key = (structure, mapping.smooth_name, tuple(mapping.balance_names))
+        key = (structure, mapping.smooth_name, tuple(mapping.balance_names), mapping.rows)
         if memo is not None and key in memo.verdicts:
             return memo.verdicts[key]
         if not outputs:
@@ -269,16 +292,19 @@ def _checked(block: Any, candidates: list[Mapping], ignore: list[str], prefix: s
         if ignored[0] or all(ignored[1:]):
             continue
         widths = {_columns(m) for m in mapping.balance}
-        if len(widths) != 1 or not _per_channel_weight(mapping.smooth, widths.pop()):
+        width = widths.pop() if len(widths) == 1 else 0
+        fused = mapping.rows is None and _fused(mapping.smooth, width)
+        if not width or not (fused or _per_channel_weight(mapping.smooth, width)):
             skipped.append(f"{mapping.describe()} (its output width is not the balance layers' input width)")
         elif any(getattr(m, name, None) is not None for m in modules for name in ("weight_scale", "input_scale")):
             skipped.append(f"{mapping.describe()} (an earlier stage quantized it already)")
-        elif keeps(mapping):
-            kept.append(Mapping(full[0], mapping.smooth, full[1:], mapping.balance))
+        elif chosen := next((m for m in (_parts(mapping, width) if fused else [mapping]) if keeps(m)), None):
+            kept.append(Mapping(full[0], mapping.smooth, full[1:], mapping.balance, chosen.rows))
             smooths.add(id(mapping.smooth))
             balanced.update(id(m) for m in mapping.balance)
         else:
-            skipped.append(f"{mapping.describe()} (scaling it changes the block's output)")
+            what = "scaling any part of its rows" if fused else "scaling it"
+            skipped.append(f"{mapping.describe()} ({what} changes the block's output)")
     return kept, skipped
 
 
