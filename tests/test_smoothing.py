@@ -386,7 +386,7 @@ def test_a_single_linear_is_scored_exactly_from_its_gram_matrix():
 def test_channel_means_do_not_depend_on_how_the_samples_are_batched():
     """Each sequence's |x| is summed on its own, as llm-compressor sums one sample a batch: the
     mean AWQ's scales start from is the same, bit for bit, at every batch size."""
-    from llmpress.modifiers.smoothing.mappings import ChannelStatistics
+    from llmpress.modifiers.smoothing.statistics import ChannelStatistics
 
     x = torch.randn(6, 7, 16, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 16)
     means = []

@@ -63,7 +63,8 @@ from llmpress.modifiers.gptq.hessians import HessianAccumulator
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.clip import clip_, clip_group, clip_limits, group_grams
 from llmpress.modifiers.smoothing.fold import apply_scales
-from llmpress.modifiers.smoothing.mappings import Mapping, channel_statistics
+from llmpress.modifiers.smoothing.mappings import Mapping
+from llmpress.modifiers.smoothing.statistics import channel_statistics
 from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
 from llmpress.quant.observers import fake_quantize_weight

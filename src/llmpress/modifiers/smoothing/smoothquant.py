@@ -50,7 +50,8 @@ from llmpress.errors import SessionError
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.fold import apply_scales
-from llmpress.modifiers.smoothing.mappings import ChannelStatistics, Mapping, channel_statistics
+from llmpress.modifiers.smoothing.mappings import Mapping
+from llmpress.modifiers.smoothing.statistics import ChannelStatistics, channel_statistics
 
 if TYPE_CHECKING:
     from llmpress.pipelines.blocks import CalibrationBlock
