@@ -178,3 +178,12 @@ def test_a_modifier_that_does_not_reduce_is_refused_on_several_ranks(monkeypatch
         session.initialize(model=model, calibration_data=[torch.tensor([[1, 2, 3]])])
         with pytest.raises(SessionError, match="cannot calibrate on several ranks"):
             session.calibration_start()
+
+
+def test_ending_a_process_group_destroys_it_and_is_a_no_op_without_one(tmp_path):
+    from llmpress.integrations.distributed import end_process_group
+
+    end_process_group()  # none initialised: nothing to do
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    end_process_group()  # one rank: no barrier to wait at
+    assert not torch.distributed.is_initialized()
