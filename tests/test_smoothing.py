@@ -153,6 +153,27 @@ def test_a_gain_offset_is_read_by_running_the_norm():
         assert all(torch.equal(before[k], v) for k, v in norm.state_dict().items())
 
 
+def test_a_bf16_one_plus_weight_norm_keeps_the_function_at_large_scales():
+    """At s = 50 a Gemma norm's weight becomes ``(1 + w) / 50 - 1``, near -1, where bf16 keeps
+    a few bits of the gain (5% off the function before); the balance layers take the scale the
+    stored gain gives, so only bf16's own rounding is left."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from llmpress.modifiers.smoothing.fold import apply_scales
+    from llmpress.modifiers.smoothing.mappings import Mapping
+
+    torch.manual_seed(0)
+    norm, linear = Gemma2RMSNorm(64).to(torch.bfloat16), torch.nn.Linear(64, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before = linear(norm(x)).float()
+        apply_scales(Mapping("norm", norm, ["linear"], [linear]), torch.full((64,), 50.0))
+        assert rel(linear(norm(x)).float(), before) < 1e-2
+        assert ((1 + norm.weight.float()) > 0).all()  # no gain rounded to zero or past it
+
+
 def gemma_with_outliers(family, folder):
     """A tiny random Gemma-family model whose norms carry activation outliers: channels 3, 17 and
     40 of each norm that feeds Linears take 50x their gain ``1 + weight`` and the Linears reading

@@ -94,7 +94,7 @@ class SmoothingModifier(Modifier):
             self._last_found = found
         if mappings:
             self.smooth(block, mappings)
-            self.smoothed += [f"{m.smooth_name} -> {', '.join(m.balance_names)}" for m in mappings]
+            self.smoothed += [f"{m.smooth_name}{list(m.rows) if m.rows else ''} -> {', '.join(m.balance_names)}" for m in mappings]
             self._remember(as_patterns(m, prefix) for m in mappings)
 
     def _remember(self, patterns) -> None:

@@ -35,7 +35,7 @@ def gain_offset(module: nn.Module) -> float:
     weight = module.weight
     bias = getattr(module, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) else None
-    saved = [(t, t.detach().clone()) for t in (weight, bias) if t is not None]
+    saved = [(t, t.detach().clone()) for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
     probe = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
     offset = 0.0
     try:
@@ -52,7 +52,7 @@ def gain_offset(module: nn.Module) -> float:
             if ratios.numel() and (ratios - ratios.median()).abs().max() < 1e-2:
                 median = ratios.median().item()
                 offset = float(round(median)) if abs(median - round(median)) < 1e-2 else median
-    except (RuntimeError, TypeError, ValueError):  # not callable on a plain tensor: not a norm
+    except Exception:  # noqa: BLE001 -- any failure of the probe: not such a norm, and the check by running decides
         offset = 0.0
     finally:
         for tensor, value in saved:
@@ -63,10 +63,16 @@ def gain_offset(module: nn.Module) -> float:
 
 @torch.no_grad()
 def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
-    """Fold ``scales`` into the mapping: the smooth layer's output channels divided by them, the
-    balance layers' input columns multiplied (the function is unchanged). A norm's gain
-    ``c + weight`` is divided as a whole (``gain_offset``). Computed in float64 for float64
-    scales (AWQ's, as llm-compressor folds them), else in float32."""
+    """Fold ``scales`` into the mapping: the smooth layer's output channels divided by them (only
+    ``mapping.rows`` of a fused Linear), the balance layers' input columns multiplied (the
+    function is unchanged). Computed in float64 for float64 scales (AWQ's, as llm-compressor
+    folds them), else in float32.
+
+    A norm's gain ``c + weight`` is divided as a whole (``gain_offset``): the weight becomes
+    ``(c + weight) / s - c``, near ``-c`` for large ``s``, where bf16 keeps only a few bits of
+    the gain (10% off at ``s = 50``). So its gain is kept at least a few steps of the weight's
+    dtype from zero, and the balance layers take the scale the stored gain gives,
+    ``(c + weight) / (c + stored)``, which keeps the function in any dtype."""
     smooth = mapping.smooth
     compute = torch.float64 if scales.dtype == torch.float64 else torch.float32
     s = scales.to(compute)
@@ -75,10 +81,24 @@ def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
     target = smooth.weight[rows]
     weight = target.to(compute)
     offset = 0.0 if isinstance(smooth, nn.Linear) or smooth.weight.dim() != 1 else gain_offset(smooth)
-    divided = (weight + offset) / column.to(weight.device) - offset if offset else weight / column.to(weight.device)
-    target.copy_(divided.to(smooth.weight.dtype))
+    if offset:
+        s = _offset_fold(target, weight, offset, s.to(weight.device))
+    else:
+        target.copy_((weight / column.to(weight.device)).to(smooth.weight.dtype))
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias[rows].copy_((bias[rows].to(compute) / s.to(bias.device)).to(bias.dtype))
     for linear in mapping.balance:
         linear.weight.copy_((linear.weight.to(compute) * s.to(linear.weight.device)).to(linear.weight.dtype))
+
+
+def _offset_fold(target: torch.Tensor, weight: torch.Tensor, offset: float, s: torch.Tensor) -> torch.Tensor:
+    """Store ``(offset + weight) / s - offset`` into ``target`` (the gain kept at least 4 steps of
+    the dtype from zero, its sign kept) and return the scales the stored gain gives."""
+    gain = weight + offset
+    floor = 4 * torch.finfo(target.dtype).eps * abs(offset)
+    wanted = gain / s
+    wanted = torch.where(wanted.abs() < floor, floor * torch.sign(gain), wanted)
+    target.copy_((wanted - offset).to(target.dtype))
+    stored = target.to(weight.dtype) + offset
+    return torch.where(stored != 0, gain / stored, s)
