@@ -53,6 +53,7 @@ def norm_readers(model: torch.nn.Module, ids: torch.Tensor) -> dict[torch.nn.Mod
     def hook(module, args, output):
         if isinstance(module, torch.nn.Linear):
             read.append((id(args[0]), module))
+            keep.append(args[0])  # alive, so that no later tensor takes its id
         elif getattr(module, "weight", None) is not None and module.weight.dim() == 1 and isinstance(output, torch.Tensor):
             made[id(output)] = module
         keep.append(output)
@@ -81,12 +82,16 @@ def save_outlier_model(family: str, folder: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     ids = torch.randint(3, 4000, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
+        before = model(ids).logits
         for norm, linears in norm_readers(model, ids).items():
             offset = gain_offset(norm)
             for channel in CHANNELS:
                 norm.weight[channel] = (offset + norm.weight[channel]) * 50 - offset
                 for linear in linears:
                     linear.weight[:, channel] /= 50
+        change = float((model(ids).logits - before).norm() / before.norm())
+    if change > 1e-4:
+        raise SystemExit(f"{family}: the outliers changed the model's function ({change:.1e}): a norm read by something else")
     model.save_pretrained(folder)
     for tokenizer_file in source.glob("tokenizer*"):
         (folder / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
