@@ -84,3 +84,28 @@ def test_architecture_compresses_and_loads_everywhere(model_type, tmp_path):
         if model_type not in TRANSFORMERS_CANNOT:
             theirs = _outputs(_transformers_model(out, model_type), ids)
             assert ((theirs - exact).norm() / exact.norm()) <= 1e-5, f"{model_type} ({modifier}): transformers differs"
+
+
+#: where no norm's output reaches a Linear unchanged: post-norm blocks (the norm's output is the
+#: residual stream too) and GPT-2's Conv1D (read as input-major weights, not Linears)
+NO_SMOOTHING = {"gpt2", "openai-gpt", "bert", "olmo2"}
+
+
+@pytest.mark.parametrize("model_type", list(_params()))
+def test_smoothquant_finds_each_familys_mappings_and_keeps_its_function(model_type, tmp_path):
+    """SmoothQuant (0.8) alone on every family, mappings read from the blocks: the function is
+    unchanged (Gemma's ``1 + weight`` norms, Cohere's one norm for attention and MLP, MoE routers
+    and experts, fused projections), and every family with a norm feeding Linears gets mappings."""
+    from conftest import token_batches
+
+    from llmpress.modifiers import SmoothQuantModifier
+    from llmpress.recipe import APPLIED_RECIPE_ATTR
+
+    source = save_tiny(model_type, tmp_path / "source")
+    ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
+    reference = _outputs(llmpress.load(source, dtype=torch.float32), ids)
+    done = llmpress.oneshot(llmpress.load(source, dtype=torch.float32), [SmoothQuantModifier(smoothing_strength=0.8)],
+                            token_batches(4, 32, vocab=4000))
+    assert ((_outputs(done, ids) - reference).norm() / reference.norm()) < 1e-5, model_type
+    found = getattr(done, APPLIED_RECIPE_ATTR).modifiers[0].found
+    assert bool(found) == (model_type not in NO_SMOOTHING), (model_type, found)
