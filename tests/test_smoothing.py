@@ -88,6 +88,32 @@ def test_a_fused_linears_part_is_a_mapping(kv_heads):
     assert model.model.layers[1].mlp.gate_up_proj.weight_scale is not None
 
 
+def test_a_fused_linears_first_part_is_found_and_said_to_differ_from_llm_compressor(caplog):
+    """An MLP whose fused ``gate_up_proj`` puts up first: the first part is the mapping, and the
+    log says that a saved recipe replayed by llm-compressor (which takes the last rows) differs."""
+    import logging
+    import types
+
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    def up_first(mlp, hidden_states):
+        up, gate = mlp.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        return mlp.down_proj(up * mlp.activation_fn(gate))
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    model = Phi3ForCausalLM(config).eval()
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(up_first, layer.mlp)
+    block = first_block(model, model.model.layers, token_batches(2, 16))
+    mappings, _ = find_mappings(block, "", [], linear_sources=True)
+    assert "gate_up_proj[0:256] -> down_proj" in {m.describe() for m in mappings}
+    with caplog.at_level(logging.WARNING, logger="llmpress.modifiers.smoothing"):
+        llmpress.oneshot(model, [AWQModifier(n_grid=4), QuantizationModifier(scheme="W4A16", ignore=["lm_head"])], token_batches(4, 32))
+    assert sum("not its last" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_blocks_of_one_structure_find_and_check_their_mappings_once():
     """The second block of a structure takes the first one's candidates and checks (no run of
     its own) and gets what finding them itself gives, under its own names; ignoring is still

@@ -73,6 +73,7 @@ class SmoothingModifier(Modifier):
     def on_initialize(self, state: State) -> None:
         self.prefix_of = {m: f"{n}." for n, m in state.model.named_modules()}
         self.smoothed: list[str] = []  # one line per mapping applied
+        self._told_inner_part = False
         self.blocks = 0
         self._last_found = ""
         self.memo = MappingMemo()  # repeated blocks: found and checked once
@@ -96,6 +97,12 @@ class SmoothingModifier(Modifier):
             self.smooth(block, mappings)
             self.smoothed += [f"{m.smooth_name}{list(m.rows) if m.rows else ''} -> {', '.join(m.balance_names)}" for m in mappings]
             self._remember(as_patterns(m, prefix) for m in mappings)
+            inner = [m for m in mappings if m.rows and m.rows[1] != m.smooth.weight.shape[0]]
+            if inner and not self._told_inner_part:
+                self._told_inner_part = True
+                logger.warning("%s: %s uses rows of a fused Linear that are not its last; the saved recipe names the "
+                               "whole layer, which llmpress resolves to the same rows but llm-compressor to the last "
+                               "ones", type(self).__name__, inner[0].describe())
 
     def _remember(self, patterns) -> None:
         """Add ``([balance patterns], smooth pattern)`` pairs to ``found``, each once."""
