@@ -200,6 +200,37 @@ def test_a_bf16_one_plus_weight_norm_keeps_the_function_at_large_scales():
         assert ((1 + norm.weight.float()) > 0).all()  # no gain rounded to zero or past it
 
 
+def test_gpt2s_conv1d_takes_smoothquant_scales(tmp_path):
+    """GPT-2 stores c_attn / c_fc as Conv1D (``[in, out]``): ln_1 -> c_attn and ln_2 -> c_fc are
+    mappings, the scales go to the Conv1D's rows, SmoothQuant alone keeps the function, and on
+    activation outliers SmoothQuant + GPTQ W8A8 is far closer to the model than GPTQ alone."""
+    from architectures import save_tiny
+
+    folder = save_tiny("gpt2", tmp_path / "gpt2")
+
+    def model():
+        built = llmpress.load(folder, dtype=torch.float32)
+        with torch.no_grad():
+            for block in built.transformer.h:
+                for norm, conv in ((block.ln_1, block.attn.c_attn), (block.ln_2, block.mlp.c_fc)):
+                    for channel in (3, 17, 40):
+                        norm.weight[channel] *= 50
+                        norm.bias[channel] *= 50
+                        conv.weight[channel, :] /= 50  # Conv1D: an input channel is a row
+        return built
+
+    ids = torch.tensor(token_batches(2, 32, vocab=4000, seed=7))
+    reference = logits(model(), ids)
+    batches = token_batches(8, 64, vocab=4000)
+    smoothed_alone = llmpress.oneshot(model(), [SmoothQuantModifier(smoothing_strength=0.8)], batches)
+    assert rel(logits(smoothed_alone, ids), reference) < 1e-5
+    assert not torch.equal(smoothed_alone.transformer.h[0].ln_1.weight, model().transformer.h[0].ln_1.weight)
+    smoothed = rel(logits(llmpress.oneshot(model(), [SmoothQuantModifier(smoothing_strength=0.8),
+                                                     GPTQModifier(scheme="W8A8", ignore=["lm_head"])], batches), ids), reference)
+    plain = rel(logits(llmpress.oneshot(model(), [GPTQModifier(scheme="W8A8", ignore=["lm_head"])], batches), ids), reference)
+    assert smoothed < plain / 4, (smoothed, plain)
+
+
 def gemma_with_outliers(family, folder):
     """A tiny random Gemma-family model whose norms carry activation outliers: channels 3, 17 and
     40 of each norm that feeds Linears take 50x their gain ``1 + weight`` and the Linears reading

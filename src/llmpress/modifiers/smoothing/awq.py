@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 from llmpress.errors import RecipeError
 from llmpress.integrations.distributed import sum_across_ranks, world_size
 from llmpress.models.experts import ExpertMLP, routed_experts_only
+from llmpress.models.linear import input_major
 from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.hessians import HessianAccumulator
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
@@ -332,7 +333,9 @@ class AWQModifier(SmoothingModifier):
         kept = []
         for mapping in mappings:
             weights = {m.quantization_scheme.weights.model_dump_json() for m in mapping.balance if _quantized(m)}
-            if len(weights) != 1:
+            if any(input_major(m) for m in mapping.balance):
+                skipped.append(f"{mapping.describe()} (AWQ searches Linear weights; GPT-2's Conv1D is not one)")
+            elif len(weights) != 1:
                 skipped.append(f"{mapping.describe()} (its layers are not quantized with one weight scheme by a "
                                "modifier after AWQ in this stage)")
             else:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from llmpress.models.linear import input_major
+
 if TYPE_CHECKING:
     from llmpress.modifiers.smoothing.mappings import Mapping
 
@@ -88,8 +90,9 @@ def apply_scales(mapping: Mapping, scales: torch.Tensor) -> None:
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias[rows].copy_((bias[rows].to(compute) / s.to(bias.device)).to(bias.dtype))
-    for linear in mapping.balance:
-        linear.weight.copy_((linear.weight.to(compute) * s.to(linear.weight.device)).to(linear.weight.dtype))
+    for linear in mapping.balance:  # input channels: a Linear's columns, a Conv1D's rows
+        per_input = s.view(-1, 1) if input_major(linear) else s
+        linear.weight.copy_((linear.weight.to(compute) * per_input.to(linear.weight.device)).to(linear.weight.dtype))
 
 
 def _offset_fold(target: torch.Tensor, weight: torch.Tensor, offset: float, s: torch.Tensor) -> torch.Tensor:

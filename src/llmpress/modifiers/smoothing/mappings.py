@@ -47,17 +47,18 @@ __all__ = ["Mapping", "MappingMemo", "find_mappings", "reads_columns", "resolve_
 
 
 def reads_columns(module: nn.Module) -> bool:
-    """Whether the module multiplies its input by a 2-D ``weight`` ``[out, in]``: a Linear, or a
-    router that calls ``F.linear`` with its own weight (Qwen3-MoE's, DeepSeek's), so its input
-    columns can take ``s`` as a Linear's do."""
-    if isinstance(module, nn.Linear):
+    """Whether the module multiplies its input by a 2-D ``weight``: a Linear (``[out, in]``),
+    GPT-2's Conv1D (``[in, out]``), or a router that calls ``F.linear`` with its own weight
+    (Qwen3-MoE's, DeepSeek's), so its input channels can take ``s`` as a Linear's do."""
+    if isinstance(module, nn.Linear) or input_major(module):
         return True
     weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
-    return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding) and not input_major(module)
+    return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
 
 
 def _columns(module: nn.Module) -> int:
-    return module.weight.shape[-1]
+    """How many input channels the module reads."""
+    return module.weight.shape[0] if input_major(module) else module.weight.shape[-1]
 
 
 @dataclass
@@ -138,7 +139,7 @@ def _record_flow(block: Any) -> tuple[dict[int, tuple[str, nn.Module]], dict[str
                 keep[id(output)] = output
             if reads_columns(mod) and args and isinstance(args[0], torch.Tensor) and args[0].shape[-1] == _columns(mod):
                 first = output[0] if isinstance(output, (tuple, list)) and output else output
-                if isinstance(mod, nn.Linear) or (isinstance(first, torch.Tensor) and first.shape[-1] == mod.weight.shape[0]):
+                if isinstance(mod, nn.Linear) or input_major(mod) or (isinstance(first, torch.Tensor) and first.shape[-1] == mod.weight.shape[0]):
                     inputs[name] = args[0]  # a router: x @ W.T, its output as wide as W has rows
                     keep[id(args[0])] = args[0]
 

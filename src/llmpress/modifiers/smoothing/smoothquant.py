@@ -47,6 +47,7 @@ from pydantic import field_validator
 from torch import nn
 
 from llmpress.errors import SessionError
+from llmpress.models.linear import input_major
 from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.fold import apply_scales
@@ -151,7 +152,8 @@ class SmoothQuantModifier(SmoothingModifier):
             alpha = self.config.smoothing_strength
             # the layers a quantizer will round (an ignored router takes the scales exactly)
             rounded = [m for m in mapping.balance if getattr(m, "quantization_scheme", None) is not None] or mapping.balance
-            weight_range = 2.0 * torch.stack([m.weight.detach().abs().float().amax(dim=0) for m in rounded]).amax(dim=0)
+            weight_range = 2.0 * torch.stack([m.weight.detach().abs().float().amax(dim=1 if input_major(m) else 0)
+                                              for m in rounded]).amax(dim=0)
             scales = activation_range.pow(alpha) / weight_range.pow(1 - alpha)
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
