@@ -37,28 +37,32 @@ from recipes import RECIPES as W8A8_RECIPES
 sys.path.insert(0, str(REPO / "tests"))
 from architectures import save_tiny  # noqa: E402
 
-FAMILIES = ["llama", "qwen3", "phi3", "cohere", "gemma", "gemma2", "gemma3_text"]
+FAMILIES = ["llama", "qwen3", "phi3", "cohere", "gemma", "gemma2", "gemma3_text", "gpt2"]
 RECIPES = {"sq-gptq": W8A8_RECIPES["sq-gptq-w8a8"], "gptq": W8A8_RECIPES["gptq-w8a8"]}  # the files bench/recipes.py runs
 RUNS = [("sq-gptq", "llmpress"), ("sq-gptq", "llmcompressor"), ("gptq", "llmpress")]
 AWQ_RUNS = [("awq", "llmpress"), ("awq", "llmcompressor"), ("rtn", "llmpress")]
 CHANNELS = (3, 17, 40)
 
 
-def norm_readers(model: torch.nn.Module, ids: torch.Tensor) -> dict[torch.nn.Module, list[torch.nn.Linear]]:
-    """Each decoder norm (a module with a 1-D weight) and the Linears whose input is its very output."""
+def norm_readers(model: torch.nn.Module, ids: torch.Tensor) -> dict[torch.nn.Module, list[torch.nn.Module]]:
+    """Each decoder norm (a module with a 1-D weight) and the Linears (or GPT-2's Conv1D) whose
+    input is its very output."""
+    from transformers.pytorch_utils import Conv1D
+
     made: dict[int, torch.nn.Module] = {}
     read: list[tuple[int, torch.nn.Linear]] = []
     keep = []
 
     def hook(module, args, output):
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, Conv1D)):
             read.append((id(args[0]), module))
             keep.append(args[0])  # alive, so that no later tensor takes its id
         elif getattr(module, "weight", None) is not None and module.weight.dim() == 1 and isinstance(output, torch.Tensor):
             made[id(output)] = module
         keep.append(output)
 
-    handles = [m.register_forward_hook(hook) for m in model.model.layers.modules()]
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    handles = [m.register_forward_hook(hook) for m in layers.modules()]
     with torch.no_grad():
         model(ids)
     for handle in handles:
@@ -73,6 +77,7 @@ def norm_readers(model: torch.nn.Module, ids: torch.Tensor) -> dict[torch.nn.Mod
 def save_outlier_model(family: str, folder: Path) -> Path:
     """``family``'s tiny model with outlier channels in every norm that Linears read (the same function)."""
     from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
 
     from llmpress.modifiers.smoothing.fold import gain_offset
 
@@ -87,8 +92,8 @@ def save_outlier_model(family: str, folder: Path) -> Path:
             offset = gain_offset(norm)
             for channel in CHANNELS:
                 norm.weight[channel] = (offset + norm.weight[channel]) * 50 - offset
-                for linear in linears:
-                    linear.weight[:, channel] /= 50
+                for linear in linears:  # an input channel: a Linear's column, a Conv1D's row
+                    (linear.weight[channel, :] if isinstance(linear, Conv1D) else linear.weight[:, channel]).div_(50)
         change = float((model(ids).logits - before).norm() / before.norm())
     if change > 1e-4:
         raise SystemExit(f"{family}: the outliers changed the model's function ({change:.1e}): a norm read by something else")
