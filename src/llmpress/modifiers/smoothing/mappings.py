@@ -5,8 +5,9 @@ llm-compressor keeps a table of mappings per architecture and fails on models it
 are read from the block itself, with no table:
 
 - **by data flow**: one forward of the block records which module produced each tensor and which
-  Linears read it; a norm (a module with a per-channel ``weight``) or a Linear whose output is
-  the very input of some Linears (or a view of it) is a candidate with those Linears
+  Linears (or GPT-2's Conv1D, or routers) read it; a norm (a module with a per-channel
+  ``weight``) or a Linear whose output is the very input of some Linears (or a view of it) is a
+  candidate with those Linears
   (``input_layernorm`` → q/k/v; an MoE's ``post_attention_layernorm`` → its router and every
   expert's gate/up, while all experts calibrate on all tokens, the default);
 - **through the attention or the gated MLP**: with ``linear_sources``, a Linear run before
