@@ -200,73 +200,64 @@ def test_a_bf16_one_plus_weight_norm_keeps_the_function_at_large_scales():
         assert ((1 + norm.weight.float()) > 0).all()  # no gain rounded to zero or past it
 
 
-def test_gpt2s_conv1d_takes_smoothquant_scales(tmp_path):
-    """GPT-2 stores c_attn / c_fc as Conv1D (``[in, out]``): ln_1 -> c_attn and ln_2 -> c_fc are
-    mappings, the scales go to the Conv1D's rows, SmoothQuant alone keeps the function, and on
-    activation outliers SmoothQuant + GPTQ W8A8 is far closer to the model than GPTQ alone."""
-    from architectures import save_tiny
+def add_outliers(pairs, channels=(3, 17, 40), offset=0.0):
+    """Activation outliers with the function kept: for each ``(norm, readers)``, ``channels`` of
+    the norm's gain ``offset + weight`` (and its bias) x50, and the same input channels of the
+    readers /50 (a Linear's columns, a Conv1D's rows)."""
+    from llmpress.models.linear import input_major
 
-    folder = save_tiny("gpt2", tmp_path / "gpt2")
-
-    def model():
-        built = llmpress.load(folder, dtype=torch.float32)
-        with torch.no_grad():
-            for block in built.transformer.h:
-                for norm, conv in ((block.ln_1, block.attn.c_attn), (block.ln_2, block.mlp.c_fc)):
-                    for channel in (3, 17, 40):
-                        norm.weight[channel] *= 50
-                        norm.bias[channel] *= 50
-                        conv.weight[channel, :] /= 50  # Conv1D: an input channel is a row
-        return built
-
-    ids = torch.tensor(token_batches(2, 32, vocab=4000, seed=7))
-    reference = logits(model(), ids)
-    batches = token_batches(8, 64, vocab=4000)
-    smoothed_alone = llmpress.oneshot(model(), [SmoothQuantModifier(smoothing_strength=0.8)], batches)
-    assert rel(logits(smoothed_alone, ids), reference) < 1e-5
-    assert not torch.equal(smoothed_alone.transformer.h[0].ln_1.weight, model().transformer.h[0].ln_1.weight)
-    smoothed = rel(logits(llmpress.oneshot(model(), [SmoothQuantModifier(smoothing_strength=0.8),
-                                                     GPTQModifier(scheme="W8A8", ignore=["lm_head"])], batches), ids), reference)
-    plain = rel(logits(llmpress.oneshot(model(), [GPTQModifier(scheme="W8A8", ignore=["lm_head"])], batches), ids), reference)
-    assert smoothed < plain / 4, (smoothed, plain)
-
-
-def gemma_with_outliers(family, folder):
-    """A tiny random Gemma-family model whose norms carry activation outliers: channels 3, 17 and
-    40 of each norm that feeds Linears take 50x their gain ``1 + weight`` and the Linears reading
-    them 1/50 of those columns (the same function)."""
-    from architectures import save_tiny
-
-    model = llmpress.load(save_tiny(family, folder), dtype=torch.float32)
     with torch.no_grad():
-        for layer in model.model.layers:
-            attention = layer.self_attn
-            for norm, readers in ((layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-                                  (layer.pre_feedforward_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])):
-                for channel in (3, 17, 40):
-                    norm.weight[channel] = (1 + norm.weight[channel]) * 50 - 1
-                    for linear in readers:
-                        linear.weight[:, channel] /= 50
+        for norm, readers in pairs:
+            for channel in channels:
+                norm.weight[channel] = (offset + norm.weight[channel]) * 50 - offset
+                if getattr(norm, "bias", None) is not None:
+                    norm.bias[channel] *= 50
+                for reader in readers:
+                    (reader.weight[channel, :] if input_major(reader) else reader.weight[:, channel]).div_(50)
+
+
+def family_with_outliers(family, folder):
+    """The tiny random ``family`` model saved in ``folder``, with outliers in each norm that
+    Linears read: Gemma's norms (gain ``1 + weight``) and GPT-2's (read by Conv1D)."""
+    model = llmpress.load(folder, dtype=torch.float32)
+    if family == "gpt2":
+        add_outliers([pair for block in model.transformer.h
+                      for pair in ((block.ln_1, [block.attn.c_attn]), (block.ln_2, [block.mlp.c_fc]))])
+    else:
+        add_outliers([pair for layer in model.model.layers for pair in (
+            (layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+            (layer.pre_feedforward_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]))], offset=1.0)
     return model
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_gemmas_one_plus_weight_norms_are_smoothed_with_the_function_kept(family, tmp_path):
-    """Gemma's norms (gain ``1 + weight``) take ``1/s`` as ``(1 + weight) / s - 1``: SmoothQuant
-    alone keeps the function, and on activation outliers SmoothQuant + GPTQ W8A8 is far closer
-    to the model than GPTQ W8A8 alone (llm-compressor 0.14 maps Gemma 2/3's
-    post_attention_layernorm to gate/up_proj, which read pre_feedforward_layernorm: see
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "gpt2"])
+def test_smoothquant_moves_the_outliers_of_gemma_and_gpt2(family, tmp_path):
+    """Gemma's norms (gain ``1 + weight``) take ``1/s`` as ``(1 + weight) / s - 1``; GPT-2's
+    c_attn / c_fc are Conv1D (``[in, out]``), whose rows take the scales. SmoothQuant alone
+    keeps the function, and on activation outliers SmoothQuant + GPTQ W8A8 is far closer to the
+    model than GPTQ W8A8 alone (llm-compressor 0.14 maps Gemma 2/3's post_attention_layernorm to
+    gate/up_proj, which read pre_feedforward_layernorm, and finds nothing to quantize in GPT-2:
     bench/smoothing_families.py)."""
+    from architectures import save_tiny
+
+    folder = save_tiny(family, tmp_path / family)
     ids = torch.tensor(token_batches(2, 32, vocab=4000, seed=7))
-    reference = logits(gemma_with_outliers(family, tmp_path / "model"), ids)
+    reference = logits(family_with_outliers(family, folder), ids)
     batches = token_batches(8, 64, vocab=4000)
 
     def run(modifiers):
-        return logits(llmpress.oneshot(gemma_with_outliers(family, tmp_path / "model"), modifiers, batches), ids)
+        return llmpress.oneshot(family_with_outliers(family, folder), modifiers, batches)
 
-    assert rel(run([SmoothQuantModifier(smoothing_strength=0.8)]), reference) < 1e-5
-    smoothed = rel(run([SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), reference)
-    plain = rel(run([GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), reference)
+    smoothed_alone = run([SmoothQuantModifier(smoothing_strength=0.8)])
+    assert rel(logits(smoothed_alone, ids), reference) < 1e-5
+
+    def first_norm(model):
+        return model.transformer.h[0].ln_1 if family == "gpt2" else model.model.layers[0].input_layernorm
+
+    assert not torch.equal(first_norm(smoothed_alone).weight, first_norm(family_with_outliers(family, folder)).weight)
+    smoothed = rel(logits(run([SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), ids),
+                   reference)
+    plain = rel(logits(run([GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), ids), reference)
     assert smoothed < plain / 4, (smoothed, plain)
 
 
@@ -276,15 +267,9 @@ def outlier_model():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
-    channels = torch.tensor([3, 17, 40, 77])
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm, readers in ((layer.input_layernorm, ("q_proj", "k_proj", "v_proj")),
-                                  (layer.post_attention_layernorm, ("gate_proj", "up_proj"))):
-                norm.weight[channels] *= 50
-                for name in readers:
-                    owner = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj")) else layer.mlp
-                    getattr(owner, name).weight[:, channels] /= 50
+    add_outliers([pair for layer in model.model.layers for pair in (
+        (layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+        (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]))], channels=(3, 17, 40, 77))
     return model
 
 
