@@ -72,7 +72,7 @@ class SmoothingModifier(Modifier):
 
     def on_initialize(self, state: State) -> None:
         self.prefix_of = {m: f"{n}." for n, m in state.model.named_modules()}
-        self.smoothed: list[str] = []  # one line per mapping applied
+        self.smoothed = 0  # mappings applied
         self._told_inner_part = False
         self.blocks = 0
         self._last_found = ""
@@ -95,7 +95,7 @@ class SmoothingModifier(Modifier):
             self._last_found = found
         if mappings:
             self.smooth(block, mappings)
-            self.smoothed += [f"{m.smooth_name}{list(m.rows) if m.rows else ''} -> {', '.join(m.balance_names)}" for m in mappings]
+            self.smoothed += len(mappings)
             self._remember(as_patterns(m, prefix) for m in mappings)
             inner = [m for m in mappings if m.rows and m.rows[1] != m.smooth.weight.shape[0]]
             if inner and not self._told_inner_part:
@@ -154,4 +154,4 @@ class SmoothingModifier(Modifier):
         if not self.smoothed:
             logger.warning("%s: no mapping found or kept in any block: nothing was smoothed", type(self).__name__)
         else:
-            logger.info("%s: %d mappings smoothed", type(self).__name__, len(self.smoothed))
+            logger.info("%s: %d mappings smoothed", type(self).__name__, self.smoothed)
