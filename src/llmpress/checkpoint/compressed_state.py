@@ -85,6 +85,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         local = {k: state.pop(prefix + k) for k in own if prefix + k in state}
         if in_training:  # mid-QAT: the weights as finalize would round them now
             local = qat_snapshot(module)
+        local = {k: v.cpu() for k, v in local.items()}  # a model on a GPU is packed in host memory
         if save_compressed:
             local = FORMATS.get(format_for(scheme)).compress(local, scheme)
             release_free_memory()  # packing temporaries: give them back before the next module

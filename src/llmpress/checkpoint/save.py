@@ -130,7 +130,7 @@ def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> N
         if shards[-1] and size + nbytes > limit:
             shards.append({})
             size = 0
-        shards[-1][name] = tensor.contiguous()
+        shards[-1][name] = tensor.cpu().contiguous()
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:

@@ -155,7 +155,9 @@ class KVCacheQuantizer:
         if self.observing:
             for name, states in (("k", key_states), ("v", value_states)):
                 seen = self._reduce(states)
-                self.absmax[name] = seen if name not in self.absmax else torch.maximum(self.absmax[name], seen)
+                if name in self.absmax:  # seen before, maybe on another device (the block moved to a GPU)
+                    seen = torch.maximum(self.absmax[name].to(seen.device), seen)
+                self.absmax[name] = seen
         if not self.frozen:
             return key_states, value_states
         return fake_quantize(key_states, module.k_scale, None, self.args), fake_quantize(value_states, module.v_scale, None, self.args)

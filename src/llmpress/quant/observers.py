@@ -113,7 +113,7 @@ def _mse_qparams(weight, min_vals, max_vals, args: QuantizationArgs, global_scal
     best_error = best_scale = best_zp = None
     idle = 0  # factors in a row that improved no unit
     for first in range(0, len(shrinks), chunk):
-        factors = torch.tensor(shrinks[first : first + chunk], dtype=weight.dtype).reshape(-1, 1, 1)
+        factors = torch.tensor(shrinks[first : first + chunk], dtype=weight.dtype, device=weight.device).reshape(-1, 1, 1)
         scale, zero_point = compute_qparams(min_vals * factors, max_vals * factors, args, global_scale)
         error = _candidate_errors(weight, scale, zero_point, args, norm, global_scale)
         # each factor against the best before it (earlier chunks, then earlier factors here)
