@@ -28,7 +28,7 @@ def _oneshot(args: argparse.Namespace) -> int:
     recipe = Recipe.from_any(args.recipe)
     options = CalibrationOptions(
         num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
-        calibrate_all_experts=args.calibrate_all_experts,
+        calibrate_all_experts=args.calibrate_all_experts, device=args.device,
     )
     start = time.perf_counter()
     before = _folder_stamp(args.output)
@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate-all-experts", action=argparse.BooleanOptionalAction, default=True,
         help="MoE: every expert sees every calibration token for its statistics (default: on)",
     )
+    oneshot.add_argument("--device", help="where each layer calibrates: cuda, cuda:N or cpu "
+                         "(default: a CUDA GPU when there is one; the model stays in host memory)")
     oneshot.add_argument("--resume", action="store_true",
                          help="go on from the last finished layer of an interrupted run (its work folder: OUTPUT.llmpress-work)")
     oneshot.set_defaults(run=_oneshot)

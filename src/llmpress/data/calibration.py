@@ -53,10 +53,20 @@ class CalibrationOptions:
     #: batch at a time, so peak memory does not grow with the calibration set; False keeps them
     #: in memory (a little faster where memory is plenty)
     spill_activations: bool = True
+    #: layerwise: where each block calibrates ("cuda", "cuda:1", "cpu"): the block moves there for
+    #: its calibration and back, its inputs cross one batch at a time, so only one block's weights
+    #: are on the device (a model larger than the GPU calibrates on it). None: a CUDA GPU when
+    #: there is one and the model is in host memory, else where the model is
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline not in ("layerwise", "basic"):
             raise DataError("unknown calibration pipeline", got=self.pipeline, expected="'layerwise' or 'basic'")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise DataError("unknown calibration device", got=repr(self.device), expected="'cpu', 'cuda' or 'cuda:N'") from None
         for name in ("num_samples", "seq_len", "batch_size"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise DataError(f"{name} must be at least 1", got=getattr(self, name), expected=">= 1")

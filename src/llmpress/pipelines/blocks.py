@@ -106,7 +106,8 @@ def hidden_of(output: Any) -> Any:
 def hand_on(inputs: Inputs, index: int, output: Any) -> tuple | None:
     """Batch ``index``'s input becomes the block's ``output`` (its hidden states, the other
     arguments as they were), for the next block. Returns ``rest_of(output)``."""
-    current = inputs.skeletons[index] if isinstance(inputs, SpilledInputs) else inputs[index]  # no read back
+    skeletons = getattr(inputs, "skeletons", None)  # spilled or on a device: without reading the hidden states back
+    current = skeletons[index] if skeletons is not None else inputs[index]
     inputs[index] = with_primary_input(*current, hidden_of(output))
     return rest_of(output)
 

@@ -30,6 +30,7 @@ from llmpress.observation import primary_input
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated, structure_of
 from llmpress.pipelines.kept import close_spill_files
+from llmpress.pipelines.onload import Placement
 from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block, tokens_per_batch
 from llmpress.pipelines.reference import calibrate_block_reference, run_block
 from llmpress.pipelines.resume import WorkFolder
@@ -51,7 +52,7 @@ KEPT_PER_BLOCK_WEIGHTS = 8
 @torch.no_grad()
 def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor],
                               true_sequential: bool | None = None, work: WorkFolder | None = None,
-                              spill: bool = True, keep_held: bool = False) -> None:
+                              spill: bool = True, keep_held: bool = False, device: str | torch.device | None = None) -> None:
     """``true_sequential``: True calibrates each block's modules group by group, each on the
     outputs of the compressed ones before it, where the modifiers and the block allow; False: two
     passes per block; None: module by module while the activations it keeps stay within
@@ -61,13 +62,19 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     work folder (else the system's temporary folder) and come back one batch at a time
     (``kept.py``). ``keep_held``: the finished layers' weights stay held as integers after
     calibration (``held_weights(model)``), for one save that writes them, letting each go, without
-    rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``)."""
+    rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``).
+    ``device``: where each block calibrates (``onload.execution_device``; by default a CUDA GPU
+    when the model is in host memory and there is one): the block moves there and back."""
     if not session.needs_calibration_forward:
         session.calibration_start()
         session.calibration_end()
         return
     blocks = find_blocks(model)
+    place = Placement.of(model, device)
     if blocks is None:
+        if place.device != place.home:
+            logger.warning("calibrating %s where it is (%s), not on %s: it has no repeated blocks to move one at a time",
+                           type(model).__name__, place.home, place.device)
         logger.warning("no repeated blocks found in %s: calibrating the whole model at once", type(model).__name__)
         run_basic_calibration(model, session, batches)
         return
@@ -75,7 +82,7 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     held = CompactWeights(model)  # finished blocks wait as integers: one block in float at a time
     try:
         folder = None if not spill else work.path if work is not None else Path(tempfile.gettempdir())
-        _calibrate(model, blocks, session, batches, true_sequential, held, work, folder)
+        _calibrate(model, blocks, session, batches, true_sequential, held, work, folder, place)
     except BaseException:
         session.abandon_calibration()  # the modifiers' hooks leave the model
         held.restore()
@@ -90,18 +97,20 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
 
 
 def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batches: list[torch.Tensor],
-               true_sequential: bool | None, held: CompactWeights, work: WorkFolder | None, spill: Path | None) -> None:
+               true_sequential: bool | None, held: CompactWeights, work: WorkFolder | None, spill: Path | None,
+               place: Placement) -> None:
     observation = session.observation
-    device = next(model.parameters()).device
-    inputs, reached = capture_block_inputs(model, blocks, batches, device, observation, spill)
+    if place.device != place.home:
+        logger.info("calibrating each layer on %s; the model stays on %s", place.device, place.home)
+    inputs, reached = capture_block_inputs(model, blocks, batches, place.home, observation, spill)
     share_repeated(inputs)
     inside = set(blocks.modules())
     tail = [m for m in observation.targets if m not in inside and m not in reached]  # e.g. a quantized lm_head
     rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held, work=work,
-                             spill=spill)
+                             spill=spill, place=place)
     if tail:
         try:
-            run_tail(model, blocks, batches, [primary_input(*batch) for batch in inputs], rest, tail, device, observation)
+            run_tail(model, blocks, batches, [primary_input(*batch) for batch in inputs], rest, tail, place.home, observation)
         except TailError as exc:
             logger.warning("could not run %s's modules after its blocks on their outputs (%s): "
                            "they get no calibration data", type(model).__name__, exc)
@@ -111,30 +120,33 @@ def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batche
 
 def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, true_sequential: bool | None,
                       outputs_needed_at_end: bool, held: CompactWeights, work: WorkFolder | None,
-                      spill: Path | None = None) -> tuple | None:
-    """Each block in turn; returns what the last block returns besides its hidden states."""
+                      spill: Path | None, place: Placement) -> tuple | None:
+    """Each block in turn, each on ``place.device``; returns what the last block returns besides
+    its hidden states (at home)."""
     watched = set(session.observation.targets)
     by_module = true_sequential is not False and session.calibrates_by_module
     if true_sequential and not by_module:
         logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
     planner = _Planner(automatic=true_sequential is None, by_module=by_module)
-    start, rest = _restore_finished(blocks, inputs, session, held, work, spill)
+    start, rest = _restore_finished(blocks, inputs, session, held, work, spill, place)
     bar = tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process())
     for index, module in enumerate(blocks):
         if index < start:
             continue
-        block = CalibrationBlock(index, module, inputs, session.observation, spill)
         outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
         # the watched modules and every linear: each one is handed over (modules_calibrated) in
         # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
         targets = [m for m in module.modules() if m in watched or is_linear(m)]
-        plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
-        block.observed_at_once = plan is None
-        session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
-        if plan is None:
-            rest = calibrate_block_reference(block, session, [targets], outputs_needed)
-        else:
-            rest = calibrate_block_by_module(block, plan, session, outputs_needed)
+        with place.block(module):
+            block = CalibrationBlock(index, module, place.inputs(inputs), session.observation, spill)
+            plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
+            block.observed_at_once = plan is None
+            session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
+            if plan is None:
+                rest = calibrate_block_reference(block, session, [targets], outputs_needed)
+            else:
+                rest = calibrate_block_by_module(block, plan, session, outputs_needed)
+            rest = place.back(rest)
         held.hold(module)
         if work is not None:
             work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
@@ -146,7 +158,7 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
 
 
 def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, held: CompactWeights,
-                      work: WorkFolder | None, spill: Path | None) -> tuple[int, tuple | None]:
+                      work: WorkFolder | None, spill: Path | None, place: Placement) -> tuple[int, tuple | None]:
     """Put back the blocks an earlier run of this one finished (``work``), and the inputs of the
     next (``inputs`` holds the first block's): the last ones written, through the finished
     blocks after them. Returns how many, and what the last returned besides its hidden states."""
@@ -169,8 +181,8 @@ def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, h
         inputs[:], rest = work.last_inputs()
     for index in range(written + 1, done):  # finished after the inputs were last written: forward them
         held.release(blocks[index])
-        with session.observation.paused():
-            rest = run_block(CalibrationBlock(index, blocks[index], inputs, session.observation, spill))
+        with session.observation.paused(), place.block(blocks[index]):
+            rest = place.back(run_block(CalibrationBlock(index, blocks[index], place.inputs(inputs), session.observation, spill)))
         held.hold(blocks[index])
     logger.info("resumed after layer %d of %d%s", done - 1, len(blocks),
                 f" (forwarded layers {written + 1}-{done - 1} on the inputs written after layer {written})" if written < done - 1 else "")

@@ -35,7 +35,7 @@ from torch import nn
 from llmpress.models.linear import features, is_linear
 from llmpress.observation import Observation, primary_input
 from llmpress.pipelines.blocks import Inputs
-from llmpress.pipelines.kept import SpilledInputs, rows_of
+from llmpress.pipelines.kept import rows_of
 from llmpress.pipelines.probe import Probe
 from llmpress.pipelines.stand_ins import ZeroAnswer
 
@@ -90,8 +90,8 @@ class BlockPlan:
 
 def tokens_per_batch(inputs: Inputs) -> list[int]:
     """Tokens in each batch: the leading dimensions of the block's hidden states (-1: none)."""
-    if isinstance(inputs, SpilledInputs):
-        return inputs.token_rows()  # without reading every batch back
+    if hasattr(inputs, "token_rows"):  # spilled or on a device: without reading every batch back
+        return inputs.token_rows()
     return [rows_of(primary_input(args, kwargs)) for args, kwargs in inputs]
 
 

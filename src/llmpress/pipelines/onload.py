@@ -1,0 +1,172 @@
+"""Calibrating on a GPU while the model stays in host memory.
+
+The layerwise pipeline moves each block to the execution device for its calibration and back
+when it is done. Only one block's weights are there at a time, so a model larger than the GPU
+calibrates on it. The block's inputs stay where the pipeline keeps them (memory or spill files).
+They cross one batch at a time as the block reads them (``OnDevice``), and its outputs cross
+back. Arguments that are the same for every batch (rotary tables, masks: ``share_repeated``)
+cross once per block. What the stages keep inside a block stays on the device.
+
+``execution_device(model, None)`` picks the first CUDA GPU when the model is in host memory and
+there is one, as llm-compressor does, else the model's own device. Under torch.distributed the
+ranks calibrate where their model is: the reductions run on gloo, whose collectives take host
+tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableSequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmpress.errors import DataError
+from llmpress.integrations.distributed import is_distributed
+from llmpress.observation import primary_input
+from llmpress.pipelines.blocks import Inputs
+from llmpress.pipelines.kept import rows_of
+
+__all__ = ["OnDevice", "Placement", "execution_device", "home_device"]
+
+
+def home_device(model: nn.Module) -> torch.device:
+    """Where the model's weights are (its first parameter's device; the CPU for none)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def execution_device(model: nn.Module, requested: str | torch.device | None) -> torch.device:
+    """Where the blocks calibrate: ``requested`` (``"cuda"``, ``"cuda:1"``, ``"cpu"``), or by
+    default a CUDA GPU for a model in host memory when there is one, else the model's device."""
+    home = home_device(model)
+    if requested is None:
+        if home.type == "cpu" and torch.cuda.is_available() and not is_distributed():
+            return torch.device("cuda", torch.cuda.current_device())
+        return home
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, TypeError) as exc:
+        raise DataError("unknown calibration device", got=repr(requested), expected="'cpu', 'cuda' or 'cuda:N'") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DataError("calibration on a CUDA device was asked for, but torch sees no CUDA GPU",
+                            got=str(device), expected="a CUDA build of torch and a GPU", fix="calibrate with device='cpu'")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise DataError("no such CUDA device", got=str(device), expected=f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        device = torch.device("cuda", index)
+    if device != home and is_distributed():
+        raise DataError(
+            "under torch.distributed the ranks calibrate where their model is",
+            got=f"model on {home}, calibration device {device}",
+            expected=f"device={str(home)!r} (or None)",
+            fix="move the model to the device first, or run without a device",
+        )
+    return device
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the blocks calibrate (``device``), and where the model and the blocks' inputs stay
+    (``home``)."""
+
+    device: torch.device
+    home: torch.device
+
+    @classmethod
+    def of(cls, model: nn.Module, requested: str | torch.device | None = None) -> Placement:
+        return cls(execution_device(model, requested), home_device(model))
+
+    @contextmanager
+    def block(self, module: nn.Module) -> Iterator[None]:
+        """``module`` on the device for the length of the ``with`` block, then back home. Its
+        parameters stay the same objects (their data moves), so what the modifiers hold of them
+        stays valid."""
+        if self.device == self.home:
+            yield
+            return
+        module.to(self.device)
+        try:
+            yield
+        finally:
+            module.to(self.home)
+
+    def inputs(self, inputs: Inputs) -> Inputs:
+        """A block's inputs as the block on the device reads them."""
+        return inputs if self.device == self.home else OnDevice(inputs, self.device, self.home)
+
+    def back(self, value: Any) -> Any:
+        """``value`` (tensors in tuples, lists and dicts) at home."""
+        return value if self.device == self.home else _mapped(value, lambda t: t.to(self.home))
+
+
+class OnDevice(MutableSequence):
+    """A block's inputs (``Inputs``, in memory or spilled) as seen from ``device``: an item read
+    comes over, its hidden states each time, the other tensors once (the same tensor for every
+    batch that shares one); an item set keeps its hidden states at ``home``. Items are read and
+    set one at a time, not added or removed."""
+
+    def __init__(self, inputs: Inputs, device: torch.device, home: torch.device) -> None:
+        self.inner, self.device, self.home = inputs, device, home
+        self._moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (home tensor, its device copy)
+        self._back: dict[int, torch.Tensor] = {}  # id of a device copy -> its home tensor
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        item = self.inner[index]
+        hidden = primary_input(*item)
+        return _mapped(item, lambda t: t.to(self.device) if t is hidden else self._over(t))
+
+    def __setitem__(self, index: Any, item: Any) -> None:
+        if not isinstance(index, int):
+            raise TypeError("a block's inputs on a device are set one at a time")
+        hidden = primary_input(*item)
+        self.inner[index] = _mapped(item, lambda t: t.to(self.home) if t is hidden else self._home_of(t))
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError("a block's inputs are not removed one by one")
+
+    def insert(self, index: int, item: Any) -> None:
+        raise TypeError("a block's inputs on a device are not added to")
+
+    @property
+    def skeletons(self) -> list[tuple[tuple, dict]]:
+        """Each batch's ``(args, kwargs)`` at home, without reading spilled hidden states back."""
+        return getattr(self.inner, "skeletons", self.inner)
+
+    def token_rows(self) -> list[int]:
+        if hasattr(self.inner, "token_rows"):
+            return self.inner.token_rows()
+        return [rows_of(primary_input(args, kwargs)) for args, kwargs in self.inner]
+
+    def _over(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == self.device:
+            return tensor
+        kept = self._moved.get(id(tensor))
+        if kept is None or kept[0] is not tensor:
+            kept = self._moved[id(tensor)] = (tensor, tensor.to(self.device))
+            self._back[id(kept[1])] = tensor
+        return kept[1]
+
+    def _home_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        home = self._back.get(id(tensor))
+        if home is not None and self._moved[id(home)][1] is tensor:
+            return home
+        return tensor.to(self.home)
+
+
+def _mapped(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with each tensor in it (in tuples, lists and dicts too) passed through ``move``."""
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if type(value) in (tuple, list):
+        return type(value)(_mapped(v, move) for v in value)
+    if type(value) is dict:
+        return {k: _mapped(v, move) for k, v in value.items()}
+    return value
