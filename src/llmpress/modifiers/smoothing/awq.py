@@ -68,6 +68,7 @@ from llmpress.modifiers.smoothing.mappings import Mapping
 from llmpress.modifiers.smoothing.statistics import channel_statistics
 from llmpress.observation import primary_input
 from llmpress.pipelines.blocks import hidden_of
+from llmpress.pipelines.plan import tokens_per_batch
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
@@ -195,10 +196,7 @@ def _around(block: nn.Module, name: str) -> nn.Module:
 def _spread(inputs: list[tuple[tuple, dict]], tokens: int | None) -> list[tuple[tuple, dict]]:
     """Batches spread evenly over the calibration set holding about ``tokens`` tokens (at least
     one batch; all of them for None or when they hold no more)."""
-    sizes = []
-    for args, kwargs in inputs:
-        x = primary_input(args, kwargs)
-        sizes.append(x.shape[:-1].numel() if isinstance(x, torch.Tensor) else 0)
+    sizes = [max(rows, 0) for rows in tokens_per_batch(inputs)]  # spilled or on a GPU: nothing read back
     if tokens is None or sum(sizes) <= tokens or not inputs:
         return inputs
     count = max(1, round(len(inputs) * tokens / sum(sizes)))
