@@ -3,6 +3,7 @@ it also runs in the peers' virtual environment)."""
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "fixtures"
 PEER_VENV = REPO / ".venv-peers"  # llm-compressor 0.14, apart from our pins
-PEER_PYTHON = PEER_VENV / "bin" / "python"
+#: LLMPRESS_PEER_PYTHON: an interpreter that already has llm-compressor (a GPU machine's own
+#: Python, say), instead of the one in .venv-peers
+PEER_PYTHON = Path(os.environ.get("LLMPRESS_PEER_PYTHON") or PEER_VENV / "bin" / "python")
 
 
 def work_folder(given: str | None, prefix: str) -> Path:

@@ -58,9 +58,9 @@ def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> 
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if "AWQModifier" in open(recipe, encoding="utf-8").read():
+    if "AWQModifier" in open(recipe, encoding="utf-8").read() and not torch.cuda.is_available():
         # llm-compressor's AWQ pins host memory for GPU copies, which fails without a GPU: a
-        # transfer detail, not the algorithm (no GPU here, nothing to copy to)
+        # transfer detail, not the algorithm (no GPU, nothing to copy to)
         from llmcompressor.pipelines.cache import IntermediatesCache
 
         IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
