@@ -187,3 +187,20 @@ def test_ending_a_process_group_destroys_it_and_is_a_no_op_without_one(tmp_path)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     end_process_group()  # one rank: no barrier to wait at
     assert not torch.distributed.is_initialized()
+
+
+def test_hessians_agreed_on_go_where_the_waiting_modules_are():
+    """Under torch.distributed, a rank makes empty Hessians for modules only another rank's
+    tokens reached (an MoE expert), on the device of a module still waiting for its solve, not on
+    a finished layer's (its weight held as integers, the Parameter on ``meta``)."""
+    from torch import nn
+
+    from llmpress.modifiers import GPTQModifier
+
+    modifier = GPTQModifier(scheme="W4A16")
+    finished, waiting = nn.Linear(4, 4, device="meta"), nn.Linear(4, 4)
+    modifier.modules = {"layers.0.q_proj": (finished, None), "layers.1.q_proj": (waiting, None)}
+    modifier.pending = dict(modifier.modules)
+    assert modifier._device == torch.device("cpu")
+    modifier.pending = {"layers.0.q_proj": (finished, None)}
+    assert modifier._device == torch.device("cpu")

@@ -48,17 +48,18 @@ def test_a_device_that_is_not_there_is_refused(monkeypatch):
 @pytest.mark.parametrize("spilled", [False, True])
 def test_inputs_cross_one_batch_at_a_time_and_shared_arguments_once(spilled, tmp_path):
     rotary = (torch.randn(6, 4), torch.randn(6, 4))  # one tensor for every batch (share_repeated)
-    items = [((torch.randn(1, 6, 8),), {"position_embeddings": rotary, "mask": None}) for _ in range(3)]
+    items = [((torch.randn(1, 6, 8),), {"position_embeddings": rotary, "mask": None, "own": torch.ones(2)}) for _ in range(3)]
     inputs = SpilledInputs([6, 6, 6], tmp_path) if spilled else []
     inputs.extend(items)
     seen = OnDevice(inputs, torch.device("meta"), torch.device("cpu"))
     first, second = seen[0], seen[1]
     assert first[0][0].device.type == "meta" and first[1]["mask"] is None
     assert first[1]["position_embeddings"][0] is second[1]["position_embeddings"][0]  # moved once
+    assert first[1]["own"] is not seen[0][1]["own"]  # a batch's own tensor is not kept there
     assert seen.token_rows() == [6, 6, 6]
     # a block's output comes back home; its shared arguments are the home ones again
     output = torch.full((1, 6, 8), 2.0)
-    seen[1] = ((output,), second[1])
+    seen[1] = ((output,), {**second[1], "own": torch.ones(2)})  # (a meta tensor has no data to bring back)
     back_args, back_kwargs = inputs[1]
     assert torch.equal(back_args[0], output) and back_args[0].device.type == "cpu"
     kept = inputs.skeletons[1][1] if spilled else back_kwargs
@@ -96,6 +97,19 @@ def test_the_pipeline_through_the_crossing_gives_the_same_model(spill, monkeypat
     assert len(crossings) == 2 * len(crossed.model.layers)
     for (name, a), b in zip(plain.state_dict().items(), crossed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_run_resumed_on_another_device_is_another_run(monkeypatch):
+    """The same options resolve to a GPU on one machine and to the CPU on another: the layers
+    calibrated there differ in their last bits, so a work folder from one is refused on the other."""
+    from llmpress.pipelines import resume
+
+    model, recipe = make_tiny_llama(), llmpress.Recipe.from_any(RECIPES["GPTQ W4A16"])
+    batches = [torch.arange(16).reshape(1, 16)]
+    here = resume.run_fingerprint(model, recipe, batches, CalibrationOptions())
+    assert resume.run_fingerprint(model, recipe, batches, CalibrationOptions()) == here
+    monkeypatch.setattr(resume, "execution_device", lambda model, device: torch.device("cuda", 0))
+    assert resume.run_fingerprint(model, recipe, batches, CalibrationOptions()) != here
 
 
 # -- on a GPU ------------------------------------------------------------------------------------

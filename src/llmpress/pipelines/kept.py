@@ -6,7 +6,8 @@ batch-sized ones leave glibc's heap fragmented (GPTQ on the 1024-hidden Llama of
 peak RSS 877-898 MB packed, 938-1026 MB with a copy per batch). The copy also means nothing the model does to the tensor it got back changes what is
 kept: ``get`` hands out a fresh copy each time (``take``, for a value read once, the stored rows).
 
-With a ``spill`` folder, that buffer is a file there instead (CPU tensors): each batch's rows are
+With a ``spill`` folder, that buffer is a file there instead (a GPU's tensors go through host
+memory, and come back to the GPU when read): each batch's rows are
 written as they come and read back one batch at a time, so what a block's stages keep (the MLP's
 inner activations of every calibration token: 185 MB a layer for the 1024-hidden Llama, 369 MB
 for a 2048-hidden one) costs the process one batch of memory, not all of them. The bytes go
@@ -59,9 +60,9 @@ class KeptValues:
     def put(self, index: int, value: Any) -> None:
         tensor, rest = (value[0], value[1:]) if _led_by_tensor(value) else (value, None)
         if self._fits(index, tensor):
-            if self.spill is not None and tensor.device.type == "cpu":
-                self._write(index, tensor)
-                self.items[index] = _Spilled(tuple(tensor.shape), rest)
+            if self.spill is not None:  # a GPU's tensor too: what a block keeps stays off the device
+                self._write(index, tensor.cpu())
+                self.items[index] = _Spilled(tuple(tensor.shape), rest, tensor.device)
                 return
             if self.buffer is None:
                 self.buffer = tensor.new_empty((sum(self.rows), tensor.shape[-1]))
@@ -92,13 +93,14 @@ class KeptValues:
             if count <= 0:
                 raise OSError(f"short read from the spill file of calibration batch {index}")
             done += count
+        tensor = tensor.to(item.device)
         return tensor if item.rest is None else (tensor, *item.rest)
 
     def _fits(self, index: int, tensor: Any) -> bool:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[:-1].numel() != self.rows[index]:
             return False
         if self._row is not None:
-            return self._row == (tensor.dtype, tensor.shape[-1]) and tensor.device.type == "cpu"
+            return self._row == (tensor.dtype, tensor.shape[-1])
         if self.buffer is None:
             return True
         return (self.buffer.dtype, self.buffer.device, self.buffer.shape[-1]) == (tensor.dtype, tensor.device, tensor.shape[-1])
@@ -123,12 +125,13 @@ class KeptValues:
 
 
 class _Spilled:
-    """A batch's value written to the spill file: its shape, and what followed it in a tuple."""
+    """A batch's value written to the spill file: its shape, what followed it in a tuple, and the
+    device it comes back to."""
 
-    __slots__ = ("rest", "shape")
+    __slots__ = ("device", "rest", "shape")
 
-    def __init__(self, shape: tuple[int, ...], rest: tuple | None) -> None:
-        self.shape, self.rest = shape, rest
+    def __init__(self, shape: tuple[int, ...], rest: tuple | None, device: torch.device) -> None:
+        self.shape, self.rest, self.device = shape, rest, device
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -104,14 +104,23 @@ class Placement:
 
 class OnDevice(MutableSequence):
     """A block's inputs (``Inputs``, in memory or spilled) as seen from ``device``: an item read
-    comes over, its hidden states each time, the other tensors once (the same tensor for every
-    batch that shares one); an item set keeps its hidden states at ``home``. Items are read and
-    set one at a time, not added or removed."""
+    comes over, its hidden states and its own other tensors each time, a tensor that several
+    batches share (``share_repeated``) once; an item set keeps its hidden states at ``home``.
+    Items are read and set one at a time, not added or removed."""
 
     def __init__(self, inputs: Inputs, device: torch.device, home: torch.device) -> None:
         self.inner, self.device, self.home = inputs, device, home
         self._moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (home tensor, its device copy)
         self._back: dict[int, torch.Tensor] = {}  # id of a device copy -> its home tensor
+        # the tensors besides the hidden states that more than one batch holds: only these stay
+        # on the device for the block (a padded batch's own mask crosses with its batch)
+        seen: set[int] = set()
+        self._shared: set[int] = set()
+        for skeleton in self.skeletons:
+            hidden = primary_input(*skeleton)
+            mine = {id(t) for t in _tensors(skeleton) if t is not hidden}
+            self._shared |= mine & seen
+            seen |= mine
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -148,6 +157,8 @@ class OnDevice(MutableSequence):
     def _over(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device:
             return tensor
+        if id(tensor) not in self._shared:
+            return tensor.to(self.device)
         kept = self._moved.get(id(tensor))
         if kept is None or kept[0] is not tensor:
             kept = self._moved[id(tensor)] = (tensor, tensor.to(self.device))
@@ -159,6 +170,18 @@ class OnDevice(MutableSequence):
         if home is not None and self._moved[id(home)][1] is tensor:
             return home
         return tensor.to(self.home)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (in tuples, lists and dicts too)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif type(value) in (tuple, list):
+        for v in value:
+            yield from _tensors(v)
+    elif type(value) is dict:
+        for v in value.values():
+            yield from _tensors(v)
 
 
 def _mapped(value: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:

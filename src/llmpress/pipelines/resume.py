@@ -41,6 +41,7 @@ import llmpress
 from llmpress.checkpoint.atomic import sha256_of, write_file
 from llmpress.errors import CheckpointError
 from llmpress.integrations.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
+from llmpress.pipelines.onload import execution_device
 from llmpress.quant.attach import set_module_buffer
 from llmpress.quant.compact import CompactWeights
 
@@ -58,7 +59,8 @@ INPUTS_EVERY_S = 300.0
 
 def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any) -> str:
     """What makes two runs the same run: the model (config, every tensor's name, shape, dtype and
-    first and last values), the recipe, every calibration token, the options and the rank count."""
+    first and last values), the recipe, every calibration token, the options, the device the
+    layers calibrate on and the rank count."""
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
@@ -72,6 +74,8 @@ def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] |
     for batch in batches or []:
         digest.update(batch.cpu().numpy().tobytes())
     digest.update(repr(options).encode())
+    # where the layers calibrate, as resolved: a run started on a GPU resumed on a CPU is another run
+    digest.update(str(execution_device(model, getattr(options, "device", None))).encode())
     # each rank's batches are its share: the run is all of them, in rank order
     return hashlib.sha256("".join(gather_objects(digest.hexdigest())).encode()).hexdigest()
 

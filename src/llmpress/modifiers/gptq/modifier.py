@@ -226,8 +226,10 @@ class GPTQModifier(Modifier):
 
     @property
     def _device(self) -> torch.device:
-        module = next(iter(self.modules.values()))[0] if self.modules else None
-        return module.weight.device if module is not None else torch.device("cpu")
+        """Where this block's Hessians go: the device of a module still waiting for its solve
+        (a finished layer's weight is held as integers, its Parameter left on ``meta``)."""
+        waiting = (module.weight.device for module, _ in self.pending.values())
+        return next((d for d in waiting if d.type != "meta"), torch.device("cpu"))
 
     def _owners(self, groups: dict[tuple, list[str]]) -> dict[tuple, int | None]:
         """The rank that solves each group: groups sharing a Hessian go to one rank, the

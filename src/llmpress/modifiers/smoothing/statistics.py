@@ -3,6 +3,7 @@ rank: the activation ranges SmoothQuant scales by and the mean ``|x|`` AWQ searc
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,7 +82,7 @@ def channel_statistics(block: Any, mappings: list[Mapping], batches: int | None 
 
         handles.append((mapping.balance_seeing_every_token(block.module) or mapping.balance)[0].register_forward_pre_hook(seen))
     try:
-        for batch in block.inputs[:batches]:
+        for batch in itertools.islice(block.inputs, batches):  # one batch at a time (on a GPU: one crossing at a time)
             pending.update(stats)
             try:
                 block.run(block.module, [batch])
