@@ -5,7 +5,8 @@ when it is done. Only one block's weights are there at a time, so a model larger
 calibrates on it. The block's inputs stay where the pipeline keeps them (memory or spill files).
 They cross one batch at a time as the block reads them (``OnDevice``), and its outputs cross
 back. Arguments that are the same for every batch (rotary tables, masks: ``share_repeated``)
-cross once per block. What the stages keep inside a block stays on the device.
+cross once per block. What the module-by-module stages keep goes to the spill files through
+host memory too (``kept.py``), and comes back to the device one batch at a time.
 
 ``execution_device(model, None)`` picks the first CUDA GPU when the model is in host memory and
 there is one, as llm-compressor does, else the model's own device. Under torch.distributed the
