@@ -36,6 +36,19 @@ def test_a_gpu_is_picked_only_for_a_model_in_host_memory(monkeypatch):
         execution_device(model, "cuda:3")
 
 
+def test_ranks_on_a_gpu_machine_are_told_they_calibrate_on_the_cpu(monkeypatch, caplog):
+    from conftest import token_batches
+
+    from llmpress.pipelines import layerwise
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(onload, "is_distributed", lambda: True)
+    monkeypatch.setattr(layerwise, "is_distributed", lambda: True)
+    with caplog.at_level("WARNING", logger="llmpress.pipelines.layerwise"):
+        llmpress.oneshot(make_tiny_llama(), RECIPES["GPTQ W4A16"], token_batches(count=2, length=16))
+    assert "the ranks calibrate where their model is (cpu), not on this machine's GPUs" in caplog.text
+
+
 def test_a_device_that_is_not_there_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DataError, match="no CUDA GPU") as caught:

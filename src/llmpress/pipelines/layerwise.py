@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.errors import SessionError
-from llmpress.integrations.distributed import is_main_process
+from llmpress.integrations.distributed import is_distributed, is_main_process
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
 from llmpress.observation import primary_input
@@ -71,6 +71,9 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         return
     blocks = find_blocks(model)
     place = Placement.of(model, device)
+    if device is None and place.device.type == "cpu" and torch.cuda.is_available() and is_distributed() and is_main_process():
+        logger.warning("under torch.distributed the ranks calibrate where their model is (%s), not on this machine's GPUs: "
+                       "the reductions run on gloo with host tensors (GPU ranks are not supported yet)", place.device)
     if blocks is None:
         if place.device != place.home:
             logger.warning("calibrating %s where it is (%s), not on %s: it has no repeated blocks to move one at a time",
