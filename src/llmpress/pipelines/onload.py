@@ -63,7 +63,7 @@ def execution_device(model: nn.Module, requested: str | torch.device | None) -> 
             "under torch.distributed the ranks calibrate where their model is",
             got=f"model on {home}, calibration device {device}",
             expected=f"device={str(home)!r} (or None)",
-            fix="move the model to the device first, or run without a device",
+            fix="run without a device: the ranks calibrate on the CPU (GPU ranks are not supported yet)",
         )
     return device
 
