@@ -145,3 +145,27 @@ def test_awq_runs_on_each_family(model_type, tmp_path):
     awq, done = error([AWQModifier(n_grid=4), QuantizationModifier(scheme="W4A16", ignore=ignore)])
     assert awq <= 1.5 * rtn, (model_type, awq, rtn)  # up to 1.12x on these random weights (Mixtral)
     assert getattr(done, APPLIED_RECIPE_ATTR).modifiers[0].found or model_type in NO_AWQ, model_type
+
+
+@pytest.mark.parametrize("model_type", list(_params()))
+def test_sparsegpt_prunes_each_family_two_of_four(model_type, tmp_path):
+    """SparseGPT 2:4 on every family: each Linear it pruned inside the layers keeps at most 2 of
+    every 4 inputs (Conv1D's along its inputs, MoE experts each on its own Hessian), and the
+    output stays finite."""
+    from conftest import token_batches
+
+    from llmpress.models.linear import is_linear, linear_weight
+    from llmpress.modifiers import SparseGPTModifier
+    from llmpress.pipelines.blocks import find_blocks
+
+    source = save_tiny(model_type, tmp_path / "source")
+    ignore = ["re:.*lm_head", "re:.*mlp\\.gate$", "re:.*router.*", "re:.*shared_expert_gate$", "re:.*vision.*", "re:.*visual.*",
+              "re:.*multi_modal_projector.*"]
+    done = llmpress.oneshot(llmpress.load(source, dtype=torch.float32),
+                            [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", ignore=ignore)], token_batches(4, 32, vocab=4000))
+    pruned = [m for m in find_blocks(done).modules() if is_linear(m) and getattr(m, "llmpress_sparsity_structure", None)]
+    assert pruned, model_type
+    for module in pruned:
+        weight = linear_weight(module.weight, module)
+        assert ((weight.reshape(-1, 4) == 0).sum(-1) >= 2).all(), (model_type, module)
+    assert torch.isfinite(_outputs(done, torch.tensor(token_batches(2, 16, vocab=4000, seed=5)))).all(), model_type

@@ -53,6 +53,19 @@ quant_stage:
       scheme: W8A8
 """
 
+#: one-shot pruning: SparseGPT's Hessians and Wanda's input norms are summed over the ranks, and
+#: every rank prunes alike
+SPARSEGPT_24 = """
+sparsity_stage:
+  sparsity_modifiers:
+    SparseGPTModifier: {sparsity: 0.5, mask_structure: "2:4", ignore: ["re:.*lm_head"]}
+"""
+WANDA = """
+sparsity_stage:
+  sparsity_modifiers:
+    WandaPruningModifier: {sparsity: 0.5, ignore: ["re:.*lm_head"]}
+"""
+
 AWQ_W4 = """
 quant_stage:
   quant_modifiers:
@@ -94,7 +107,8 @@ def two_rank_runs(tmp_path_factory):
     """The three recipes on two ranks (one spawn) and in one process."""
     work = tmp_path_factory.mktemp("ranks")
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
-    recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4}
+    recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
+               "sparsegpt": SPARSEGPT_24, "wanda": WANDA}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
     mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
     for name, recipe in recipes.items():
@@ -102,7 +116,7 @@ def two_rank_runs(tmp_path_factory):
     return work
 
 
-@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic"])
+@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda"])
 def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")
@@ -111,6 +125,8 @@ def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     assert not different, different[:5]
     if name == "smooth":  # the reduced statistics are there: static input scales and cache scales
         assert any(k.endswith("input_scale") for k in one) and any(k.endswith("k_scale") for k in one)
+    if name in ("sparsegpt", "wanda"):  # pruned indeed
+        assert (one["model.layers.1.mlp.up_proj.weight"] == 0).float().mean() == 0.5
 
 
 def test_two_ranks_of_awq_choose_the_one_process_scales(two_rank_runs):

@@ -4,7 +4,7 @@ from llmpress.modifiers.base import MODIFIERS, Modifier, ModifierConfig, OneShot
 from llmpress.modifiers.distillation import OutputDistillationModifier
 from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
-from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier
+from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier, SparseGPTModifier, WandaPruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.modifiers.smoothing import AWQModifier, SmoothQuantModifier
 
@@ -21,6 +21,8 @@ __all__ = [
     "OutputDistillationModifier",
     "QuantizationModifier",
     "SmoothQuantModifier",
+    "SparseGPTModifier",
+    "WandaPruningModifier",
     "Window",
     "WindowFields",
 ]

@@ -1,0 +1,84 @@
+"""``WandaPruningModifier``: one-shot pruning by weight and activation (Sun et al., 2023),
+llm-compressor's fields and meaning::
+
+    sparsity_stage:
+      sparsity_modifiers:
+        WandaPruningModifier:
+          sparsity: 0.5
+          mask_structure: "0:0"
+          ignore: ["re:.*lm_head"]
+
+Each weight scores ``|W_ij| * ||x_j||``, the norm of its input over the calibration tokens. In
+every row the lowest scores are pruned: ``sparsity`` of the row, or N of every M inputs with
+``mask_structure: "N:M"``. Nothing else changes: no weight update, one pass, no Hessian.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmpress.integrations.distributed import is_distributed, sum_across_ranks
+from llmpress.models.linear import linear_weight
+from llmpress.modifiers.base import MODIFIERS
+from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier
+
+__all__ = ["WandaPruningModifier", "wanda_mask"]
+
+
+class WandaPruningModifierConfig(OneShotPruningConfig):
+    pass
+
+
+@MODIFIERS.register("WandaPruningModifier")
+class WandaPruningModifier(OneShotPruningModifier):
+    Config = WandaPruningModifierConfig
+
+    def on_initialize(self, state) -> None:
+        super().on_initialize(state)
+        self.squares: dict[str, torch.Tensor] = {}  # per input column: sum of x^2 over the tokens seen
+
+    def gather(self, name: str, x: torch.Tensor) -> None:
+        columns = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).square().sum(0)
+        self.squares[name] = columns if name not in self.squares else self.squares[name].add_(columns)
+
+    def ready(self, names: list[str]) -> list[str]:
+        waiting = [n for n in names if n in self.pending]
+        if is_distributed():  # the same columns' sums on every rank, zeros where a rank saw none
+            for name in waiting:
+                module = self.pending[name]
+                mine = self.squares.get(name)
+                sums = mine if mine is not None else torch.zeros(linear_weight(module.weight, module).shape[1],
+                                                                 dtype=torch.float64, device=module.weight.device)
+                seen = sum_across_ranks(torch.tensor([float(mine is not None)], dtype=torch.float64, device=sums.device))
+                sum_across_ranks(sums)
+                if float(seen) > 0:
+                    self.squares[name] = sums
+        return [n for n in waiting if n in self.squares]
+
+    def prune(self, name: str, module: nn.Module, sparsity: float) -> None:
+        weight = linear_weight(module.weight, module)  # [out, in] (a Conv1D's transposed view)
+        keep = wanda_mask(weight, self.squares[name].sqrt(), sparsity, self.structure)
+        weight.mul_(keep.to(weight.dtype))
+
+    def forget(self, name: str) -> None:
+        self.squares.pop(name, None)
+
+
+@torch.no_grad()
+def wanda_mask(weight: torch.Tensor, norms: torch.Tensor, sparsity: float, structure: tuple[int, int] | None) -> torch.Tensor:
+    """The keep-mask of ``weight`` ``[rows, cols]`` given its inputs' column ``norms``: in every
+    row, ``round(sparsity * cols)`` of the lowest ``|W| * norm`` pruned, or N of every M
+    consecutive inputs with ``structure`` (N, M)."""
+    score = weight.detach().abs().float() * norms.to(device=weight.device, dtype=torch.float32)
+    keep = torch.ones_like(score, dtype=torch.bool)
+    rows, cols = score.shape
+    if structure is not None:
+        n, m = structure
+        groups = score.reshape(rows, cols // m, m)
+        keep.view(rows, cols // m, m).scatter_(2, groups.topk(n, dim=2, largest=False).indices, False)
+        return keep
+    count = round(sparsity * cols)
+    if count > 0:
+        keep.scatter_(1, score.topk(count, dim=1, largest=False).indices, False)
+    return keep
