@@ -23,13 +23,23 @@ from gptq import bench_inputs, pair_outputs, prepare_peer_runs, run_pairs, trans
 
 CONFIGS = {
     "sparsegpt-2:4": ("SparseGPTModifier", "2:4"),
+    "sparsegpt-2:4+gptq": ("SparseGPTModifier", "2:4"),  # then a GPTQ W4A16 stage
     "sparsegpt-0.5": ("SparseGPTModifier", "0:0"),
     "wanda-2:4": ("WandaPruningModifier", "2:4"),
     "wanda-0.5": ("WandaPruningModifier", "0:0"),
 }
 
 
-def pruning_recipe(path: Path, modifier: str, structure: str) -> Path:
+def pruning_recipe(path: Path, modifier: str, structure: str, then_gptq: bool = False) -> Path:
+    gptq = """quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}
+"""
     path.write_text(f"""sparsity_stage:
   sparsity_modifiers:
     {modifier}:
@@ -37,16 +47,20 @@ def pruning_recipe(path: Path, modifier: str, structure: str) -> Path:
       mask_structure: "{structure}"
       targets: ["Linear"]
       ignore: ["re:.*lm_head"]
-""")
+""" + (gptq if then_gptq else ""))
     return path
 
 
-def zeros_of(checkpoint: Path) -> float:
-    """The share of zeros over the checkpoint's pruned Linears (its layers' projections)."""
-    from safetensors.torch import load_file
+def zeros_of(checkpoint: Path) -> tuple[float, float]:
+    """Over the checkpoint's layers' projections, read through their exact dense view: the share
+    of zeros, and the share of groups of 4 inputs with at least 2 of them zero (1.0: 2:4)."""
+    import llmpress
 
-    tensors = {k: v for k, v in load_file(str(checkpoint / "model.safetensors")).items() if "layers." in k and k.endswith("proj.weight")}
-    return sum(int((t == 0).sum()) for t in tensors.values()) / max(sum(t.numel() for t in tensors.values()), 1)
+    model = llmpress.load(checkpoint, dequantize=True, dtype=torch.float32)
+    weights = [m.weight for n, m in model.named_modules() if "layers." in n and n.endswith("proj")]
+    zeros = sum(int((w == 0).sum()) for w in weights) / max(sum(w.numel() for w in weights), 1)
+    groups = torch.cat([((w.reshape(-1, 4) == 0).sum(-1) >= 2).float() for w in weights])
+    return zeros, float(groups.mean())
 
 
 def main() -> None:
@@ -64,7 +78,7 @@ def main() -> None:
     for name in args.models:
         for config in args.configs if name == "tiny" else args.configs[:1]:
             modifier, structure = CONFIGS[config]
-            recipe = pruning_recipe(work / f"{config.replace(':', '-')}.yaml", modifier, structure)
+            recipe = pruning_recipe(work / f"{config.replace(':', '-')}.yaml", modifier, structure, then_gptq=config.endswith("gptq"))
             output = work / f"{name}-{config.replace(':', '-')}"
             row = {"model": name, "config": config, **run_pairs("llmpress", recipe, models[name], tokens, output, args.repeat)}
             if name == "tiny":
@@ -75,19 +89,21 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     print(f"\nOne-shot pruning, 64 x 256 calibration tokens, lm_head dense; fp32 perplexity of tiny-llama {fp32:.3f}")
-    header = (f"{'model':<12} {'config':>14} {'in-process s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6}"
-              f" {'ppl llmpress':>12} {'ppl llm-c':>9} {'zeros':>11}")
+    header = (f"{'model':<12} {'config':>19} {'in-process s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6}"
+              f" {'ppl llmpress':>12} {'ppl llm-c':>9} {'zeros':>11} {'2:4 groups':>11}")
     print(header)
     print("-" * len(header))
     for r in rows:
         o, p, q = r["ours"], r["peer"], r["ratios"]
-        line = (f"{r['model']:<12} {r['config']:>14} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
+        line = (f"{r['model']:<12} {r['config']:>19} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
                 f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}")
         if "ppl_ours" in r:
-            line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['zeros_ours']:.3f}/{r['zeros_peer']:.3f}"
+            (zo, go), (zp, gp) = r["zeros_ours"], r["zeros_peer"]
+            line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {zo:.3f}/{zp:.3f} {go:.3f}/{gp:.3f}"
         print(line)
     print("\nin-process: from the tool's first import to the saved checkpoint; ratios: llmpress / llm-compressor;"
-          "\nperplexity through transformers (200 windows of 256 tokens); zeros: share of zeros in the layers' projections.")
+          "\nperplexity through transformers (200 windows of 256 tokens); zeros: share of zeros in the layers' projections;"
+          "\n2:4 groups: share of their groups of 4 inputs with 2 or more zeros (1.000: the 2:4 pattern sparse kernels need).")
 
 
 if __name__ == "__main__":

@@ -81,12 +81,13 @@ def _whole_state(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -
 
 def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compressed: bool, recipe: Recipe | None,
            limit: int) -> None:
+    sparsity = sparsity_config_for(model)  # before the held weights go to the state dict, one by one
     state = compressed_state_dict(model, save_compressed)
     names = KeyMap(model)  # the names transformers' save_pretrained would write
     state = {names.to_checkpoint(key): tensor for key, tensor in state.items()}
     with atomic_directory(output_dir, replaces=_is_checkpoint_file) as tmp:
         _write_shards(tmp, state, limit)
-        _write_config(tmp, model, *_compression_config(model, save_compressed))
+        _write_config(tmp, model, *_compression_config(model, save_compressed, sparsity))
         if processor is not None:
             processor.save_pretrained(str(tmp))
         # imported here: recipes import the modifiers, some of which import this package
@@ -146,13 +147,13 @@ def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> N
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
-def _compression_config(model: nn.Module, save_compressed: bool) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _compression_config(model: nn.Module, save_compressed: bool,
+                        sparsity: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it; for a
     pruned model that is not quantized, no ``quantization_config`` at all (a plain checkpoint,
     as llm-compressor writes it: transformers + compressed-tensors refuse one without config
     groups) and the sparsity record under llmpress's own config key."""
     config = quantization_config_for(model, save_compressed)
-    sparsity = sparsity_config_for(model)
     if sparsity is None or config is None:
         return config, sparsity
     config["sparsity_config"] = sparsity

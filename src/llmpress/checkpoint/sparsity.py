@@ -66,17 +66,24 @@ def mark_sparse_modules(model: nn.Module, sparsity_config: dict[str, Any] | None
 
 def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     """``{"format": "dense", "sparsity_structure", "global_sparsity", "targets", "ignore"}`` when
-    some module was pruned, else None."""
+    some module was pruned, else None. Read one module at a time; a finished layer held as
+    integers (``quant/compact.py``) is looked at without letting its integers go."""
+    from llmpress.quant.compact import held_weights
+
     pruned = [(n, m) for n, m in model.named_modules() if getattr(m, SPARSITY_ATTR, None)]
     if not pruned:
         return None
-    keeps = [_weight(m) != 0 for _, m in pruned]
-    # N:M only when every pruned module's zeros really are its N:M (mid-schedule they are not yet)
+    held = held_weights(model)
     structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
-    if any(not _keeps(keep, getattr(m, SPARSITY_ATTR)) for (_, m), keep in zip(pruned, keeps)):
-        structures = {"unstructured"}
-    total = sum(keep.numel() for keep in keeps)
-    zeros = total - sum(int(keep.sum()) for keep in keeps)
+    total = zeros = 0
+    for _, module in pruned:
+        weight = held.weight_of(module, release=False) if held is not None and module.weight.is_meta else None
+        keep = (_weight(module) if weight is None else linear_weight(weight, module)) != 0
+        # N:M only when every pruned module's zeros really are its N:M (mid-schedule they are not yet)
+        if not _keeps(keep, getattr(module, SPARSITY_ATTR)):
+            structures = {"unstructured"}
+        total += keep.numel()
+        zeros += keep.numel() - int(keep.sum())
     names = {n for n, _ in pruned}
     linear = [n for n, m in model.named_modules() if is_linear(m)]
     return {

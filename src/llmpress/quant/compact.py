@@ -137,16 +137,17 @@ class CompactWeights:
         module.weight = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
         param.data = torch.empty(0, dtype=param.dtype)
 
-    def weight_of(self, module: nn.Module) -> torch.Tensor | None:
+    def weight_of(self, module: nn.Module, release: bool = True) -> torch.Tensor | None:
         """``module``'s float weight, rebuilt from its integers (a new tensor), or None when it
         is not held: what a save writes without rebuilding the whole model. After ``attach``
-        (the model is then saved once and let go) the integers go as their weight is handed out,
-        so the checkpoint's tensors take their place instead of sitting beside them; the module
-        stays guarded, its weight ``meta``."""
+        (the model is then saved once and let go) the integers go as their weight is handed out
+        (unless ``release`` is False: a look before the save, its sparsity record), so the
+        checkpoint's tensors take their place instead of sitting beside them; the module stays
+        guarded, its weight ``meta``."""
         for index, (held, param, k, _) in enumerate(self._held):
             if held is module:
                 weight = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
-                if self._model is not None:
+                if self._model is not None and release:
                     del self._held[index]
                 return weight
         return None

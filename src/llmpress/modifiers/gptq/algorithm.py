@@ -94,6 +94,19 @@ class _Rounding:
         return q.add_(zero_point).clamp_(self.q_min, self.q_max).sub_(zero_point).mul_(scale)
 
 
+def _kept_columns(keep: torch.Tensor | Sequence[torch.Tensor], parts: list[torch.Tensor], cols: int, rows: int,
+                  input_major: bool) -> torch.Tensor:
+    """The parts' keep-masks side by side in the update's layout ``[cols, rows]``."""
+    masks = [keep] if isinstance(keep, torch.Tensor) else list(keep)
+    KT = torch.empty(cols, rows, dtype=torch.bool, device=parts[0].device)
+    offset = 0
+    for part, mask in zip(parts, masks, strict=True):
+        width = rows if input_major else part.shape[0]
+        KT[:, offset : offset + width].copy_(mask if input_major else mask.t())
+        offset += width
+    return KT
+
+
 INNER_BLOCK = 32
 
 
@@ -147,6 +160,7 @@ def gptq_quantize(
     overwrite_hessian: bool = False,
     input_major: bool = False,
     global_scale: torch.Tensor | None = None,
+    keep: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> GPTQResult:
     """Quantize ``weight`` ``[rows, cols]`` (or the row blocks that stack into it) given the
     Hessian ``[cols, cols]`` of its inputs, or its ``factor_hessian`` (then ``dampening_frac``,
@@ -159,7 +173,12 @@ def gptq_quantize(
     and the result (weight, scales) is in the stored layout. One weight at a time.
 
     ``global_scale``: NVFP4's, ``[1]`` or one per row; fixed before the update, as the group
-    scales are taken relative to it."""
+    scales are taken relative to it.
+
+    ``keep``: a pruned weight's pattern (one boolean mask per part, in its layout): the weights
+    outside it are zero in the result, each rounded to zero at its column's turn with its error
+    spread like any rounding error (so a 2:4 model stays 2:4), and group qparams are taken over
+    the kept weights."""
     factor = hessian if isinstance(hessian, HessianFactor) else factor_hessian(
         hessian, dampening_frac, actorder, overwrite=overwrite_hessian)
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
@@ -182,6 +201,9 @@ def gptq_quantize(
             native.transposed(part.detach(), out=WT[:, offset : offset + width])
         offset += width
     WT[factor.dead] = 0
+    KT = None if keep is None else _kept_columns(keep, parts, cols, rows, input_major)
+    if KT is not None:
+        WT.masked_fill_(~KT, 0.0)
 
     perm, Hinv = factor.perm, factor.inverse
     by_column = input_major and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
@@ -198,6 +220,7 @@ def gptq_quantize(
         col_scale = col_scale / gs
     if perm is not None:
         WT = WT[perm]
+        KT = None if KT is None else KT[perm]
 
     scale_rows = None if col_scale is None else col_scale.t().contiguous()
     zp_rows = None if col_zp is None else col_zp.t().contiguous()
@@ -210,13 +233,14 @@ def gptq_quantize(
 
     def take_group_qparams(col: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A new group: qparams from its (already updated) columns, as one per weight row."""
-        g_scale, g_zp = _qparams(WT[col : col + group].t(), channel, scale_dtype, gs)
+        columns = WT[col : col + group] if KT is None else WT[col : col + group] * KT[col : col + group]
+        g_scale, g_zp = _qparams(columns.t(), channel, scale_dtype, gs)
         group_scales.append(g_scale)
         group_zps.append(g_zp)
         return (g_scale[:, 0] if gs is None else g_scale[:, 0] / gs[:, 0]), (None if g_zp is None else g_zp[:, 0].float())
 
     # llmpress's operator runs the per-column steps of integer grids (not Conv1D's column-wise qparams)
-    native_columns = not by_column and on_native_grid(args, WT)
+    native_columns = KT is None and not by_column and on_native_grid(args, WT)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
@@ -224,6 +248,7 @@ def gptq_quantize(
         inv_diag = 1.0 / torch.diagonal(Hinv1)
         if not native_columns:  # rows made once per block: per column only the arithmetic goes through torch
             w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
+            pruned_rows = None if KT is None else (~KT[start:end]).unbind(0)
         for inner_start, inner_end in _inner_blocks(start, end, group):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
             # matrix product per inner block: the same arithmetic, far less memory traffic
@@ -258,6 +283,8 @@ def gptq_quantize(
                         scale, zp = take_group_qparams(col)
                     w, err = w_rows[i], err_rows[i]
                     q = rounding(w, scale, zp)
+                    if pruned_rows is not None:  # a pruned weight rounds to zero
+                        q.masked_fill_(pruned_rows[i], 0.0)
                     torch.sub(w, q, out=err)
                     if by_column:  # its qparams are its own: onto the grid now
                         w.copy_(q)
@@ -270,6 +297,8 @@ def gptq_quantize(
                     zp = None if zp_rows is None else zp_rows[inner_start:inner_end]
                 if not by_column:
                     inner.copy_(rounding(inner, scale, zp))
+                    if KT is not None:
+                        inner.masked_fill_(~KT[inner_start:inner_end], 0.0)
             Err1[a:b].mul_(inv_diag[a:b, None])  # GPTQ's error: (w - q) / d
             if inner_end < end:
                 WT[inner_end:end].addmm_(Hinv1[a:b, b:].t(), Err1[a:b], alpha=-1)

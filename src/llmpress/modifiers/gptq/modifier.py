@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress.checkpoint.sparsity import SPARSITY_ATTR
 from llmpress.errors import SessionError
 from llmpress.integrations.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
 from llmpress.models.linear import input_major
@@ -290,7 +291,7 @@ class GPTQModifier(Modifier):
                 global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(m.weight.shape[0]) for m in batch])
             result = gptq_quantize(weight, factor, args, block_size=self.config.block_size,
                                    scale_dtype=scale_dtype_for(args, weight[0].dtype),
-                                   input_major=transposed, global_scale=global_scale)
+                                   input_major=transposed, global_scale=global_scale, keep=_kept(batch))
             del weight
             if len(batch) == 1:  # the whole result is the module's, in its own layout
                 set_weight_qparams(batch[0], result.weight, result.scale, result.zero_point)
@@ -307,6 +308,15 @@ class GPTQModifier(Modifier):
                 offset = part.stop
             del result
         self.seconds += time.perf_counter() - start
+
+
+def _kept(modules: list[nn.Module]) -> list[torch.Tensor] | None:
+    """The nonzero pattern of each module a pruning modifier marked (or a sparse checkpoint
+    named): GPTQ keeps their zeros. None when no module of ``modules`` is marked."""
+    if not any(getattr(m, SPARSITY_ATTR, None) for m in modules):
+        return None
+    return [m.weight.data != 0 if getattr(m, SPARSITY_ATTR, None) else torch.ones_like(m.weight.data, dtype=torch.bool)
+            for m in modules]
 
 
 #: modules sharing a Hessian are solved as one stacked matrix of at most this many weights

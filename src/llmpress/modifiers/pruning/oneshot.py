@@ -66,6 +66,7 @@ class OneShotPruningConfig(ModifierConfig, OneShotFields):
     # itself and always prunes module by module within them
     sequential_targets: str | list[str] | None = None
     sequential_update: bool | None = None
+    requires_calibration_data: Literal[True] = True  # in the recipes llm-compressor saves
 
     @field_validator("targets", mode="before")
     @classmethod
