@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from common import work_folder
+from common import pair_cells, work_folder
 from gptq import bench_inputs, calibration_orders, pair_outputs, prepare_peer_runs, rtn_perplexity, run_pairs
 
 CONFIGS = {"w4": (4, True), "w3": (3, True), "w3-asym": (3, False)}
@@ -102,9 +102,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        o, p, q = r["ours"], r["peer"], r["ratios"]
-        line = (f"{r['model']:<12} {r['config']:>8} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
-                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}")
+        line = f"{r['model']:<12} {r['config']:>8} {pair_cells(r)}"
         if "ppl_ours" in r:
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f}"
         print(line)

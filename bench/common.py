@@ -76,3 +76,16 @@ def prefill_seconds(model, tokens: int, runs: int = 3) -> float:
             model(ids, use_cache=False, logits_to_keep=1)
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def pair_cells(row: dict, figures: tuple[str, ...] = ("compress_s", "rss_mb")) -> str:
+    """A ``run_pairs`` row's figures as table cells: ``llmpress/llm-compressor ratio`` each
+    (seconds to one decimal, megabytes whole)."""
+    ours, peer, ratios = row["ours"], row["peer"], row["ratios"]
+    cells = []
+    for key in figures:
+        if key == "rss_mb":
+            cells.append(f"{ours[key]:>7.0f}/{peer[key]:<7.0f} {ratios[key]:>6.2f}")
+        else:
+            cells.append(f"{ours[key]:>6.1f}/{peer[key]:<6.1f} {ratios[key]:>6.2f}")
+    return " ".join(cells)

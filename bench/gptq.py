@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import PEER_PYTHON, PEER_VENV, REPO, fixture, median_run, save_random_llama, work_folder
+from common import PEER_PYTHON, PEER_VENV, REPO, fixture, median_run, pair_cells, save_random_llama, work_folder
 
 
 def ensure_peer_venv() -> None:
@@ -218,10 +218,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        o, p, q = r["ours"], r["peer"], r["ratios"]
-        line = (f"{r['model']:<12} {r['bits']:>4} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
-                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}"
-                f" {o['wall_s']:>6.1f}/{p['wall_s']:<6.1f} {q['wall_s']:>6.2f}")
+        line = f"{r['model']:<12} {r['bits']:>4} {pair_cells(r, ('compress_s', 'rss_mb', 'wall_s'))}"
         if "ppl_ours" in r:
             rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from common import work_folder
+from common import pair_cells, work_folder
 from gptq import bench_inputs, pair_outputs, prepare_peer_runs, run_pairs, transformers_perplexity
 
 CONFIGS = {
@@ -94,9 +94,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in rows:
-        o, p, q = r["ours"], r["peer"], r["ratios"]
-        line = (f"{r['model']:<12} {r['config']:>19} {o['compress_s']:>6.1f}/{p['compress_s']:<6.1f} {q['compress_s']:>6.2f}"
-                f" {o['rss_mb']:>7.0f}/{p['rss_mb']:<7.0f} {q['rss_mb']:>6.2f}")
+        line = f"{r['model']:<12} {r['config']:>19} {pair_cells(r)}"
         if "ppl_ours" in r:
             (zo, go), (zp, gp) = r["zeros_ours"], r["zeros_peer"]
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {zo:.3f}/{zp:.3f} {go:.3f}/{gp:.3f}"

@@ -101,6 +101,26 @@ def token_batches(count: int = 4, length: int = 32, vocab: int = 512, seed: int 
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
+def trained_llama():
+    """The small trained Llama in float32, for evaluation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def trained_data():
+    """The trained model's calibration text (a path), its tokenizer, and 40 evaluation windows
+    of 256 tokens."""
+    from transformers import AutoTokenizer
+
+    from llmpress.evaluation import evaluation_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
+    windows = evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 40)
+    return str(text_path("calibration.txt")), tokenizer, windows
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama, text_path, trained_model_dir
+from conftest import make_tiny_llama, text_path, trained_llama, trained_model_dir
 
 import llmpress
 from llmpress.data import CalibrationOptions
@@ -165,23 +165,6 @@ AGREE = {"FP8 + fp8 KV cache": 0.99}
 SIDES = {"cpu": "cpu", "gpu": "cuda"}  # what is compared: where the layers calibrate
 
 
-@pytest.fixture(scope="module")
-def trained_data():
-    from transformers import AutoTokenizer
-
-    from llmpress.evaluation import evaluation_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
-    windows = evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 40)
-    return str(text_path("calibration.txt")), tokenizer, windows
-
-
-def trained():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
-
-
 @cuda
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_layers_calibrate_on_the_gpu_as_on_the_cpu(name, trained_data):
@@ -190,7 +173,7 @@ def test_layers_calibrate_on_the_gpu_as_on_the_cpu(name, trained_data):
     text, tokenizer, windows = trained_data
     results = {}
     for side, device in SIDES.items():
-        model = trained()
+        model = trained_llama()
         ran_on = set()
         handle = model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, args: ran_on.add(args[0].device.type))
         options = CalibrationOptions(num_samples=16, seq_len=256, device=device)
@@ -213,12 +196,12 @@ def test_a_model_on_the_gpu_calibrates_there_and_saves(tmp_path, trained_data):
     from llmpress.evaluation import perplexity
 
     text, tokenizer, windows = trained_data
-    model = trained().cuda()
+    model = trained_llama().cuda()
     llmpress.oneshot(model, RECIPES["GPTQ W4A16"], text, processor=tokenizer, output_dir=tmp_path / "out",
                      calibration=CalibrationOptions(num_samples=8, seq_len=128))
     assert {p.device.type for p in model.parameters()} == {"cuda"}
     loaded = perplexity(llmpress.load(tmp_path / "out"), windows, progress=False).perplexity
-    fp32 = perplexity(trained(), windows, progress=False).perplexity
+    fp32 = perplexity(trained_llama(), windows, progress=False).perplexity
     print(f"GPTQ W4A16 of a model on the GPU, saved and loaded: {loaded:.4f} (fp32 {fp32:.4f})")
     assert loaded < 1.05 * fp32
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import checkpoint_tensors, text_path, token_batches, trained_model_dir
+from conftest import checkpoint_tensors, text_path, token_batches, trained_llama, trained_model_dir
 
 import llmpress
 from llmpress.data import CalibrationOptions
@@ -112,23 +112,6 @@ def test_per_layer_sparsities_and_a_pruned_lm_head(caplog):
 
 
 # -- the trained model -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trained_data():
-    from transformers import AutoTokenizer
-
-    from llmpress.evaluation import evaluation_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
-    windows = evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 40)
-    return str(text_path("calibration.txt")), tokenizer, windows
-
-
-def trained():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("structure", ["2:4", "0:0"])
 def test_sparsegpt_beats_wanda_and_magnitude_on_the_trained_model(structure, trained_data, tmp_path):
     from llmpress.evaluation import perplexity
@@ -138,7 +121,7 @@ def test_sparsegpt_beats_wanda_and_magnitude_on_the_trained_model(structure, tra
     ppl = {}
     for modifier in ("SparseGPTModifier", "WandaPruningModifier"):
         out = tmp_path / modifier
-        llmpress.oneshot(trained(), recipe(modifier, structure), text, processor=tokenizer, output_dir=out, calibration=options)
+        llmpress.oneshot(trained_llama(), recipe(modifier, structure), text, processor=tokenizer, output_dir=out, calibration=options)
         tensors = checkpoint_tensors(out)
         weights = [v for k, v in tensors.items() if k.endswith("proj.weight")]
         assert all((w == 0).float().mean().item() == pytest.approx(0.5, abs=1e-3) for w in weights)
@@ -147,7 +130,7 @@ def test_sparsegpt_beats_wanda_and_magnitude_on_the_trained_model(structure, tra
         config = json.loads((out / "config.json").read_text())["llmpress_sparsity"]
         assert config["sparsity_structure"] == ("2:4" if structure == "2:4" else "unstructured")
         ppl[modifier] = perplexity(llmpress.load(out), windows, progress=False).perplexity
-    magnitude = trained()
+    magnitude = trained_llama()
     with torch.no_grad():
         for layer in magnitude.model.layers:
             for module in layer.modules():
@@ -160,7 +143,7 @@ def test_sparsegpt_beats_wanda_and_magnitude_on_the_trained_model(structure, tra
 def test_owl_gives_layers_with_more_outliers_less_sparsity(trained_data, caplog):
     text, tokenizer, _ = trained_data
     with caplog.at_level(logging.INFO, logger="llmpress.modifiers.pruning.oneshot"):
-        pruned = llmpress.oneshot(trained(), WandaPruningModifier(sparsity=0.5, sparsity_profile="owl", owl_m=5, owl_lmbda=0.08,
+        pruned = llmpress.oneshot(trained_llama(), WandaPruningModifier(sparsity=0.5, sparsity_profile="owl", owl_m=5, owl_lmbda=0.08,
                                                                   ignore=["lm_head"]),
                                   text, processor=tokenizer, calibration=CalibrationOptions(num_samples=8, seq_len=128))
     ratios = [float(r) for r in re.search(r"outlier ratios ([\d., ]+)\)", caplog.text)[1].split(", ")]
