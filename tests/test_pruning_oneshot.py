@@ -84,6 +84,8 @@ def test_llm_compressors_fields_are_read_and_bad_ones_refused():
     assert modifier.config.targets == ["Linear"]
     with pytest.raises(RecipeError, match="mask_structure"):
         SparseGPTModifier(sparsity=0.5, mask_structure="4:2")
+    with pytest.raises(RecipeError, match="multiple of M"):  # a block would cut an N:M group short
+        SparseGPTModifier(sparsity=0.5, mask_structure="2:4", block_size=6)
     with pytest.raises(RecipeError, match="needs a sparsity"):
         WandaPruningModifier()
     with pytest.raises(RecipeError, match="OWL needs"):

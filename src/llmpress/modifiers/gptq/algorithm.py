@@ -274,7 +274,8 @@ def gptq_quantize(
                     if scale_rows is not None:
                         scale, zp = scale_rows[col], None if zp_rows is None else zp_rows[col]
                     elif by_column:  # this column's own qparams, over groups of rows
-                        g_scale, g_zp = _qparams(WT[col : col + 1], args, scale_dtype)
+                        g_scale, g_zp = _qparams(WT[col : col + 1] if KT is None else WT[col : col + 1] * KT[col : col + 1],
+                                                 args, scale_dtype)
                         group_scales.append(g_scale)
                         group_zps.append(g_zp)
                         scale = expand_to_columns(g_scale, rows, args)[0]

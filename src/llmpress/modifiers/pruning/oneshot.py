@@ -12,7 +12,8 @@ modules after them, and the next blocks, are calibrated on the pruned model's ac
 - ``sparsity_profile: owl`` with ``owl_m`` and ``owl_lmbda``: outlier-weighted layerwise
   sparsity (Yin et al., 2023). Layers with more outliers of ``|W| * ||x||`` (over ``owl_m`` times
   their mean) get less sparsity, spread over ``2 * owl_lmbda`` around ``sparsity``, the mean
-  unchanged, as llm-compressor computes it. It costs one forward of the dense model over the
+  unchanged: llm-compressor's formula, with each input's norm over all calibration tokens and
+  the targeted Linears' scores (llm-compressor sums per-batch norms over every Linear). It costs one forward of the dense model over the
   calibration data first.
 
 The pruned modules are marked with their structure, so the saved checkpoint's ``sparsity_config``
@@ -126,9 +127,9 @@ class OneShotPruningModifier(Modifier):
         if outside and (isinstance(self.sparsities, list) or self.config.sparsity_profile == "owl"):
             raise RecipeError(f"{type(self).__name__}: sparsities per layer apply to modules inside the model's layers",
                               got=", ".join(outside[:4]), fix="add them to ignore, or give one sparsity")
-        label = "unstructured" if keep is None else f"{keep[0]}:{keep[1]}"
-        for module in self.modules.values():
-            setattr(module, SPARSITY_ATTR, label)
+        # marked once pruned (or restored pruned): a module left dense, or one another modifier
+        # handles before this one prunes it, is not described as sparse
+        self.label = "unstructured" if keep is None else f"{keep[0]}:{keep[1]}"
         self.reached: dict[str, float] = {}  # module -> its sparsity once pruned
         if self.config.sparsity_profile == "owl":
             self.sparsities = owl_sparsities(state.model, blocks, self.modules, state.calibration_data, float(self.config.sparsity),
@@ -172,7 +173,7 @@ class OneShotPruningModifier(Modifier):
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
         inside = {id(m) for m in block.module.modules()}
         for name in [n for n, m in self.pending.items() if id(m) in inside]:
-            self.pending.pop(name)
+            setattr(self.pending.pop(name), SPARSITY_ATTR, self.label)
             self.forget(name)
 
     def on_calibration_end(self, state: State) -> None:
@@ -194,6 +195,7 @@ class OneShotPruningModifier(Modifier):
         for name in self.ready(names):
             module = self.pending.pop(name)
             self.prune(name, module, self.sparsity_for(module))
+            setattr(module, SPARSITY_ATTR, self.label)
             self.forget(name)
             self.reached[name] = sparsity_of(module)
 

@@ -29,7 +29,7 @@ from llmpress.models.linear import linear_weight
 from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.algorithm import HessianFactor, factor_hessian
 from llmpress.modifiers.gptq.hessians import HessianCollector
-from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier
+from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier, parse_pruned_structure
 
 __all__ = ["SparseGPTModifier", "sparsegpt_prune"]
 
@@ -44,6 +44,10 @@ class SparseGPTModifierConfig(OneShotPruningConfig):
     def _check_sparsegpt(self) -> SparseGPTModifierConfig:
         if self.block_size < 1:
             raise RecipeError("SparseGPTModifier: block_size must be positive", got=self.block_size, expected=">= 1 (e.g. 128)")
+        structure = parse_pruned_structure(self.mask_structure)
+        if structure is not None and self.block_size % structure[1]:
+            raise RecipeError(f"SparseGPTModifier: block_size must be a multiple of M for {self.mask_structure}",
+                              got=self.block_size, expected=f"a multiple of {structure[1]} (e.g. 128)")
         if not 0 <= self.dampening_frac < 1:
             raise RecipeError("SparseGPTModifier: dampening_frac must be in [0, 1)", got=self.dampening_frac)
         return self
