@@ -32,13 +32,14 @@ from torch import nn
 
 from llmpress.checkpoint.sparsity import sparsity_of
 from llmpress.errors import RecipeError
+from llmpress.models.linear import linear_weight
 from llmpress.modifiers.base import Modifier, ModifierConfig, OneShotFields, State
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
 if TYPE_CHECKING:
     from llmpress.pipelines.blocks import CalibrationBlock
 
-__all__ = ["OneShotPruningConfig", "OneShotPruningModifier", "owl_sparsities", "parse_pruned_structure"]
+__all__ = ["OneShotPruningConfig", "OneShotPruningModifier", "column_squares", "owl_sparsities", "parse_pruned_structure"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,12 @@ class OneShotPruningModifier(Modifier):
         raise NotImplementedError
 
 
+def column_squares(x: torch.Tensor) -> torch.Tensor:
+    """Per input channel, the sum of ``x^2`` over every token of ``x`` (float64): what Wanda's
+    scores and OWL's outlier ratios take the input norms from."""
+    return x.detach().reshape(-1, x.shape[-1]).to(torch.float64).square().sum(0)
+
+
 @torch.no_grad()
 def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict[str, nn.Module], batches: list[torch.Tensor],
                    sparsity: float, owl_m: float, owl_lmbda: float) -> list[float]:
@@ -228,10 +235,10 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
     squares: dict[nn.Module, torch.Tensor] = {}
 
     def record(module: nn.Module, args: tuple) -> None:
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-        squares[module] = squares.get(module, 0) + x.square().sum(0)
+        squares[module] = squares.get(module, 0) + column_squares(args[0])
 
-    wanted = {m for m in modules.values() if m in set(blocks.modules())}
+    inside = set(blocks.modules())
+    wanted = {m for m in modules.values() if m in inside}
     handles = [m.register_forward_pre_hook(record) for m in wanted]
     try:
         device = next(model.parameters()).device
@@ -242,7 +249,8 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
             handle.remove()
     ratios = []
     for block in blocks:
-        scores = [(m.weight.detach().abs().float() * squares[m].sqrt()).flatten() for m in block.modules() if m in squares]
+        scores = [(linear_weight(m.weight, m).detach().abs().float() * squares[m].sqrt().float()).flatten()
+                  for m in block.modules() if m in squares]  # [out, in] (a Conv1D's transposed view)
         if not scores:
             ratios.append(0.0)
             continue

@@ -21,7 +21,7 @@ from torch import nn
 from llmpress.integrations.distributed import is_distributed, sum_across_ranks
 from llmpress.models.linear import linear_weight
 from llmpress.modifiers.base import MODIFIERS
-from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier
+from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier, column_squares
 
 __all__ = ["WandaPruningModifier", "wanda_mask"]
 
@@ -39,7 +39,7 @@ class WandaPruningModifier(OneShotPruningModifier):
         self.squares: dict[str, torch.Tensor] = {}  # per input column: sum of x^2 over the tokens seen
 
     def gather(self, name: str, x: torch.Tensor) -> None:
-        columns = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).square().sum(0)
+        columns = column_squares(x)
         self.squares[name] = columns if name not in self.squares else self.squares[name].add_(columns)
 
     def ready(self, names: list[str]) -> list[str]:
