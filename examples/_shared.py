@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 
 import llmpress
-from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_of
+from llmpress.checkpoint.sparsity import SPARSITY_KEY
 from llmpress.data import CalibrationOptions, load_calibration_samples
-from llmpress.entrypoints import load_model_and_processor
 from llmpress.evaluation import evaluation_windows, perplexity
+from llmpress.lifecycle.sparsity import sparsity_of
+from llmpress.loading.loader import read_model_and_processor
 
 RECIPE = Path(__file__).resolve().parent / "recipes" / "prune_50_distill.yaml"
 
@@ -47,7 +48,7 @@ def parse_args(description: str, extra: list[tuple[str, dict]] = ()) -> argparse
 def load_everything(args: argparse.Namespace):
     """The model, its tokenizer, training samples (1-D token tensors) and evaluation windows."""
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_processor(args.model)
+    model, tokenizer = read_model_and_processor(args.model)
     options = CalibrationOptions(num_samples=args.max_samples, seq_len=args.seq_len, seed=args.seed)
     samples = load_calibration_samples(args.text, tokenizer, options)
     windows = evaluation_windows(Path(args.eval_text).read_text(encoding="utf-8"), tokenizer, 256, args.max_windows)

@@ -18,9 +18,9 @@ import torch
 
 import llmpress
 from llmpress.data import CalibrationOptions
-from llmpress.entrypoints import load_model_and_processor
 from llmpress.evaluation import evaluation_windows, perplexity
 from llmpress.evaluation.report import plot_results
+from llmpress.loading.loader import read_model_and_processor
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "assets" / "tiny-llama"
@@ -48,7 +48,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.output)
 
-    model, tokenizer = load_model_and_processor(MODEL)
+    model, tokenizer = read_model_and_processor(MODEL)
     windows = evaluation_windows(EVALUATION.read_text(encoding="utf-8"), tokenizer, 256, args.max_windows)
     rows = []
 

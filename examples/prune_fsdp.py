@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import llmpress
+from llmpress.contract.block import find_blocks
 from llmpress.evaluation import perplexity
-from llmpress.integrations.distributed import is_main_process, ranks_from_environment, share_of, world_size
-from llmpress.pipelines.blocks import find_blocks
+from llmpress.parallel.distributed import is_main_process, ranks_from_environment, share_of, world_size
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:

@@ -32,7 +32,7 @@ def text_path(name: str) -> Path:
 def gloo_rank(rank: int, world: int, init: str) -> Iterator[None]:
     """One spawned rank of a gloo group for the length of a ``with`` block, one thread each; the
     group is ended with a barrier first when the block finished (``end_process_group``)."""
-    from llmpress.integrations.distributed import end_process_group
+    from llmpress.parallel.distributed import end_process_group
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -130,8 +130,8 @@ def tiny_llama():
 def scoped_registries():
     """Modifiers, formats and quantization methods a test registers are forgotten after it."""
     from llmpress.formats import FORMATS
-    from llmpress.integrations.transformers_quantizer import unregister_from_transformers
     from llmpress.loading import METHODS
+    from llmpress.loading.transformers_quantizer import unregister_from_transformers
     from llmpress.modifiers import MODIFIERS
 
     before = {registry: set(registry.names()) for registry in (MODIFIERS, FORMATS, METHODS)}

@@ -104,8 +104,8 @@ def test_smoothquant_finds_each_familys_mappings_and_keeps_its_function(model_ty
     gets mappings."""
     from conftest import token_batches
 
+    from llmpress.lifecycle.records import applied_recipe
     from llmpress.modifiers import SmoothQuantModifier
-    from llmpress.recipe import APPLIED_RECIPE_ATTR
 
     source = save_tiny(model_type, tmp_path / "source")
     ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
@@ -113,7 +113,7 @@ def test_smoothquant_finds_each_familys_mappings_and_keeps_its_function(model_ty
     done = llmpress.oneshot(llmpress.load(source, dtype=torch.float32), [SmoothQuantModifier(smoothing_strength=0.8)],
                             token_batches(4, 32, vocab=4000))
     assert ((_outputs(done, ids) - reference).norm() / reference.norm()) < 1e-5, model_type
-    found = getattr(done, APPLIED_RECIPE_ATTR).modifiers[0].found
+    found = applied_recipe(done).modifiers[0].found
     assert bool(found) == (model_type not in NO_SMOOTHING), (model_type, found)
 
 
@@ -126,8 +126,8 @@ def test_awq_runs_on_each_family(model_type, tmp_path):
     table: about 4x GPTQ's error with SmoothQuant, bench/smoothing_families.py)."""
     from conftest import token_batches
 
+    from llmpress.lifecycle.records import applied_recipe
     from llmpress.modifiers import AWQModifier, QuantizationModifier
-    from llmpress.recipe import APPLIED_RECIPE_ATTR
 
     source = save_tiny(model_type, tmp_path / "source")
     ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
@@ -144,7 +144,7 @@ def test_awq_runs_on_each_family(model_type, tmp_path):
     rtn, _ = error([QuantizationModifier(scheme="W4A16", ignore=ignore)])
     awq, done = error([AWQModifier(n_grid=4), QuantizationModifier(scheme="W4A16", ignore=ignore)])
     assert awq <= 1.5 * rtn, (model_type, awq, rtn)  # up to 1.12x on these random weights (Mixtral)
-    assert getattr(done, APPLIED_RECIPE_ATTR).modifiers[0].found or model_type in NO_AWQ, model_type
+    assert applied_recipe(done).modifiers[0].found or model_type in NO_AWQ, model_type
 
 
 @pytest.mark.parametrize("model_type", list(_params()))
@@ -154,9 +154,9 @@ def test_sparsegpt_prunes_each_family_two_of_four(model_type, tmp_path):
     output stays finite."""
     from conftest import token_batches
 
+    from llmpress.contract.block import find_blocks
     from llmpress.models.linear import is_linear, linear_weight
     from llmpress.modifiers import SparseGPTModifier
-    from llmpress.pipelines.blocks import find_blocks
 
     source = save_tiny(model_type, tmp_path / "source")
     ignore = ["re:.*lm_head", "re:.*mlp\\.gate$", "re:.*router.*", "re:.*shared_expert_gate$", "re:.*vision.*", "re:.*visual.*",

@@ -16,6 +16,7 @@ from conftest import REPO, checkpoint_tensors, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.errors import CheckpointError
+from llmpress.lifecycle.records import applied_recipe
 from llmpress.quant import PRESET_SCHEMES
 
 EXPECTED = {
@@ -214,6 +215,6 @@ def test_reads_a_checkpoint_written_by_llm_compressor():
     ids = torch.tensor(token_batches(2, 16))
     a, b = logits(ours, ids), logits(theirs, ids)
     assert float((a - b).norm() / b.norm()) < 1e-2
-    (modifier,) = ours._llmpress_applied_recipe.modifiers
+    (modifier,) = applied_recipe(ours).modifiers
     assert type(modifier).__name__ == "GPTQModifier"
     assert modifier.config.actorder == "static"

@@ -12,11 +12,11 @@ from conftest import train_steps
 from test_gptq import correlated_problem, output_error
 
 import llmpress
+from llmpress.lifecycle.qat import enable_qat
 from llmpress.models.linear import Conv1D, linear_weight
 from llmpress.modifiers import GPTQModifier, MagnitudePruningModifier, QuantizationModifier
 from llmpress.modifiers.gptq.algorithm import gptq_quantize
 from llmpress.quant import QuantizationArgs, fake_quantize, weight_qparams
-from llmpress.quant.qat import enable_qat
 from llmpress.runtime import QuantizedLinear
 
 ARGS = [

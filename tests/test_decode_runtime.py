@@ -164,3 +164,22 @@ def test_the_models_own_generation_config_is_honoured(tiny_dir, setting):
     with torch.no_grad():
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert compiles(model) and not is_compiled(model)
+
+
+def test_reading_sets_up_nothing_for_inference_and_load_does(tiny_dir, tmp_path, monkeypatch):
+    """``read_checkpoint`` (what oneshot, train, eval and inspect use) neither fuses nor wraps
+    ``generate``; ``llmpress.load`` does both, on the same checkpoint."""
+    from llmpress.loading import read_checkpoint
+    from llmpress.loading.loader import read_model_and_processor
+
+    monkeypatch.setenv("LLMPRESS_COMPILE", "1")
+    config = llmpress.LlmpressConfig(bits=4)
+    read = read_checkpoint(tiny_dir, quantization_config=config)
+    assert not _members(read) and not compiles(read) and "generate" not in vars(read)
+    loaded = llmpress.load(tiny_dir, quantization_config=config, compile_decode=True)
+    assert _members(loaded) and compiles(loaded)
+    loaded.save_pretrained(tmp_path / "int4")
+    dense, _ = read_model_and_processor(tmp_path / "int4")
+    assert not compiles(dense) and "generate" not in vars(dense)
+    done = llmpress.oneshot(str(tiny_dir), "W8A16", None)  # data-free: oneshot reads its model, nothing more
+    assert not compiles(done) and "generate" not in vars(done)

@@ -20,7 +20,7 @@ from conftest import GPTQ_W4_G32, REPO, checkpoint_tensors, gloo_rank, make_tiny
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError, SessionError
-from llmpress.integrations import distributed
+from llmpress.parallel import distributed
 
 GPTQ_W4 = GPTQ_W4_G32
 
@@ -197,7 +197,7 @@ def test_a_modifier_that_does_not_reduce_is_refused_on_several_ranks(monkeypatch
 
 
 def test_ending_a_process_group_destroys_it_and_is_a_no_op_without_one(tmp_path):
-    from llmpress.integrations.distributed import end_process_group
+    from llmpress.parallel.distributed import end_process_group
 
     end_process_group()  # none initialised: nothing to do
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)

@@ -47,7 +47,7 @@ def test_mixed_schemes_follow_compressed_tensors_priority(tmp_path):
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     torch.testing.assert_close(logits(theirs, IDS), logits(model, IDS), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits(llmpress.load_checkpoint(tmp_path / "out"), IDS), logits(model, IDS))
-    from llmpress.checkpoint.inspect import describe_checkpoint
+    from llmpress.loading.inspect import describe_checkpoint
 
     counts = {g["summary"].split()[0]: g["modules"] for g in describe_checkpoint(tmp_path / "out")["groups"]}
     assert counts == {"int4": 12, "int8": 2}  # inspect assigns modules as the loaders do

@@ -10,7 +10,7 @@ from torch import nn
 from llmpress.errors import SchemeError
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.fp4_packed import pack_fp4, unpack_fp4
-from llmpress.quant.attach import attach_scheme, freeze_weight, fused_families, share_global_scales
+from llmpress.lifecycle.attach import attach_scheme, freeze_weight, fused_families, share_global_scales
 from llmpress.quant.qdq import compute_qparams, dequantize, fake_quantize_activation, quantize, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, preset_scheme
 

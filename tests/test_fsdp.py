@@ -36,7 +36,7 @@ def _sharded_tiny_llama(world: int, samples: int, recipe: str, epochs: int):
     from torch.distributed.fsdp import fully_shard
 
     import llmpress
-    from llmpress.integrations.distributed import share_of
+    from llmpress.parallel.distributed import share_of
 
     model = make_tiny_llama(intermediate=256)
     mesh = init_device_mesh("cpu", (world,))
@@ -60,7 +60,7 @@ def _sharded_tiny_llama(world: int, samples: int, recipe: str, epochs: int):
 def _train_rank(rank: int, world: int, init: str, folder: str) -> None:
     with gloo_rank(rank, world, init):
         import llmpress
-        from llmpress.integrations.fsdp import is_dtensor
+        from llmpress.parallel.fsdp import is_dtensor
 
         model, batches = _sharded_tiny_llama(world, samples=8, recipe=PRUNE, epochs=2)
         llmpress.save_checkpoint(folder, model)
@@ -154,7 +154,7 @@ def _qat_rank(rank: int, world: int, init: str, folder: str) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         import llmpress
-        from llmpress.integrations.distributed import gather_objects
+        from llmpress.parallel.distributed import gather_objects
 
         model, _ = _sharded_tiny_llama(world, samples=4, recipe=QAT_PER_TENSOR, epochs=1)
         scales = {n: m.weight_scale.item() for n, m in model.named_modules() if hasattr(m, "weight_scale")}

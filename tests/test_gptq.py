@@ -11,11 +11,11 @@ from conftest import make_tiny_llama, token_batches
 
 import llmpress
 from llmpress import Recipe
+from llmpress.contract.block import find_blocks
 from llmpress.data import CalibrationOptions
 from llmpress.errors import MissingStateError, RecipeError
 from llmpress.modifiers import GPTQModifier, QuantizationModifier
 from llmpress.modifiers.gptq.algorithm import gptq_quantize, inverse_hessian_factor
-from llmpress.pipelines.blocks import find_blocks
 from llmpress.quant import QuantizationArgs, fake_quantize, weight_qparams
 
 LLM_COMPRESSOR_GPTQ = """
@@ -228,7 +228,7 @@ def test_layerwise_calibration_feeds_each_architecture_its_own_inputs(arch):
     the block as the model itself would pass them. (Two passes per block: module by module,
     later modules of the block see the compressed earlier ones, which the whole-model pass
     does not; ``test_sequential.py`` checks that route.)"""
-    from llmpress.pipelines.blocks import find_blocks
+    from llmpress.contract.block import find_blocks
 
     first = []
     for pipeline in ("layerwise", "basic"):

@@ -11,8 +11,8 @@ from conftest import make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.errors import LlmpressError
+from llmpress.lifecycle.kv_cache import KVCacheQuantizer
 from llmpress.modifiers import GPTQModifier, QuantizationModifier
-from llmpress.quant.kv_cache import KVCacheQuantizer
 
 KV = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 

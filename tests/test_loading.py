@@ -12,6 +12,7 @@ from torch import nn
 
 import llmpress
 from llmpress.errors import CheckpointError, RecipeError
+from llmpress.lifecycle.records import applied_recipe
 from llmpress.runtime import QuantizedLinear, kernels
 
 LLMC_FIXTURE = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
@@ -292,7 +293,7 @@ def test_llm_compressor_014_recipes_load_and_a_bad_recipe_file_only_warns(tmp_pa
         "      targets: [Linear]\n      ignore: [lm_head]\n"
         "      bypass_divisibility_checks: false\n      requires_calibration_data: false\n"
     )
-    assert llmpress.load(tmp_path / "c")._llmpress_applied_recipe is not None
+    assert applied_recipe(llmpress.load(tmp_path / "c")) is not None
     (tmp_path / "c" / "recipe.yaml").write_text("stage:\n  mods:\n    NoSuchModifier: {}\n")
     with caplog.at_level("WARNING"):
         model = llmpress.load(tmp_path / "c")  # the weights do not depend on the recipe

@@ -9,8 +9,8 @@ from conftest import GPTQ_W4_G32, checkpoint_tensors, make_tiny_llama, token_bat
 
 import llmpress
 from llmpress.data import CalibrationOptions
-from llmpress.pipelines.kept import KeptValues
-from llmpress.quant.compact import CompactWeights
+from llmpress.pipelines.storage.compact import CompactWeights
+from llmpress.pipelines.storage.kept import KeptValues
 
 RECIPE = GPTQ_W4_G32
 
@@ -70,7 +70,7 @@ def test_the_checkpoint_is_written_from_the_held_integers(tmp_path, monkeypatch)
 def test_spill_files_are_written_over_by_the_next_stage(tmp_path):
     """A finished KeptValues gives its file back; the next one in that folder writes over it
     (pages the file cache holds already), and the run's end closes them."""
-    from llmpress.pipelines import kept as kept_module
+    from llmpress.pipelines.storage import kept as kept_module
 
     first = KeptValues([4], spill=tmp_path)
     first.put(0, torch.randn(4, 8))
@@ -88,7 +88,7 @@ def test_spill_files_are_written_over_by_the_next_stage(tmp_path):
 def test_a_quantized_weight_takes_the_place_of_a_mapped_one():
     """``replace_weight``: a fresh result becomes the weight (no write into a copy-on-write
     mapping); one module's rows of a stacked result are copied out, sharing nothing."""
-    from llmpress.quant.attach import replace_weight
+    from llmpress.lifecycle.attach import replace_weight
 
     first, second = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4, bias=False)
     parameter = first.weight
@@ -109,8 +109,8 @@ def test_a_quantized_weight_takes_the_place_of_a_mapped_one():
 def test_spilled_block_inputs_behave_as_a_list(tmp_path):
     """A block's inputs with their hidden states in a file: read, set, sliced and replaced as the
     pipeline and the modifiers use a list, with the other arguments kept as they were."""
-    from llmpress.pipelines.kept import SpilledInputs
-    from llmpress.pipelines.plan import tokens_per_batch
+    from llmpress.contract.block import tokens_per_batch
+    from llmpress.pipelines.storage.kept import SpilledInputs
 
     rotary = torch.randn(1, 4, 8)
     items = [((torch.randn(1, 4, 16),), {"position_embeddings": rotary}),

@@ -1,4 +1,4 @@
-"""Calibrating each layer on a GPU while the model stays in host memory (pipelines/onload.py).
+"""Calibrating each layer on a GPU while the model stays in host memory (pipelines/storage/onload.py).
 
 The choice of device and the inputs' crossing run everywhere (the crossing on the meta device);
 the end-to-end runs need a CUDA GPU and are skipped without one."""
@@ -12,9 +12,9 @@ from conftest import make_tiny_llama, text_path, trained_llama, trained_model_di
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError
-from llmpress.pipelines import onload
-from llmpress.pipelines.kept import SpilledInputs
-from llmpress.pipelines.onload import OnDevice, Placement, execution_device
+from llmpress.pipelines.storage import onload
+from llmpress.pipelines.storage.kept import SpilledInputs
+from llmpress.pipelines.storage.onload import OnDevice, Placement, execution_device
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -115,7 +115,7 @@ def test_the_pipeline_through_the_crossing_gives_the_same_model(spill, monkeypat
 def test_a_run_resumed_on_another_device_is_another_run(monkeypatch):
     """The same options resolve to a GPU on one machine and to the CPU on another: the layers
     calibrated there differ in their last bits, so a work folder from one is refused on the other."""
-    from llmpress.pipelines import resume
+    from llmpress.pipelines.storage import resume
 
     model, recipe = make_tiny_llama(), llmpress.Recipe.from_any(RECIPES["GPTQ W4A16"])
     batches = [torch.arange(16).reshape(1, 16)]

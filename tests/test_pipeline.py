@@ -14,16 +14,17 @@ from test_gptq import _tiny
 from torch import nn
 
 import llmpress
+from llmpress.contract.block import CalibrationBlock, find_blocks
+from llmpress.contract.observation import Observation
 from llmpress.data import CalibrationOptions
 from llmpress.errors import UnsupportedModelError
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.modifiers import GPTQModifier, Modifier
-from llmpress.observation import Observation
 from llmpress.pipelines import layerwise
-from llmpress.pipelines.blocks import CalibrationBlock, capture_block_inputs, find_blocks, share_repeated
-from llmpress.pipelines.plan import BlockPlan, plan_block
+from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
+from llmpress.pipelines.by_module.plan import BlockPlan, plan_block
+from llmpress.pipelines.by_module.sequential import calibrate_block_by_module
 from llmpress.pipelines.reference import calibrate_block_reference, observe_block
-from llmpress.pipelines.sequential import calibrate_block_by_module
 
 
 class _Squash(Modifier):

@@ -223,8 +223,8 @@ def test_int4_packs_eight_values_per_word():
 
 @pytest.mark.parametrize("preset", ["W4A16", "W8A16", "W4A16_ASYM", "FP8"])
 def test_finished_layers_wait_as_integers_and_come_back_bit_for_bit(preset):
-    from llmpress.quant.attach import attach_scheme, freeze_weight
-    from llmpress.quant.compact import CompactWeights
+    from llmpress.lifecycle.attach import attach_scheme, freeze_weight
+    from llmpress.pipelines.storage.compact import CompactWeights
     from llmpress.quant.scheme import preset_scheme
 
     torch.manual_seed(0)
@@ -246,7 +246,7 @@ def test_finished_layers_wait_as_integers_and_come_back_bit_for_bit(preset):
 
 @pytest.mark.parametrize("shape", [(1, 8), (7, 24), (3, 64)])
 def test_nibble_packing_round_trips_every_4_bit_integer(shape):
-    from llmpress.quant.compact import _packed, _unpacked
+    from llmpress.pipelines.storage.compact import _packed, _unpacked
 
     k = torch.arange(shape[0] * shape[1], dtype=torch.int8).remainder(16).sub(8).reshape(shape)  # -8..7
     packed = _packed(k)
@@ -259,8 +259,8 @@ def test_nibble_packing_round_trips_every_4_bit_integer(shape):
 
 
 def test_a_weight_off_its_grid_is_not_held():
-    from llmpress.quant.attach import attach_scheme, freeze_weight
-    from llmpress.quant.compact import CompactWeights
+    from llmpress.lifecycle.attach import attach_scheme, freeze_weight
+    from llmpress.pipelines.storage.compact import CompactWeights
     from llmpress.quant.scheme import preset_scheme
 
     linear = torch.nn.Linear(128, 16)
@@ -271,8 +271,8 @@ def test_a_weight_off_its_grid_is_not_held():
 
 
 def test_a_shared_weight_is_not_held():
-    from llmpress.quant.attach import attach_scheme, freeze_weight
-    from llmpress.quant.compact import CompactWeights
+    from llmpress.lifecycle.attach import attach_scheme, freeze_weight
+    from llmpress.pipelines.storage.compact import CompactWeights
     from llmpress.quant.scheme import preset_scheme
 
     first, second = torch.nn.Linear(128, 16), torch.nn.Linear(128, 16)
@@ -328,9 +328,9 @@ def test_modules_reading_one_input_share_its_dynamic_fake_quantization(monkeypat
     """q/k/v read one tensor with equal dynamic args: it is fake-quantized once a forward, and
     each gets what a quantization of its own gives; a tensor written in between, or one with
     calibrated qparams, is quantized again."""
-    import llmpress.quant.attach as attach
+    import llmpress.lifecycle.attach as attach
+    from llmpress.lifecycle.attach import attach_scheme, fake_quantize_module_input
     from llmpress.quant import preset_scheme
-    from llmpress.quant.attach import attach_scheme, fake_quantize_module_input
 
     computed = []
     real = attach.fake_quantize_activation

@@ -18,7 +18,7 @@ from conftest import REPO, checkpoint_tensors, token_batches
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import CheckpointError, RecipeError
-from llmpress.pipelines.resume import WorkFolder
+from llmpress.pipelines.storage.resume import WorkFolder
 
 #: every kind of state a finished layer holds: smoothing folded into norms, int8 weights with
 #: static input scales (hooks that must come back), an fp8 KV cache's scales
@@ -82,7 +82,7 @@ def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, mo
     forwarded from the first block's inputs); blocks calibrated module by module, or in two passes."""
     from dataclasses import replace
 
-    from llmpress.pipelines import resume
+    from llmpress.pipelines.storage import resume
 
     options = replace(OPTIONS, true_sequential=False) if two_passes else OPTIONS
     whole = run(model_dir, model_dir / "whole", options=options)
@@ -131,7 +131,7 @@ def test_a_run_stopped_after_its_last_layer_resumes_to_the_same_checkpoint_and_r
 def test_a_work_folder_written_before_inputs_were_spaced_out_resumes(model_dir, monkeypatch):
     """progress.json without ``inputs_after`` (inputs were written after every layer): its
     inputs are the last layer's; a later layer not due to write them keeps that right."""
-    from llmpress.pipelines import resume
+    from llmpress.pipelines.storage import resume
 
     run(model_dir, model_dir / "whole")
     whole = checkpoint_tensors(model_dir / "whole")

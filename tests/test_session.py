@@ -11,6 +11,7 @@ from conftest import make_tiny_llama
 import llmpress
 from llmpress import Session, active_session
 from llmpress.errors import LlmpressError, MissingStateError, SessionError
+from llmpress.lifecycle.records import applied_recipe
 from llmpress.modifiers import QuantizationModifier
 
 
@@ -161,7 +162,7 @@ def _active_or_none():
 
 def test_finalize_records_the_recipe_on_the_model():
     session = finalized_session()
-    recorded = session.state.model._llmpress_applied_recipe
+    recorded = applied_recipe(session.state.model)
     assert recorded == session.recipe
 
 

@@ -8,9 +8,9 @@ import torch
 from conftest import make_tiny_llama, text_path, token_batches, trained_model_dir
 
 import llmpress
+from llmpress.contract.block import CalibrationBlock
 from llmpress.modifiers import AWQModifier, GPTQModifier, QuantizationModifier, SmoothQuantModifier
 from llmpress.modifiers.smoothing import find_mappings, resolve_mappings
-from llmpress.pipelines.blocks import CalibrationBlock
 
 
 def first_block(model, layers, batches):
@@ -621,7 +621,8 @@ def test_the_saved_recipe_names_the_mappings_found_and_runs_again_to_the_same_ch
     one pattern pair, resolved expert by expert."""
     from conftest import checkpoint_tensors
 
-    from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+    from llmpress.lifecycle.records import applied_recipe
+    from llmpress.recipe import Recipe
 
     if family == "llama":
         model_dir = tmp_path / "llama"
@@ -634,7 +635,7 @@ def test_the_saved_recipe_names_the_mappings_found_and_runs_again_to_the_same_ch
     given = Recipe.from_any([AWQModifier(), QuantizationModifier(scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])])
     model = llmpress.oneshot(str(model_dir), given, batches, output_dir=tmp_path / "found", calibration=options)
     assert "mappings" not in given.to_yaml()
-    recorded = getattr(model, APPLIED_RECIPE_ATTR).modifiers  # what the model keeps: no running state
+    recorded = applied_recipe(model).modifiers  # what the model keeps: no running state
     assert recorded[0].found and not any(hasattr(m, "memo") or hasattr(m, "prefix_of") for m in recorded)
     saved = Recipe.from_file(tmp_path / "found" / "recipe.yaml")
     mappings = saved.modifiers[0].config.mappings

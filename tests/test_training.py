@@ -230,7 +230,7 @@ def test_pruning_checkpoint_keeps_zeros_and_says_so(tmp_path):
     ours = llmpress.load(tmp_path / "final")
     for reloaded in (loaded, ours):
         assert float((reloaded.model.layers[0].mlp.down_proj.weight == 0).float().mean()) == pytest.approx(0.5)
-    from llmpress.checkpoint.inspect import describe_checkpoint
+    from llmpress.loading.inspect import describe_checkpoint
 
     assert describe_checkpoint(tmp_path / "final")["sparsity"].startswith("2:4, 50.0% zeros")
     ours.save_pretrained(tmp_path / "again")  # loaded pruned: saving keeps the record

@@ -124,14 +124,14 @@ recovery_stage:
 def test_staged_recipe_rtn_then_qat_with_distillation_beats_rtn(tmp_path):
     """One YAML: RTN W4A16, then QAT recovery distilled from the original model. The stage
     checkpoint is saved, and QAT's perplexity is below RTN's on the shared model."""
-    from llmpress.entrypoints import load_model_and_processor
     from llmpress.evaluation import evaluation_windows, perplexity
+    from llmpress.loading.loader import read_model_and_processor
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(STAGED)
     options = llmpress.TrainingOptions(lr=1e-4, max_steps=40, batch_size=8, seq_len=128, epochs=10)
     llmpress.train(trained_model_dir(), recipe, text_path("calibration.txt"), output_dir=tmp_path / "out", training=options)
-    _, tokenizer = load_model_and_processor(trained_model_dir())
+    _, tokenizer = read_model_and_processor(trained_model_dir())
     windows = evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 20)
     rtn = perplexity(llmpress.load_checkpoint(tmp_path / "out" / "quant_stage"), windows, progress=False).perplexity
     qat = perplexity(llmpress.load_checkpoint(tmp_path / "out"), windows, progress=False).perplexity
@@ -154,7 +154,7 @@ def _run_example(script: str, output) -> str:
 
 
 def _pruned_fraction(folder) -> dict[str, float]:
-    from llmpress.checkpoint.sparsity import sparsity_of
+    from llmpress.lifecycle.sparsity import sparsity_of
 
     model = llmpress.load_checkpoint(folder)
     config = sparsity_record(folder)

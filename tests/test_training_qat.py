@@ -10,10 +10,10 @@ from conftest import make_tiny_llama, train_steps, training_batch
 
 import llmpress
 from llmpress.errors import MissingStateError, RecipeError, SessionError
+from llmpress.lifecycle.qat import QAT_ATTR
 from llmpress.modifiers import (
     QuantizationModifier,
 )
-from llmpress.quant.qat import QAT_ATTR
 
 
 # -- QAT ----------------------------------------------------------------------------------------

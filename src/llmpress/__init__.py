@@ -1,7 +1,7 @@
 """llmpress: compress language models into the compressed-tensors format.
 
 Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
-``CalibrationOptions``, ``load``, ``LlmpressConfig``, ``load_checkpoint``, ``compile_decode``; modifiers in ``llmpress.modifiers``; errors in
+``CalibrationOptions``, ``load``, ``read_checkpoint``, ``LlmpressConfig``, ``load_checkpoint``, ``compile_decode``; modifiers in ``llmpress.modifiers``; errors in
 ``llmpress.errors``.
 
 Importing the package is cheap: each name (and each subpackage, ``llmpress.quant`` say) is
@@ -28,13 +28,14 @@ if TYPE_CHECKING:
         Quantizer,
         load,
         load_checkpoint,
+        read_checkpoint,
     )
     from llmpress.pipelines.training import TrainingOptions
     from llmpress.recipe import Recipe
     from llmpress.runtime.decode import compile_decode
     from llmpress.session import Session, active_session
 
-__version__ = "0.1.0"
+from llmpress.version import __version__ as __version__
 
 _HOMES = {
     "CalibrationOptions": "llmpress.data",
@@ -50,6 +51,7 @@ _HOMES = {
     "compile_decode": "llmpress.runtime.decode",
     "load": "llmpress.loading",
     "load_checkpoint": "llmpress.loading",
+    "read_checkpoint": "llmpress.loading",
     "oneshot": "llmpress.entrypoints",
     "save_checkpoint": "llmpress.checkpoint",
     "train": "llmpress.entrypoints",
@@ -72,6 +74,7 @@ __all__ = [
     "load_checkpoint",
     "modifiers",
     "oneshot",
+    "read_checkpoint",
     "save_checkpoint",
     "train",
 ]

@@ -22,7 +22,7 @@ __all__ = ["main", "run"]
 def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.data import CalibrationOptions
     from llmpress.entrypoints import oneshot
-    from llmpress.integrations.distributed import ranks_from_environment
+    from llmpress.parallel.distributed import ranks_from_environment
     from llmpress.recipe import Recipe
 
     recipe = Recipe.from_any(args.recipe)
@@ -160,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from llmpress.checkpoint.inspect import describe_checkpoint
+    from llmpress.loading.inspect import describe_checkpoint
 
     info = describe_checkpoint(args.path)
     if args.json:
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _import_library(command: str) -> None:
     """Torch, transformers and the library modules the command runs, before it starts."""
-    modules = ["llmpress.checkpoint.inspect"] if command == "inspect" else ["llmpress.entrypoints", "llmpress.loading", "llmpress.evaluation"]
+    modules = ["llmpress.loading.inspect"] if command == "inspect" else ["llmpress.entrypoints", "llmpress.loading", "llmpress.evaluation"]
     for module in modules:
         importlib.import_module(module)
 

@@ -16,39 +16,23 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint import save_checkpoint
+from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
-from llmpress.integrations.distributed import is_distributed, same_on_every_rank, share_of
+from llmpress.lifecycle.qat import PENDING_ATTR
+from llmpress.loading.loader import read_model_and_processor
 from llmpress.models import calibrating_all_experts, linearize_experts
-from llmpress.modifiers.base import TRAINING_EVENTS
+from llmpress.parallel.distributed import is_distributed, same_on_every_rank, share_of
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
-from llmpress.pipelines.resume import WorkFolder, run_fingerprint
+from llmpress.pipelines.storage.resume import WorkFolder, run_fingerprint
 from llmpress.pipelines.training import TrainingOptions, run_training, stage_epochs
 from llmpress.recipe import Recipe, RecipeStage
 from llmpress.session import Session
 
-__all__ = ["is_training_stage", "load_model_and_processor", "oneshot", "train"]
+__all__ = ["is_training_stage", "oneshot", "train"]
 
 logger = logging.getLogger(__name__)
-
-
-def load_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
-    """A model (plain or compressed-tensors checkpoint) and its tokenizer, from a folder or a
-    cached Hub model id."""
-    from transformers import AutoTokenizer
-
-    from llmpress.loading import load_checkpoint
-    from llmpress.loading.loader import model_folder
-
-    folder = model_folder(path)
-    model = load_checkpoint(folder, dtype=dtype)
-    processor = AutoTokenizer.from_pretrained(str(folder)) if _has_tokenizer(folder) else None
-    return model, processor
-
-
-def _has_tokenizer(folder: Path) -> bool:
-    return any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def _require_no_calibration(recipe: Recipe) -> None:
@@ -93,7 +77,7 @@ def oneshot(
     samples of how many tokens to take from it.
     """
     if isinstance(model, (str, Path)):
-        model, loaded_processor = load_model_and_processor(model)
+        model, loaded_processor = read_model_and_processor(model)
         processor = processor if processor is not None else loaded_processor
     recipe = Recipe.from_any(recipe)
     options = calibration or CalibrationOptions()
@@ -126,7 +110,7 @@ def oneshot(
 
 def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: CalibrationOptions, output_dir: str | Path | None,
                  resume: bool) -> WorkFolder | None:
-    """The run's work folder (``pipelines/resume.py``) where it can resume: an output, one
+    """The run's work folder (``pipelines/storage/resume.py``) where it can resume: an output, one
     stage, the layerwise pipeline."""
     resumable = output_dir is not None and len(recipe.stages) == 1 and options.pipeline == "layerwise" and batches is not None
     if not resumable:
@@ -201,7 +185,7 @@ def train(
     distills and none is given, it is a copy of ``model`` as it was before the first stage.
     """
     if isinstance(model, (str, Path)):
-        model, loaded_processor = load_model_and_processor(model)
+        model, loaded_processor = read_model_and_processor(model)
         processor = processor if processor is not None else loaded_processor
     if dataset is None:
         raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
@@ -218,7 +202,7 @@ def train(
     options = training or TrainingOptions()
     calibration = calibration or CalibrationOptions()
     if isinstance(teacher, (str, Path)):
-        teacher, _ = load_model_and_processor(teacher)
+        teacher, _ = read_model_and_processor(teacher)
     if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
         logger.info("distilling from a copy of the model as it was before the first stage")
         teacher = copy.deepcopy(model).eval()
@@ -245,8 +229,6 @@ def train(
 def _freeze_quantized_weights(model: nn.Module) -> None:
     """Weights an earlier stage put on their grid stay there unless this stage trains them with
     QAT (a QuantizationModifier of its own): plain steps would move them off the grid."""
-    from llmpress.quant.qat import PENDING_ATTR
-
     frozen = [
         m for m in model.modules()
         if getattr(m, "weight_scale", None) is not None

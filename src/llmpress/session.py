@@ -25,18 +25,19 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from llmpress.checkpoint.save_pretrained import route_save_pretrained
+from llmpress.contract.modifier import EVENTS, STATE_FIELDS, TRAINING_EVENTS, Modifier, State
+from llmpress.contract.observation import Observation
 from llmpress.errors import MissingStateError, SessionError
-from llmpress.integrations.distributed import require_reducing_modifiers
-from llmpress.modifiers.base import EVENTS, STATE_FIELDS, TRAINING_EVENTS, Modifier, State
-from llmpress.observation import Observation
-from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+from llmpress.lifecycle.records import applied_recipe, record_recipe
+from llmpress.parallel.distributed import require_reducing_modifiers
+from llmpress.recipe import Recipe
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
-__all__ = ["EVENTS", "Session", "active_session"]
+__all__ = ["EVENTS", "Session", "TrainingStep", "active_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +162,7 @@ class Session:
         now on, so a checkpoint saved mid-training says so), and its saves go through llmpress."""
         model = self.state.get("model")
         if model is not None and self.recipe.stages:
-            applied = getattr(model, APPLIED_RECIPE_ATTR, None) or Recipe()
-            setattr(model, APPLIED_RECIPE_ATTR, applied + self.recipe.with_modifiers(self._records))
+            record_recipe(model, (applied_recipe(model) or Recipe()) + self.recipe.with_modifiers(self._records))
             route_save_pretrained(model)
 
     # -- where training is ---------------------------------------------------------------
@@ -210,13 +210,14 @@ class Session:
         """A context manager for one batch of a plain training loop::
 
             with session.training_step() as step:
-                loss = step.loss(model(**batch).loss)
+                loss = step.loss(model(**batch).loss)    # modifiers may add to it (distillation)
                 loss.backward()
                 step.optimizer_step(optimizer)   # optim_pre_step, optimizer.step(), optim_post_step
                 optimizer.zero_grad()
-        """
-        from llmpress.pipelines.training import TrainingStep
 
+        Entering sends ``batch_start``; leaving sends ``batch_end``. A batch without an optimizer
+        step (gradient accumulation) is fine: call ``step.loss`` and leave the block.
+        """
         return TrainingStep(self)
 
     # -- events ------------------------------------------------------------------------------
@@ -436,3 +437,30 @@ class Session:
                 got=", ".join(unknown),
                 expected=f"fields among {', '.join(STATE_FIELDS)}",
             )
+
+
+class TrainingStep:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def __enter__(self) -> TrainingStep:
+        self.session.batch_start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.session.batch_end()
+        else:
+            self.session.abandon_batch()
+
+    def loss(self, loss: Any) -> Any:
+        """Send ``loss_calculated`` and return the loss with every modifier's term added."""
+        return self.session.loss_calculated(loss)
+
+    def optimizer_step(self, optimizer: Any, *, scheduler: Any = None) -> None:
+        """``optim_pre_step``, ``optimizer.step()``, ``optim_post_step`` (and ``scheduler.step()``)."""
+        self.session.optim_pre_step()
+        optimizer.step()
+        self.session.optim_post_step()
+        if scheduler is not None:
+            scheduler.step()

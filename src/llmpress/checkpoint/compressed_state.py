@@ -15,12 +15,12 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
+from llmpress.lifecycle.attach import quantized_modules
+from llmpress.lifecycle.kv_cache import kv_cache_scheme_of
+from llmpress.lifecycle.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
+from llmpress.lifecycle.records import held_weights
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
-from llmpress.quant.attach import quantized_modules
-from llmpress.quant.compact import held_weights
-from llmpress.quant.kv_cache import kv_cache_scheme_of
-from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
 from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["compressed_state_dict", "quantization_config_for", "unique_state_dict"]

@@ -20,8 +20,9 @@ from llmpress.checkpoint.compressed_state import (
 )
 from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_config_for
 from llmpress.errors import CheckpointError
-from llmpress.integrations.fsdp import is_sharded, unwrap_if_fsdp
+from llmpress.lifecycle.records import applied_recipe
 from llmpress.models.keys import KeyMap
+from llmpress.parallel.fsdp import is_sharded, unwrap_if_fsdp
 
 if TYPE_CHECKING:
     from llmpress.recipe import Recipe
@@ -90,10 +91,7 @@ def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compre
         _write_config(tmp, model, *_compression_config(model, save_compressed, sparsity))
         if processor is not None:
             processor.save_pretrained(str(tmp))
-        # imported here: recipes import the modifiers, some of which import this package
-        from llmpress.recipe import APPLIED_RECIPE_ATTR
-
-        recorded = recipe if recipe is not None else getattr(model, APPLIED_RECIPE_ATTR, None)
+        recorded = recipe if recipe is not None else applied_recipe(model)
         if recorded is not None and recorded.stages:
             (tmp / RECIPE_NAME).write_text(recorded.to_yaml(), encoding="utf-8")
         _copy_remote_code(tmp, model)

@@ -34,7 +34,7 @@ from torch import nn
 
 from llmpress.checkpoint.save import save_checkpoint
 from llmpress.errors import CheckpointError
-from llmpress.integrations.fsdp import is_dtensor
+from llmpress.parallel.fsdp import is_dtensor
 
 __all__ = ["route_save_pretrained", "upload_to_hub"]
 

@@ -9,6 +9,9 @@ import torch
 
 from llmpress.errors import DataError, MissingDependencyError
 from llmpress.evaluation.perplexity import evaluation_windows, perplexity
+from llmpress.loading.inspect import describe_args
+from llmpress.loading.loader import model_folder, read_model_and_processor
+from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
 __all__ = ["evaluate_models", "format_table", "plot_results", "scheme_label"]
 
@@ -24,8 +27,6 @@ def scheme_label(folder: str | Path) -> str:
     group is one), the scheme described otherwise, or ``dense float32``."""
     import json
 
-    from llmpress.checkpoint.inspect import describe_args
-    from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
     config_path = Path(folder) / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
@@ -49,16 +50,13 @@ def evaluate_models(
 ) -> list[dict[str, Any]]:
     """One row per checkpoint: its perplexity (computed in ``dtype``), what it holds and the
     size of its weight files."""
-    from llmpress.entrypoints import load_model_and_processor
-    from llmpress.loading.loader import model_folder
-
     text_path = Path(dataset)
     if not text_path.is_file():
         raise DataError("evaluation text not found", got=str(text_path), expected="a text file")
     text = text_path.read_text(encoding="utf-8")
     rows, windows = [], None
     for path in models:
-        model, tokenizer = load_model_and_processor(path, dtype=dtype)
+        model, tokenizer = read_model_and_processor(path, dtype=dtype)
         if tokenizer is None:
             raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
         windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)

@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from llmpress.errors import CheckpointError, MissingDependencyError
+from llmpress.errors import CheckpointError, MissingDependencyError, SessionError
+from llmpress.lifecycle.attach import set_module_buffer
+from llmpress.loading import load_checkpoint
 from llmpress.session import Session, Status
 
 __all__ = ["LlmpressTrainer", "SessionCallback", "load_compressed_into", "steps_per_epoch"]
@@ -47,8 +49,6 @@ def load_compressed_into(model: Any, folder: str) -> bool:
         raise CheckpointError("the checkpoint's config.json is not valid JSON", got=f"{config}: {exc}") from None
     if not quantization or quantization.get("quantization_status") != "compressed" or not quantization.get("config_groups"):
         return False
-    from llmpress.loading import load_checkpoint
-    from llmpress.quant.attach import set_module_buffer
 
     weight = next(model.parameters())
     dense = load_checkpoint(folder, dtype=weight.dtype)
@@ -137,8 +137,6 @@ class LlmpressTrainer(Trainer):
     def __init__(self, *args: Any, session: Session | None = None, recipe: Any = None, teacher: Any = None,
                  finalize: bool = True, **kwargs: Any) -> None:
         if (session is None) == (recipe is None):
-            from llmpress.errors import SessionError
-
             raise SessionError(
                 "LlmpressTrainer needs exactly one of session= and recipe=",
                 got="both" if session is not None else "neither",

@@ -6,9 +6,9 @@ plugin named in the ``llmpress.quantization_method`` entry-point group); see
 ``docs/adding-a-quantization-method.md``.
 """
 
-from llmpress.loading import compressed_tensors, on_load  # noqa: E402, F401  (registers the built-in methods)
+from llmpress.loading import compressed_tensors, on_load, transformers_quantizer  # noqa: F401  (the built-in methods, and their registration with transformers)
 from llmpress.loading.config import CompressedTensorsConfig, LlmpressConfig, QuantizationConfig, QuantizationMethod
-from llmpress.loading.loader import load, load_checkpoint
+from llmpress.loading.loader import load, load_checkpoint, read_checkpoint, read_model_and_processor
 from llmpress.loading.methods import METHODS, Method, config_from_dict, register_quantization_method
 from llmpress.loading.quantizer import Quantizer
 
@@ -23,5 +23,7 @@ __all__ = [
     "config_from_dict",
     "load",
     "load_checkpoint",
+    "read_checkpoint",
+    "read_model_and_processor",
     "register_quantization_method",
 ]

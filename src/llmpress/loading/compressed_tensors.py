@@ -14,15 +14,15 @@ import logging
 import torch
 from torch import nn
 
-from llmpress.checkpoint.sparsity import mark_sparse_modules
 from llmpress.errors import CheckpointError, LlmpressError
+from llmpress.lifecycle.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
+from llmpress.lifecycle.sparsity import mark_sparse_modules
 from llmpress.loading.config import CompressedTensorsConfig, QuantizationMethod
 from llmpress.loading.dense import dense_linear
 from llmpress.loading.methods import register_quantization_method
 from llmpress.loading.quantizer import Quantizer
 from llmpress.models.classes import model_dtype
 from llmpress.models.linear import features, input_major, is_linear
-from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.targets import assign_by_targets

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from llmpress.errors import CheckpointError, RecipeError
+from llmpress.quant.scheme import QuantizationScheme
 
 if TYPE_CHECKING:
     pass
@@ -67,8 +68,6 @@ class CompressedTensorsConfig(QuantizationConfig):
         self._other = fields  # sparsity_config, version, global_compression_ratio...: carried, not used
 
     def schemes(self) -> list:
-        from llmpress.quant.scheme import QuantizationScheme
-
         out = []
         for name, group in self.config_groups.items():
             try:
@@ -122,8 +121,6 @@ class LlmpressConfig(QuantizationConfig):
         self.symmetric = bool(symmetric)
 
     def scheme(self):
-        from llmpress.quant.scheme import QuantizationScheme
-
         weights: dict[str, Any] = {"num_bits": self.bits, "type": "int", "symmetric": self.symmetric}
         if self.group_size is None:
             weights["strategy"] = "channel"

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from llmpress.formats import FORMATS
+from llmpress.lifecycle.attach import attach_scheme, enable_input_quantization, set_module_buffer
 from llmpress.models.classes import model_dtype
 from llmpress.models.linear import Conv1D
-from llmpress.quant.attach import attach_scheme, enable_input_quantization, set_module_buffer
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 

@@ -1,9 +1,13 @@
-"""``llmpress.load``: one loader for every quantization method (DESIGN.md §3).
+"""``llmpress.load``: one loader for every quantization method (DESIGN.md, "Loading through
+pluggable quantizers").
 
-The loader reads the config, asks the method's ``Quantizer`` to adjust dtype and placement,
+Loading is two steps. ``read_checkpoint`` reads the config, asks the method's ``Quantizer`` to adjust dtype and placement,
 builds the model with its parameters on ``meta`` (nothing allocated), lets the quantizer swap in
 its modules, then streams the checkpoint one tensor at a time: a tensor the quantizer claims goes
 to ``create_quantized_param``, any other is copied into place. It never looks at the method.
+``prepare_decode`` (``runtime/decode.py``) then sets the model up for inference: fused
+projections and a compiled decode step. ``llmpress.load`` does both; ``oneshot``, ``train``,
+``eval`` and ``inspect`` only read (``read_checkpoint``, ``read_model_and_processor``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.checkpoint.sparsity import SPARSITY_KEY, mark_sparse_modules
+from llmpress.checkpoint.sparsity import SPARSITY_KEY
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
+from llmpress.lifecycle.records import record_loading_quantizer, record_recipe
+from llmpress.lifecycle.sparsity import mark_sparse_modules
 from llmpress.loading.config import QuantizationConfig
 from llmpress.loading.methods import config_from_dict, make_quantizer
 from llmpress.loading.quantizer import Quantizer
@@ -30,14 +36,12 @@ from llmpress.loading.shards import (
 )
 from llmpress.memory import release_free_memory
 from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
-from llmpress.recipe import APPLIED_RECIPE_ATTR, Recipe
+from llmpress.recipe import Recipe
 from llmpress.runtime.decode import prepare_decode
 
-__all__ = ["load", "load_checkpoint", "model_folder"]
+__all__ = ["load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor"]
 
 logger = logging.getLogger(__name__)
-
-QUANTIZER_ATTR = "llmpress_quantizer"
 
 
 def load(
@@ -59,12 +63,32 @@ def load(
       tensor by tensor as it streams in.
     - ``dtype`` is the dtype of the unquantized parts (default: the quantizer's choice, else the
       checkpoint's). ``device_map``: a device, ``{"module.prefix": device}``, or ``"auto"``.
-    - Decoding is set up for speed: int4 layers that read the same input (q/k/v, gate/up) run as
-      one product, and ``generate()`` decodes with a static cache through a compiled step
-      (``compile_decode``: True from the first call; None, wherever it works, once the model
-      has generated ``runtime.decode.COMPILE_AFTER_TOKENS`` tokens, when the compile pays;
-      False never). ``LLMPRESS_COMPILE=0`` turns the default off.
+    - Decoding is set up for speed (``prepare_decode``): int4 layers that read the same input
+      (q/k/v, gate/up) run as one product, and ``generate()`` decodes with a static cache through
+      a compiled step (``compile_decode``: True from the first call; None, wherever it works, once
+      the model has generated ``runtime.decode.COMPILE_AFTER_TOKENS`` tokens, when the compile
+      pays; False never). ``LLMPRESS_COMPILE=0`` turns the default off.
+
+    ``read_checkpoint`` takes the same arguments but the last and reads only.
     """
+    model = read_checkpoint(path, quantization_config=quantization_config, dtype=dtype, device_map=device_map,
+                            max_memory=max_memory, dequantize=dequantize)
+    prepare_decode(model, compile_decode)
+    return model
+
+
+def read_checkpoint(
+    path: str | Path,
+    *,
+    quantization_config: QuantizationConfig | dict[str, Any] | None = None,
+    dtype: torch.dtype | str | None = None,
+    device_map: str | torch.device | dict[str, Any] | None = None,
+    max_memory: dict[Any, int | str] | None = None,
+    dequantize: bool = False,
+) -> nn.Module:
+    """The model a checkpoint folder holds, in eval mode, as ``load`` reads it (its arguments),
+    without setting it up for inference: no projections fused, ``generate()`` as transformers
+    has it."""
     folder = model_folder(path)
     config = _read_config(folder)
     qconfig, pre_quantized = _quantization_config(config, quantization_config)
@@ -118,24 +142,36 @@ def load(
         logger.warning("%d checkpoint tensor(s) fit no weight of the model and were skipped: %s", len(unexpected), unexpected[:4])
     if quantizer is not None:
         quantizer.process_model_after_weight_loading(model)
-        setattr(model, QUANTIZER_ATTR, quantizer)
+        record_loading_quantizer(model, quantizer)
     else:  # a pruned checkpoint's record, so that saving the model again keeps it
         mark_sparse_modules(model, getattr(config, SPARSITY_KEY, None))
     recipe_file = folder / "recipe.yaml"
     if recipe_file.is_file():
         try:  # what was applied, kept for the next save; the weights do not depend on it
-            setattr(model, APPLIED_RECIPE_ATTR, Recipe.from_file(recipe_file))
+            record_recipe(model, Recipe.from_file(recipe_file))
         except RecipeError as exc:
             logger.warning("%s is not a recipe llmpress can read, so a later save will not carry it: %s", recipe_file, exc)
     model.eval()
-    prepare_decode(model, compile_decode)
     return model
 
 
 def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The exact dense view of a checkpoint in ``dtype``: ``load(path, dtype=dtype, dequantize=True)``.
-    What ``eval`` and ``oneshot`` use, so figures match compressed-tensors' full-precision ones."""
-    return load(path, dtype=dtype, dequantize=True)
+    """The exact dense view of a checkpoint in ``dtype``, read only (``read_checkpoint(path,
+    dtype=dtype, dequantize=True)``). What ``eval`` and ``oneshot`` use, so figures match
+    compressed-tensors' full-precision ones."""
+    return read_checkpoint(path, dtype=dtype, dequantize=True)
+
+
+def read_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """A model (plain or compressed-tensors checkpoint, its exact dense view in ``dtype``) and
+    its tokenizer (None when the folder has none), from a folder or a cached Hub model id."""
+    from transformers import AutoTokenizer
+
+    folder = model_folder(path)
+    model = load_checkpoint(folder, dtype=dtype)
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    processor = AutoTokenizer.from_pretrained(str(folder)) if any((folder / n).exists() for n in tokenizer_files) else None
+    return model, processor
 
 
 def model_folder(path: str | Path) -> Path:

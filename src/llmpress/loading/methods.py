@@ -10,8 +10,9 @@ transformers adapter, together.
 After this, ``llmpress.load(path, quantization_config=HalfConfig())`` and a checkpoint whose
 ``quantization_config`` says ``"quant_method": "half"`` use ``HalfQuantizer``; so does
 ``transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=HalfConfig())``,
-through the generic adapter in ``llmpress.integrations.transformers_quantizer`` (transformers 5;
-methods transformers already has, compressed-tensors among them, keep transformers' own).
+through the generic adapter in ``loading/transformers_quantizer.py``, which follows every
+registration (``when_registered``; transformers 5; methods transformers already has,
+compressed-tensors among them, keep transformers' own).
 Plugins register the same way from a module named in the ``llmpress.quantization_method``
 entry-point group. See ``docs/adding-a-quantization-method.md``.
 """
@@ -30,7 +31,7 @@ from llmpress.registry import Registry
 if TYPE_CHECKING:
     from llmpress.loading.quantizer import Quantizer
 
-__all__ = ["METHODS", "Method", "config_from_dict", "make_quantizer", "register_quantization_method"]
+__all__ = ["METHODS", "Method", "config_from_dict", "make_quantizer", "register_quantization_method", "when_registered"]
 
 
 class Method(NamedTuple):
@@ -39,6 +40,15 @@ class Method(NamedTuple):
 
 
 METHODS: Registry[Method] = Registry("quantization method", CheckpointError)
+_FOLLOWERS: list[Callable[[str, type[QuantizationConfig]], object]] = []
+
+
+def when_registered(follow: Callable[[str, type[QuantizationConfig]], object]) -> None:
+    """Call ``follow(name, config)`` for every method registered so far and every later one
+    (the transformers adapter registers each with transformers this way)."""
+    _FOLLOWERS.append(follow)
+    for name in METHODS.names():
+        follow(name, METHODS.get(name).config)
 
 
 def register_quantization_method(method: str | QuantizationMethod, *, config: type[QuantizationConfig]
@@ -54,9 +64,8 @@ def register_quantization_method(method: str | QuantizationMethod, *, config: ty
                 expected=repr(name),
             )
         METHODS.register(name)(Method(config, quantizer))
-        from llmpress.integrations.transformers_quantizer import register_with_transformers
-
-        register_with_transformers(name, config)
+        for follow in _FOLLOWERS:
+            follow(name, config)
         return quantizer
 
     return register

@@ -1,7 +1,7 @@
 """``Quantizer``: what a quantization method plugs into the loader.
 
 The loader (``llmpress.load``) never branches on the method; it calls these methods in a fixed
-order (DESIGN.md §3). Public methods do the bookkeeping and call the ``_hooks`` a subclass
+order (DESIGN.md, "Loading through pluggable quantizers"). Public methods do the bookkeeping and call the ``_hooks`` a subclass
 overrides; every hook has a harmless default, so a method overrides only what it needs:
 
 1. ``validate_environment`` 2. ``update_dtype`` 3. ``update_device_map`` / ``adjust_max_memory``
@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.checkpoint.save_pretrained import route_save_pretrained
 from llmpress.loading.config import QuantizationConfig
+from llmpress.loading.dense import dequantize_model
 
 __all__ = ["Quantizer"]
 
@@ -82,8 +84,6 @@ class Quantizer:
     def process_model_after_weight_loading(self, model: nn.Module) -> None:
         """The method's last touches, then ``model.save_pretrained`` writes through llmpress's
         save path (a compressed model saves compressed, with its recipe)."""
-        from llmpress.checkpoint.save_pretrained import route_save_pretrained
-
         self._process_model_after_weight_loading(model)
         route_save_pretrained(model)
 
@@ -103,6 +103,4 @@ class Quantizer:
     def dequantize(self, model: nn.Module) -> nn.Module:
         """Replace the runtime modules with dense ``nn.Linear`` on the quantization grid; the
         scheme stays attached, so the model still saves compressed."""
-        from llmpress.loading.dense import dequantize_model
-
         return dequantize_model(model)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmpress.compat import apply_gate, conversion_mapping, converter_patterns, is_converter
+
 __all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_experts", "linearize_experts", "mixing_all_experts",
            "routed_experts_only"]
 
@@ -133,7 +135,7 @@ class LinearExperts(nn.ModuleList):
         else:
             g, u = gate(x), up(x)
             joined = torch.cat([g, u], dim=-1) if self.layout.concatenated else torch.stack([g, u], dim=-1).flatten(-2)
-            hidden = self._activation[0]._apply_gate(joined)
+            hidden = apply_gate(self._activation[0], joined)
         return down(hidden)
 
     def forward(self, hidden_states: torch.Tensor, *routing, **named) -> torch.Tensor:
@@ -161,25 +163,17 @@ class LinearExperts(nn.ModuleList):
 def _projection_names(model: nn.Module) -> dict[str, ProjectionNames]:
     """Per-expert names from transformers' conversion mapping, keyed by the fused parameter's
     name pattern (``mlp.experts``); empty where transformers has none (the defaults apply)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
-    except ImportError:  # transformers 4: experts are already per-expert modules
-        return {}
-    try:
-        conversions = get_model_conversion_mapping(model, add_legacy=False)
-    except Exception as exc:  # a model transformers' mapping cannot walk: keep the defaults
-        logger.debug("no conversion mapping for %s: %s", type(model).__name__, exc)
-        return {}
     found: dict[str, dict[str, str]] = {}
-    for conversion in conversions:
-        if not isinstance(conversion, WeightConverter):
+    # (transformers 4 has no mapping: its experts are already per-expert modules)
+    for conversion in conversion_mapping(model, add_legacy=False):
+        if not is_converter(conversion):
             continue
-        for target in conversion._original_target_patterns:
+        sources, targets = converter_patterns(conversion)
+        for target in targets:
             fused = re.match(r"^(.*experts)\.(gate_up_proj|up_proj|down_proj)$", target.lstrip("."))
             if fused is None:
                 continue
-            names = [re.search(r"experts\.\*\.(\w+)\.weight", s) for s in conversion._original_source_patterns]
+            names = [re.search(r"experts\.\*\.(\w+)\.weight", s) for s in sources]
             names = [n.group(1) for n in names if n]
             slot = found.setdefault(fused.group(1), {})
             if fused.group(2) == "down_proj" and names:

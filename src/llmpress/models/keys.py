@@ -16,27 +16,19 @@ import logging
 
 from torch import nn
 
+from llmpress.compat import conversion_mapping, is_prefix_change, is_renaming
+
 __all__ = ["KeyMap"]
 
 logger = logging.getLogger(__name__)
 
 
 def _renamings(model: nn.Module, *, for_saving: bool) -> list:
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightRenaming
-    except ImportError:  # transformers 4: names are the model's
-        return []
-    try:
-        # saving writes the layout transformers would (no legacy renamings, no prefix changes
-        # guessed for a model that was not loaded by from_pretrained), as save_pretrained does
-        conversions = get_model_conversion_mapping(model, add_legacy=not for_saving)
-    except Exception as exc:  # a model whose mapping transformers cannot build: names as they are
-        logger.debug("no conversion mapping for %s: %s", type(model).__name__, exc)
-        return []
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    # saving writes the layout transformers would (no legacy renamings, no prefix changes
+    # guessed for a model that was not loaded by from_pretrained), as save_pretrained does
+    renamings = [c for c in conversion_mapping(model, add_legacy=not for_saving) if is_renaming(c)]
     if for_saving:
-        renamings = [c.reverse_transform() for c in renamings[::-1] if not isinstance(c, PrefixChange)]
+        renamings = [c.reverse_transform() for c in renamings[::-1] if not is_prefix_change(c)]
     return renamings
 
 

@@ -1,6 +1,6 @@
 """Modifiers: one folder per algorithm, registered by class name for recipes."""
 
-from llmpress.modifiers.base import MODIFIERS, Modifier, ModifierConfig, OneShotFields, Window, WindowFields
+from llmpress.contract.modifier import MODIFIERS, Modifier, ModifierConfig, OneShotFields, Window, WindowFields
 from llmpress.modifiers.distillation import OutputDistillationModifier
 from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier

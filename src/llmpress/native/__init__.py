@@ -20,11 +20,13 @@ results; the runtime on PyTorch's int4 kernel). ``LLMPRESS_NATIVE=0`` turns them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,17 +92,33 @@ def available() -> bool:
 def _build(build: Path) -> None:
     from torch.utils import cpp_extension
 
-    try:  # the ninja wheel's binary, which a venv that is not activated lacks on PATH
-        import ninja
-
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    except ImportError:
-        pass
     build.mkdir(parents=True, exist_ok=True)
     logger.warning("building llmpress's CPU kernels (once for this PyTorch, about 15 s) in %s", build)
-    cpp_extension.load(
-        name="llmpress_kernels", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, build_directory=str(build), is_python_module=False, verbose=False,
-    )
+    with _ninja_on_path():
+        cpp_extension.load(
+            name="llmpress_kernels", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, build_directory=str(build),
+            is_python_module=False, verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The ninja wheel's binary on PATH for the build only (a venv that is not activated lacks
+    it there); the caller's PATH is as it was afterwards."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, before or ""])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, group: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Whole-model calibration: every batch runs through the full model once.
 
-The session hands the modifiers the inputs of the modules they observe (``observation.py``)
+The session hands the modifiers the inputs of the modules they observe (``contract/observation.py``)
 between ``calibration_start`` and ``calibration_end``. When no modifier needs data (weight-only
 RTN, dynamic activations) no batch runs at all.
 """

@@ -1,15 +1,15 @@
 """Layer-by-layer calibration: bounded memory, no graph tracing.
 
 The calibration batches run to the first of the model's repeated blocks (``model.model.layers``
-and its equivalents; ``blocks.py``), and then each block is calibrated on its cached inputs and
-its compressed outputs become the next block's inputs, so only one block's activations are in
-flight. A block goes module by module where the modifiers and the block allow and what it keeps
-fits the budget (``sequential.py``), else in two passes (``reference.py`` with one group: observe
-everything, compress, re-run). Blocks not reached yet stay where they were loaded
-(memory-mapped by ``llmpress.load``), and finished blocks wait as integers
-(``quant/compact.py``) until calibration ends. Watched modules after the blocks (an lm_head the
-recipe quantizes, an encoder's head) then run on the last block's outputs (``tail.py``). Models
-without a list of blocks are calibrated whole, with a warning.
+and its equivalents; ``contract/block.py``), and then each block is calibrated on its cached
+inputs and its compressed outputs become the next block's inputs, so only one block's
+activations are in flight. A block goes module by module where the modifiers and the block allow
+and what it keeps fits the budget (``by_module/sequential.py``), else in two passes
+(``reference.py`` with one group: observe everything, compress, re-run). Blocks not reached yet
+stay where they were read (memory-mapped by ``read_checkpoint``), and finished blocks wait as
+integers (``storage/compact.py``) until calibration ends. Watched modules after the blocks (an
+lm_head the recipe quantizes, an encoder's head) then run on the last block's outputs
+(``tail.py``). Models without a list of blocks are calibrated whole, with a warning.
 """
 
 from __future__ import annotations
@@ -22,21 +22,22 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress.contract.block import CalibrationBlock, Inputs, find_blocks, structure_of, tokens_per_batch
+from llmpress.contract.observation import primary_input
 from llmpress.errors import SessionError
-from llmpress.integrations.distributed import is_distributed, is_main_process
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
-from llmpress.observation import primary_input
+from llmpress.parallel.distributed import is_distributed, is_main_process
 from llmpress.pipelines.basic import run_basic_calibration
-from llmpress.pipelines.blocks import CalibrationBlock, Inputs, capture_block_inputs, find_blocks, share_repeated, structure_of
-from llmpress.pipelines.kept import close_spill_files
-from llmpress.pipelines.onload import Placement
-from llmpress.pipelines.plan import BlockPlan, kept_bytes, plan_block, tokens_per_batch
+from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
+from llmpress.pipelines.by_module.plan import BlockPlan, kept_bytes, plan_block
+from llmpress.pipelines.by_module.sequential import calibrate_block_by_module
 from llmpress.pipelines.reference import calibrate_block_reference, run_block
-from llmpress.pipelines.resume import WorkFolder
-from llmpress.pipelines.sequential import calibrate_block_by_module
+from llmpress.pipelines.storage.compact import CompactWeights
+from llmpress.pipelines.storage.kept import close_spill_files
+from llmpress.pipelines.storage.onload import Placement
+from llmpress.pipelines.storage.resume import WorkFolder
 from llmpress.pipelines.tail import TailError, run_tail
-from llmpress.quant.compact import CompactWeights
 from llmpress.session import Session
 
 __all__ = ["KEPT_PER_BLOCK_WEIGHTS", "run_layerwise_calibration"]

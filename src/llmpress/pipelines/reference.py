@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmpress.contract.block import CalibrationBlock
+from llmpress.contract.observation import InputsSeen, Observation
 from llmpress.models.experts import routed_experts_only
-from llmpress.observation import InputsSeen, Observation
-from llmpress.pipelines.blocks import CalibrationBlock, hand_on
+from llmpress.pipelines.blocks import hand_on
 from llmpress.session import Session
 
 __all__ = ["calibrate_block_reference", "observe_block", "run_block"]

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.contract.block import with_rest
+from llmpress.contract.observation import Observation, primary_input
 from llmpress.errors import UnsupportedModelError
-from llmpress.observation import Observation, primary_input
-from llmpress.pipelines.blocks import with_rest
 from llmpress.pipelines.stand_ins import stood_in
 
 __all__ = ["TailError", "run_tail"]

@@ -1,18 +1,5 @@
-"""The session inside a plain PyTorch training loop: one ``with`` block per batch.
-
-::
-
-    with session.training_step() as step:
-        loss = step.loss(model(**batch).loss)      # modifiers may add to it (distillation)
-        loss.backward()
-        step.optimizer_step(optimizer)             # pruning masks, QAT, learning rate act here
-        optimizer.zero_grad()
-
-Entering sends ``batch_start``; leaving sends ``batch_end``. A batch without an optimizer step
-(gradient accumulation) is fine: call ``step.loss`` and leave the block.
-
-``run_training`` is the small causal-LM loop ``llmpress.train`` uses for a recipe's training
-stages; it is built on the same ``training_step``.
+"""``run_training``: the small causal-LM loop ``llmpress.train`` runs for a recipe's training
+stages, built on ``session.training_step()`` as any training loop can be (``session.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,36 +18,9 @@ from llmpress.errors import DataError
 if TYPE_CHECKING:
     from llmpress.session import Session
 
-__all__ = ["TrainingOptions", "TrainingStep", "run_training", "stage_epochs"]
+__all__ = ["TrainingOptions", "run_training", "stage_epochs"]
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingStep:
-    def __init__(self, session: Session) -> None:
-        self.session = session
-
-    def __enter__(self) -> TrainingStep:
-        self.session.batch_start()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.session.batch_end()
-        else:
-            self.session.abandon_batch()
-
-    def loss(self, loss: Any) -> Any:
-        """Send ``loss_calculated`` and return the loss with every modifier's term added."""
-        return self.session.loss_calculated(loss)
-
-    def optimizer_step(self, optimizer: Any, *, scheduler: Any = None) -> None:
-        """``optim_pre_step``, ``optimizer.step()``, ``optim_post_step`` (and ``scheduler.step()``)."""
-        self.session.optim_pre_step()
-        optimizer.step()
-        self.session.optim_post_step()
-        if scheduler is not None:
-            scheduler.step()
 
 
 @dataclass

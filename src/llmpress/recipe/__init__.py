@@ -1,3 +1,3 @@
-from llmpress.recipe.recipe import APPLIED_RECIPE_ATTR, Recipe, RecipeStage
+from llmpress.recipe.recipe import Recipe, RecipeStage
 
-__all__ = ["APPLIED_RECIPE_ATTR", "Recipe", "RecipeStage"]
+__all__ = ["Recipe", "RecipeStage"]

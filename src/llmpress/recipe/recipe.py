@@ -22,13 +22,12 @@ from typing import Any
 
 import yaml
 
+from llmpress.contract.modifier import MODIFIERS, Modifier
 from llmpress.errors import RecipeError
-from llmpress.modifiers.base import MODIFIERS, Modifier
+from llmpress.modifiers.quantization import QuantizationModifier
+from llmpress.quant.scheme import PRESET_SCHEMES
 
-__all__ = ["Recipe", "RecipeStage", "APPLIED_RECIPE_ATTR"]
-
-# attribute on a model: the Recipe it was loaded with followed by the stages applied since
-APPLIED_RECIPE_ATTR = "_llmpress_applied_recipe"
+__all__ = ["Recipe", "RecipeStage"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +107,6 @@ class Recipe:
     @classmethod
     def from_preset(cls, name: str, ignore: list[str] | None = None) -> Recipe:
         """The RTN recipe for a preset scheme name, leaving ``lm_head`` in full precision."""
-        from llmpress.modifiers.quantization import QuantizationModifier
-
         modifier = QuantizationModifier(targets=["Linear"], ignore=ignore or ["lm_head"], scheme=name.upper())
         return cls([RecipeStage("quant_stage", {"quant_modifiers": [modifier]})])
 
@@ -246,8 +243,6 @@ def _schemes_from_stage(stage: RecipeStage) -> RecipeStage:
     """llm-compressor's grammar: a modifier without a scheme of its own (GPTQ with only
     ``block_size``) quantizes, with its algorithm, what the stage's earlier QuantizationModifier
     describes. The two become one modifier: the scheme modifier's fields in the algorithm's."""
-    from llmpress.modifiers.quantization import QuantizationModifier
-
     donors: list[tuple[str, Modifier]] = []  # the stage's QuantizationModifiers so far, not yet taken
     for group, modifiers in list(stage.groups.items()):
         for modifier in list(modifiers):
@@ -296,8 +291,6 @@ def _parse_group(where: str, body: Any) -> list[Modifier]:
 
 
 def _preset_names() -> list[str]:
-    from llmpress.quant.scheme import PRESET_SCHEMES
-
     return list(PRESET_SCHEMES)
 
 

@@ -25,7 +25,6 @@ runs as transformers runs it.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import os
 import time
@@ -33,6 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from llmpress.compat import compile_config, cpp_compiler_available, previous_cache_length
+from llmpress.lifecycle.kv_cache import kv_cache_scheme_of
+from llmpress.models.linear import is_linear
+from llmpress.runtime import kernels
+from llmpress.runtime.fusion import fuse_projections
+from llmpress.runtime.linear import QuantizedLinear
 
 __all__ = [
     "COMPILE_AFTER_TOKENS", "MIN_CACHE_POSITIONS", "CompiledGenerate", "can_compile", "compile_decode", "compiles", "is_compiled",
@@ -62,8 +68,6 @@ def prepare_decode(model: nn.Module, compile_step: bool | None = None) -> None:
     (``fusion.py``), and compile ``generate()``'s decode step: from the first call when
     ``compile_step`` is true, after ``COMPILE_AFTER_TOKENS`` tokens when it is None and
     ``can_compile(model)``."""
-    from llmpress.runtime.fusion import fuse_projections
-
     fuse_projections(model)
     if compile_step:
         compile_decode(model)
@@ -79,23 +83,12 @@ def can_compile(model: nn.Module) -> bool:
         return False
     if not getattr(model, "can_generate", lambda: False)() or any(p.device.type != "cpu" for p in model.parameters()):
         return False
-    from llmpress.quant.kv_cache import kv_cache_scheme_of
-
     if kv_cache_scheme_of(model) is not None:
         return False
-    return _cpp_compiler()
-
-
-@functools.cache
-def _cpp_compiler() -> bool:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-        return True
-    except Exception:  # noqa: BLE001 - no compiler, or another torch: decode stays eager
+    if not cpp_compiler_available():
         logger.info("no C++ compiler for torch.compile: generate() decodes uncompiled")
         return False
+    return True
 
 
 def compile_decode(model: nn.Module, after_tokens: int = 0) -> nn.Module:
@@ -136,15 +129,11 @@ class CompiledGenerate:
             given = prompt.shape[1] if prompt is not None and not prompt.is_floating_point() else 0  # (embeddings: new ids only)
             self.eager_tokens += batch * max(0, sequences.shape[-1] - given)
             return out
-        from transformers import CompileConfig
-
-        config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
-        config._compile_all_devices = True  # transformers compiles on accelerators only unless told
         kwargs.setdefault("cache_implementation", "static")
-        kwargs.setdefault("compile_config", config)
+        kwargs.setdefault("compile_config", compile_config())
         if needed and "max_cache_len" not in kwargs:
             kwargs["max_cache_len"] = max(MIN_CACHE_POSITIONS, 1 << (needed - 1).bit_length())
-        size = (batch, max(kwargs.get("max_cache_len") or 0, getattr(model, "_previous_max_cache_length", -1)))
+        size = (batch, max(kwargs.get("max_cache_len") or 0, previous_cache_length(model)))
         first = size not in self.compiled_sizes
         if first:
             logger.info("compiling the decode step for batch %d and a static cache of %d positions (once per model and size)", *size)
@@ -214,8 +203,6 @@ def _cache_shape(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
 
 def path_name(kernel: str) -> str:
     """A ``QuantizedLinear.kernel`` as reports name it: whose int4 kernel runs, others as they are."""
-    from llmpress.runtime import kernels
-
     if kernel != "int4":
         return kernel
     return "int4 (llmpress)" if kernels.int4_layout() == "blocks64" else "int4 (pytorch)"
@@ -224,9 +211,6 @@ def path_name(kernel: str) -> str:
 def kernel_report(model: nn.Module) -> dict[str, int]:
     """How many linear layers run on which path: ``int4 (llmpress)`` / ``int4 (pytorch)``,
     ``int8``, ``int8x8``, ``bf16``, ``dequant`` (decompressed at every call) or ``dense``."""
-    from llmpress.models.linear import is_linear
-    from llmpress.runtime import QuantizedLinear
-
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantizedLinear):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from llmpress.runtime import kernels
+from llmpress.runtime.linear import QuantizedLinear
 
 __all__ = ["FusedProduct", "fuse_projections", "unfuse"]
 
@@ -79,8 +80,6 @@ class FusedProduct:
 
 
 def _candidates(model: nn.Module) -> list[nn.Module]:
-    from llmpress.runtime.linear import QuantizedLinear
-
     return [
         m for m in model.modules()
         if isinstance(m, QuantizedLinear) and m.kernel == "int4" and kernels._is_blocks64(m.int4_table)

@@ -44,8 +44,8 @@ from torch.nn import functional as F
 
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.pack_quantized import PACKED_ZERO_POINT_STRATEGIES
+from llmpress.lifecycle.attach import fake_quantize_module_input
 from llmpress.models.linear import features, input_major
-from llmpress.quant.attach import fake_quantize_module_input
 from llmpress.quant.packing import bytewise, unpack_from_int32
 from llmpress.quant.qdq import dequantize
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from pydantic import field_validator
 from torch import nn
 
+from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
 from llmpress.errors import SessionError, UnsupportedModelError
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.targets import matches
 
 __all__ = ["OutputDistillationModifier", "distillation_loss"]

@@ -7,8 +7,8 @@ from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
+from llmpress.contract.modifier import OneShotFields
 from llmpress.errors import RecipeError
-from llmpress.modifiers.base import OneShotFields
 from llmpress.modifiers.quantization.config import SchemeFields
 from llmpress.quant.scheme import ActivationOrdering
 

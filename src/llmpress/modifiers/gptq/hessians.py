@@ -15,7 +15,7 @@ import torch
 
 from llmpress import native
 from llmpress.errors import SessionError
-from llmpress.integrations.distributed import gather_objects, is_distributed, sum_across_ranks
+from llmpress.parallel.distributed import gather_objects, is_distributed, sum_across_ranks
 
 __all__ = ["HessianAccumulator", "HessianCollector"]
 

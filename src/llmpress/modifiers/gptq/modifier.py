@@ -33,18 +33,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmpress.checkpoint.sparsity import SPARSITY_ATTR
+from llmpress.contract.modifier import MODIFIERS, Modifier, State
 from llmpress.errors import SessionError
-from llmpress.integrations.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
-from llmpress.models.linear import input_major
-from llmpress.modifiers.base import MODIFIERS, Modifier, State
-from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
-from llmpress.modifiers.gptq.config import GPTQModifierConfig
-from llmpress.modifiers.gptq.hessians import HessianCollector
-from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
-from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
-from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
-from llmpress.quant.attach import (
+from llmpress.lifecycle.attach import (
     freeze_weight,
     fused_families,
     scale_dtype_for,
@@ -52,10 +43,19 @@ from llmpress.quant.attach import (
     set_weight_qparams,
     share_global_scales,
 )
+from llmpress.lifecycle.sparsity import SPARSITY_ATTR
+from llmpress.models.linear import input_major
+from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
+from llmpress.modifiers.gptq.config import GPTQModifierConfig
+from llmpress.modifiers.gptq.hessians import HessianCollector
+from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
+from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
+from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
+from llmpress.parallel.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
 from llmpress.quant.scheme import QuantizationScheme
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["GPTQModifier"]
 

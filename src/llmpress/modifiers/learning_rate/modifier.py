@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
+from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
 
 __all__ = ["LearningRateModifier", "scheduled_lr"]
 

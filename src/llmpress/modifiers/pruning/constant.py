@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmpress.checkpoint.sparsity import sparsity_of, structure_of
-from llmpress.integrations.fsdp import like, whole
+from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
+from llmpress.lifecycle.sparsity import sparsity_of, structure_of
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
+from llmpress.parallel.fsdp import like, whole
 
 __all__ = ["ConstantPruningModifier"]
 

@@ -25,16 +25,16 @@ import torch
 from pydantic import field_validator, model_validator
 from torch import nn
 
-from llmpress.checkpoint.sparsity import sparsity_of
-from llmpress.integrations.fsdp import like, whole
+from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
+from llmpress.lifecycle.sparsity import sparsity_of
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.base import MODIFIERS, Modifier, State, WindowFields
 from llmpress.modifiers.pruning.masks import (
     SPARSITY_ATTR,
     magnitude_mask,
     parse_structure,
     prunable_modules,
 )
+from llmpress.parallel.fsdp import like, whole
 
 __all__ = ["MagnitudePruningModifier", "cubic_sparsity"]
 

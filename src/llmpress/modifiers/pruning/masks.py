@@ -11,9 +11,10 @@ import re
 import torch
 from torch import nn
 
-from llmpress.checkpoint.sparsity import SPARSITY_ATTR
 from llmpress.errors import RecipeError, UnsupportedModelError
+from llmpress.lifecycle.sparsity import SPARSITY_ATTR
 from llmpress.models.linear import features, is_linear
+from llmpress.targets import assign_by_targets
 
 __all__ = [
     "SPARSITY_ATTR",
@@ -64,8 +65,6 @@ def prunable_modules(
 ) -> dict[str, nn.Module]:
     """The linear modules ``targets`` match (``Linear`` covers Conv1D), checked against the mask
     structure."""
-    from llmpress.targets import assign_by_targets
-
     chosen = {n: m for n, (m, _) in assign_by_targets(model, [(targets, None)], ignore, linear_alias=True).items() if is_linear(m)}
     if not chosen:
         raise UnsupportedModelError(

@@ -30,14 +30,15 @@ import torch
 from pydantic import field_validator, model_validator
 from torch import nn
 
-from llmpress.checkpoint.sparsity import sparsity_of
+from llmpress.contract.block import find_blocks
+from llmpress.contract.modifier import Modifier, ModifierConfig, OneShotFields, State
 from llmpress.errors import RecipeError
+from llmpress.lifecycle.sparsity import sparsity_of
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.base import Modifier, ModifierConfig, OneShotFields, State
 from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["OneShotPruningConfig", "OneShotPruningModifier", "column_squares", "owl_sparsities", "parse_pruned_structure"]
 
@@ -111,8 +112,6 @@ class OneShotPruningModifier(Modifier):
         return ("model", "calibration_data")
 
     def on_initialize(self, state: State) -> None:
-        from llmpress.pipelines.blocks import find_blocks
-
         self.structure = parse_pruned_structure(self.config.mask_structure)
         keep = None if self.structure is None else (self.structure[1] - self.structure[0], self.structure[1])
         self.modules = prunable_modules(state.model, self.config.targets, self.config.ignore, type(self).__name__, keep)

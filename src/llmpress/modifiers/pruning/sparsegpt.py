@@ -23,13 +23,13 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
+from llmpress.contract.modifier import MODIFIERS
 from llmpress.errors import RecipeError
-from llmpress.integrations.distributed import is_distributed
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.algorithm import HessianFactor, factor_hessian
 from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier, parse_pruned_structure
+from llmpress.parallel.distributed import is_distributed
 
 __all__ = ["SparseGPTModifier", "sparsegpt_prune"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmpress.integrations.distributed import is_distributed, sum_across_ranks
+from llmpress.contract.modifier import MODIFIERS
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier, column_squares
+from llmpress.parallel.distributed import is_distributed, sum_across_ranks
 
 __all__ = ["WandaPruningModifier", "wanda_mask"]
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
-from llmpress.integrations.distributed import is_distributed, max_across_ranks
-from llmpress.quant.attach import enable_input_quantization, set_input_scale, set_module_buffer
+from llmpress.lifecycle.attach import enable_input_quantization, set_input_scale, set_module_buffer
+from llmpress.parallel.distributed import is_distributed, max_across_ranks
 from llmpress.quant.qdq import compute_qparams, global_scale_of
 from llmpress.quant.scheme import QuantizationScheme
 

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, field_validator, model_validator
 
+from llmpress.contract.modifier import CONFIG, WindowFields
 from llmpress.errors import RecipeError
-from llmpress.modifiers.base import CONFIG, WindowFields
-from llmpress.quant.kv_cache import kv_cache_args
+from llmpress.lifecycle.kv_cache import kv_cache_args
 from llmpress.quant.scheme import QuantizationScheme, preset_scheme
 
 __all__ = ["QuantizationModifierConfig", "SchemeFields"]

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from llmpress.errors import UnsupportedModelError
-from llmpress.integrations.distributed import gather_objects, is_distributed
+from llmpress.lifecycle.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 from llmpress.models.classes import model_dtype
 from llmpress.models.experts import routed_experts_only
-from llmpress.quant.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
+from llmpress.parallel.distributed import gather_objects, is_distributed
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["KVCacheCalibration", "kv_cache_calibration"]
 

@@ -15,7 +15,7 @@ activations (``FP8``) need ``calibration_data``: their ranges are observed on it
 
 In a training loop (its first ``batch_start`` inside ``start``/``end``) it runs
 quantization-aware training instead: fake-quantized forwards with straight-through gradients,
-frozen onto the grid at ``end`` or ``finalize`` (see ``llmpress.quant.qat``).
+frozen onto the grid at ``end`` or ``finalize`` (see ``llmpress.lifecycle.qat``).
 """
 
 from __future__ import annotations
@@ -28,13 +28,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress.contract.modifier import MODIFIERS, Modifier, State
 from llmpress.errors import SessionError, UnsupportedModelError
-from llmpress.models.linear import is_linear
-from llmpress.modifiers.base import MODIFIERS, Modifier, State
-from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
-from llmpress.modifiers.quantization.config import QuantizationModifierConfig
-from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
-from llmpress.quant.attach import (
+from llmpress.lifecycle.attach import (
     attach_scheme,
     detach_quantization,
     enable_input_quantization,
@@ -42,12 +38,16 @@ from llmpress.quant.attach import (
     fused_families,
     share_global_scales,
 )
-from llmpress.quant.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
+from llmpress.lifecycle.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
+from llmpress.models.linear import is_linear
+from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
+from llmpress.modifiers.quantization.config import QuantizationModifierConfig
+from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets, matches, name_conv1d_targets
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["QuantizationModifier", "assign_schemes", "names_of"]
 

@@ -55,25 +55,25 @@ from pydantic import field_validator
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress.contract.block import hidden_of, tokens_per_batch
+from llmpress.contract.modifier import MODIFIERS
+from llmpress.contract.observation import primary_input
 from llmpress.errors import RecipeError
-from llmpress.integrations.distributed import sum_across_ranks, world_size
 from llmpress.models.experts import ExpertMLP, routed_experts_only
 from llmpress.models.linear import input_major
-from llmpress.modifiers.base import MODIFIERS
 from llmpress.modifiers.gptq.hessians import HessianAccumulator
+from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.clip import clip_, clip_group, clip_limits, group_grams
 from llmpress.modifiers.smoothing.fold import apply_scales
 from llmpress.modifiers.smoothing.mappings import Mapping
 from llmpress.modifiers.smoothing.statistics import channel_statistics
-from llmpress.observation import primary_input
-from llmpress.pipelines.blocks import hidden_of
-from llmpress.pipelines.plan import tokens_per_batch
+from llmpress.parallel.distributed import sum_across_ranks, world_size
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["AWQModifier", "AWQModifierConfig"]
 
@@ -298,7 +298,6 @@ class AWQModifier(SmoothingModifier):
         own = {key: fields[key] for key in SCHEME_FIELDS if key in fields}
         if not own:
             return [cls(**fields)]
-        from llmpress.modifiers.quantization import QuantizationModifier
 
         logger.info("AWQModifier with its own scheme (llm-compressor's older form): read as AWQModifier followed by "
                     "QuantizationModifier(%s)", ", ".join(f"{k}={v!r}" for k, v in own.items()))

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import field_validator
 
+from llmpress.contract.modifier import Modifier, ModifierConfig, OneShotFields, State
 from llmpress.errors import UnsupportedModelError
-from llmpress.modifiers.base import Modifier, ModifierConfig, OneShotFields, State
 from llmpress.modifiers.smoothing.mappings import Mapping, MappingMemo, find_mappings, resolve_mappings
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["SmoothingConfig", "SmoothingModifier"]
 

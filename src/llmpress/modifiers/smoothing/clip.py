@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.integrations.distributed import sum_across_ranks
+from llmpress.parallel.distributed import sum_across_ranks
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 

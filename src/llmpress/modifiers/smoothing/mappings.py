@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.contract.block import hidden_of, structure_of
+from llmpress.contract.observation import primary_input
 from llmpress.models.experts import LinearExperts, mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.modifiers.smoothing.fold import apply_scales
-from llmpress.observation import primary_input
-from llmpress.pipelines.blocks import hidden_of, structure_of
 from llmpress.targets import matches
 
 __all__ = ["Mapping", "MappingMemo", "find_mappings", "reads_columns", "resolve_mappings"]

@@ -46,16 +46,16 @@ import torch
 from pydantic import field_validator
 from torch import nn
 
+from llmpress.contract.modifier import MODIFIERS, Modifier, State
 from llmpress.errors import SessionError
 from llmpress.models.linear import input_major
-from llmpress.modifiers.base import MODIFIERS, Modifier, State
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.fold import apply_scales
 from llmpress.modifiers.smoothing.mappings import Mapping
 from llmpress.modifiers.smoothing.statistics import ChannelStatistics, channel_statistics
 
 if TYPE_CHECKING:
-    from llmpress.pipelines.blocks import CalibrationBlock
+    from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["SmoothQuantModifier", "SmoothQuantModifierConfig"]
 

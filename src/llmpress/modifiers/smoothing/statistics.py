@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from llmpress.contract.observation import InputsSeen
 from llmpress.errors import SessionError
-from llmpress.integrations.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
-from llmpress.observation import InputsSeen
+from llmpress.parallel.distributed import max_across_ranks, min_across_ranks, sum_across_ranks
 
 if TYPE_CHECKING:
     from llmpress.modifiers.smoothing.mappings import Mapping

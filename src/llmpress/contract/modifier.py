@@ -21,7 +21,7 @@ a default a subclass overrides:
 Under torch.distributed each rank calibrates on its share of the samples, and the reduction is
 the modifier's own: before it uses what it gathered (at ``modules_calibrated``,
 ``layer_calibrated``, ``calibration_end``) it sums, mins or maxes it over the ranks with
-``llmpress.integrations.distributed`` (each helper is a no-op in one process), every rank in the
+``llmpress.parallel.distributed`` (each helper is a no-op in one process), every rank in the
 same order, and every rank ends with the same model. A modifier that gathers calibration data
 without saying ``reduces_across_ranks = True`` is refused on several ranks.
 

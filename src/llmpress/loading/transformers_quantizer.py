@@ -2,8 +2,8 @@
 
 ``LlmpressHfQuantizer`` is transformers' quantizer interface forwarded to the llmpress
 ``Quantizer`` registered for the config's ``quant_method`` (``llmpress.loading.methods``): one
-generic adapter for every method, registered with transformers by
-``register_quantization_method``. So ``from_pretrained(fp32_dir,
+generic adapter for every method, registered with transformers (its public
+``register_quantizer``) for each method ``register_quantization_method`` registers. So ``from_pretrained(fp32_dir,
 quantization_config=LlmpressConfig(bits=4))`` quantizes while loading with the same code as
 ``llmpress.load``. transformers routes a checkpoint tensor to a quantizer only when the model
 skeleton has a parameter of that name, so a parameter the quantizer's modules no longer have
@@ -19,36 +19,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.compat import conversion_ops_base, mark_loaded, register_with_transformers
+from llmpress.compat import unregister_from_transformers as compat_unregister
 from llmpress.errors import CheckpointError
+from llmpress.loading.methods import make_quantizer, when_registered
 
-__all__ = ["LlmpressHfQuantizer", "register_with_transformers", "unregister_from_transformers"]
+__all__ = ["LlmpressHfQuantizer", "unregister_from_transformers"]
 
 try:
-    from transformers.core_model_loading import ConversionOps
     from transformers.quantizers import HfQuantizer
-    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 except ImportError:  # transformers 4.x: another quantizer API
     HfQuantizer = None
+ConversionOps = conversion_ops_base()
 
 
-def register_with_transformers(method: str, config: type) -> bool:
-    """Make ``from_pretrained(..., quantization_config=config(...))`` load through llmpress.
-    Returns False where transformers cannot take it (version 4, or a method it has itself)."""
-    if HfQuantizer is None or method in AUTO_QUANTIZER_MAPPING:
-        return False
-    AUTO_QUANTIZATION_CONFIG_MAPPING[method] = config
-    AUTO_QUANTIZER_MAPPING[method] = LlmpressHfQuantizer
-    return True
+def _register(method: str, config: type) -> None:
+    if HfQuantizer is not None and ConversionOps is not None:
+        register_with_transformers(method, config, LlmpressHfQuantizer)
 
 
 def unregister_from_transformers(method: str) -> None:
-    """Undo ``register_with_transformers`` (for a method registered by a test)."""
-    if HfQuantizer is not None and AUTO_QUANTIZER_MAPPING.get(method) is LlmpressHfQuantizer:
-        del AUTO_QUANTIZER_MAPPING[method]
-        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(method, None)
+    """Undo the registration of ``method`` (a method registered by a test)."""
+    if HfQuantizer is not None:
+        compat_unregister(method, LlmpressHfQuantizer)
 
 
-if HfQuantizer is not None:
+if HfQuantizer is not None and ConversionOps is not None:
 
     class LlmpressHfQuantizer(HfQuantizer):
         """transformers' quantizer hooks, forwarded to ``self.inner``: the llmpress quantizer
@@ -58,8 +54,6 @@ if HfQuantizer is not None:
         is_compileable = True  # llmpress's int4 operator is opaque to torch.compile, which calls it as it is
 
         def __init__(self, quantization_config: Any, **kwargs: Any) -> None:
-            from llmpress.loading.methods import make_quantizer
-
             super().__init__(quantization_config, **kwargs)
             self.inner = make_quantizer(quantization_config, pre_quantized=self.pre_quantized)
 
@@ -121,10 +115,12 @@ if HfQuantizer is not None:
             if isinstance(left, nn.Parameter) and left.is_meta:
                 delattr(module, local)  # the quantizer keeps the weight in its own form
             elif isinstance(left, torch.Tensor):
-                left._is_hf_initialized = True  # transformers' mark: loaded, not to be initialised
+                mark_loaded(left)  # loaded: transformers must not initialise it
             if missing_keys is not None:
                 missing_keys.discard(full_layer_name)
             return {}  # the module holds what it needs; nothing left for transformers to set
 
 else:  # pragma: no cover - transformers 4
     LlmpressHfQuantizer = None
+
+when_registered(_register)  # every method, those registered later included

@@ -32,16 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.contract.block import Inputs, tokens_per_batch
+from llmpress.contract.observation import Observation
 from llmpress.models.linear import features, is_linear
-from llmpress.observation import Observation, primary_input
-from llmpress.pipelines.blocks import Inputs
-from llmpress.pipelines.kept import rows_of
-from llmpress.pipelines.probe import Probe
+from llmpress.pipelines.by_module.probe import Probe
 from llmpress.pipelines.stand_ins import ZeroAnswer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParkedAnswer", "BlockPlan", "kept_bytes", "plan_block", "tokens_per_batch"]
+__all__ = ["ParkedAnswer", "BlockPlan", "kept_bytes", "plan_block"]
 
 
 @dataclass(frozen=True)
@@ -86,13 +85,6 @@ class BlockPlan:
                     and not any(a in chosen for a in self.ancestors[later])):
                 chosen[later] = ZeroAnswer(*self.zeros[later])
         return chosen
-
-
-def tokens_per_batch(inputs: Inputs) -> list[int]:
-    """Tokens in each batch: the leading dimensions of the block's hidden states (-1: none)."""
-    if hasattr(inputs, "token_rows"):  # spilled or on a device: without reading every batch back
-        return inputs.token_rows()
-    return [rows_of(primary_input(args, kwargs)) for args, kwargs in inputs]
 
 
 def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.observation import primary_input
+from llmpress.contract.observation import primary_input
 
 __all__ = ["Probe"]
 

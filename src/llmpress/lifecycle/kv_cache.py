@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from llmpress.errors import SchemeError
-from llmpress.quant.attach import set_module_buffer
+from llmpress.lifecycle.attach import set_module_buffer
 from llmpress.quant.qdq import compute_qparams, fake_quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from llmpress.integrations.distributed import is_main_process
+from llmpress.parallel.distributed import is_main_process
 
 __all__ = ["is_dtensor", "is_sharded", "like", "unwrap_if_fsdp", "whole"]
 

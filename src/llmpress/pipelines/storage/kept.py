@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from llmpress.observation import primary_input, with_primary_input
+from llmpress.contract.block import rows_of
+from llmpress.contract.observation import primary_input, with_primary_input
 
-__all__ = ["KeptValues", "SpilledInputs", "close_spill_files", "rows_of"]
+__all__ = ["KeptValues", "SpilledInputs", "close_spill_files"]
 
 #: spill files that finished ``KeptValues`` gave back, by folder: the next one writes over them.
 #: Writing into pages the file cache already holds is several times faster than into new ones
@@ -197,11 +198,6 @@ class SpilledInputs(MutableSequence):
     def token_rows(self) -> list[int]:
         """Tokens in each batch (``plan.tokens_per_batch``) without reading the batches back."""
         return [_rows_of(self.values.items[i]) for i in range(len(self))]
-
-
-def rows_of(hidden: Any) -> int:
-    """Tokens in a batch's hidden states: their leading dimensions (-1 when not a tensor)."""
-    return hidden.shape[:-1].numel() if isinstance(hidden, torch.Tensor) and hidden.dim() > 0 else -1
 
 
 def _rows_of(item: Any) -> int:

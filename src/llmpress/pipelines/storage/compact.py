@@ -18,20 +18,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from llmpress.lifecycle.records import keep_held_weights, release_held_weights
 from llmpress.memory import release_free_memory
 from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, effective_scale, float_copy, grouped
 
-__all__ = ["CompactWeights", "held_weights"]
-
-#: the model attribute naming its ``CompactWeights`` while a run keeps finished layers held past
-#: calibration (``oneshot`` writing the checkpoint from the integers, ``held_weights``)
-HELD_ATTR = "_llmpress_held_weights"
-
-
-def held_weights(model: nn.Module) -> CompactWeights | None:
-    """The ``CompactWeights`` holding some of ``model``'s weights as integers, if any."""
-    return getattr(model, HELD_ATTR, None)
+__all__ = ["CompactWeights"]
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -155,7 +147,7 @@ class CompactWeights:
     def attach(self, model: nn.Module) -> None:
         """Keep the held weights past calibration, findable from ``model`` (``held_weights``),
         for one save that writes them and lets them go (``weight_of``)."""
-        setattr(model, HELD_ATTR, self)
+        keep_held_weights(model, self)
         self._model = model
 
     def release(self, layer: nn.Module) -> None:
@@ -187,8 +179,7 @@ class CompactWeights:
             del k, entry
             release_free_memory()  # the integers go back as the floats arrive
         self._held = failed
-        model = self._model
-        if not failed and model is not None and getattr(model, HELD_ATTR, None) is self:
-            delattr(model, HELD_ATTR)
+        if not failed and self._model is not None:
+            release_held_weights(self._model, self)
         if error is not None:
             raise error

@@ -30,7 +30,7 @@ from torch import nn
 from llmpress.errors import LlmpressError
 
 if TYPE_CHECKING:
-    from llmpress.modifiers.base import Modifier
+    from llmpress.contract.modifier import Modifier
 
 __all__ = ["InputsSeen", "Observation", "primary_input", "with_primary_input"]
 

@@ -3,7 +3,7 @@
 After each block, layer-by-layer calibration writes to ``<output>.llmpress-work/``:
 
 * ``layer-NNNNN.state.pt``: the block as compressed (weights on their grid as the integers
-  ``quant/compact.py`` holds them, scales, folded smoothing scales, KV-cache scales);
+  ``pipelines/storage/compact.py`` holds them, scales, folded smoothing scales, KV-cache scales);
 * ``layer-NNNNN.inputs.rankR.pt``: the next block's inputs on each rank (the block's outputs),
   only once ``INPUTS_EVERY_S`` seconds have gone by since the last ones were written (and only
   the newest are kept): they are the whole calibration set's activations, for an 8B model on
@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-import llmpress
 from llmpress.checkpoint.atomic import sha256_of, write_file
 from llmpress.errors import CheckpointError
-from llmpress.integrations.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
-from llmpress.pipelines.onload import execution_device
-from llmpress.quant.attach import set_module_buffer
-from llmpress.quant.compact import CompactWeights
+from llmpress.lifecycle.attach import set_module_buffer
+from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
+from llmpress.pipelines.storage.compact import CompactWeights
+from llmpress.pipelines.storage.onload import execution_device
+from llmpress.version import __version__
 
 __all__ = ["WorkFolder", "run_fingerprint"]
 
@@ -87,7 +87,7 @@ class WorkFolder:
         output = Path(output_dir).absolute()
         self.path = output.with_name(output.name + ".llmpress-work")
         self.output, self.fingerprint = output, fingerprint
-        self.progress: dict[str, Any] = {"fingerprint": fingerprint, "llmpress": llmpress.__version__, "layers": 0,
+        self.progress: dict[str, Any] = {"fingerprint": fingerprint, "llmpress": __version__, "layers": 0,
                                          "inputs_after": -1, "files": {}}
         self._inputs_written = time.monotonic()
 
@@ -191,7 +191,7 @@ class WorkFolder:
             torch.distributed.barrier()
         if not is_main_process():
             return
-        record = {"fingerprint": self.fingerprint, "llmpress": llmpress.__version__}
+        record = {"fingerprint": self.fingerprint, "llmpress": __version__}
         write_file(self.output / RUN_RECORD, json.dumps(record, indent=1).encode(), durable=True)
         shutil.rmtree(self.path, ignore_errors=True)
 

@@ -11,8 +11,12 @@ from torch import nn
 
 from llmpress.checkpoint.sparsity import SPARSITY_KEY
 from llmpress.errors import CheckpointError, UnsupportedModelError
+from llmpress.formats import format_for
+from llmpress.models import build, model_class
 from llmpress.models.linear import is_linear
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
+from llmpress.runtime import QuantizedLinear
+from llmpress.runtime.decode import path_name
 from llmpress.targets import assign_by_targets
 
 __all__ = ["describe_args", "describe_checkpoint"]
@@ -80,10 +84,6 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
 def _cpu_paths(modules: list[nn.Module], scheme: QuantizationScheme, fmt: str | None) -> dict[str, int]:
     """Which path of ``llmpress.load`` each module would run on here (the kernel choice alone:
     no weights read)."""
-    from llmpress.formats import format_for
-    from llmpress.runtime import QuantizedLinear
-    from llmpress.runtime.decode import path_name
-
     paths: dict[str, int] = {}
     for module in modules:
         kernel = path_name(QuantizedLinear.like(module, scheme).choose_kernel(fmt or format_for(scheme)))
@@ -105,7 +105,6 @@ def _skeleton(folder: Path) -> nn.Module | None:
     try:
         from transformers import AutoConfig
 
-        from llmpress.models import build, model_class
 
         config = AutoConfig.from_pretrained(str(folder))
         if hasattr(config, "quantization_config"):

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmpress.integrations.fsdp import whole
+from llmpress.lifecycle.attach import set_weight_qparams
 from llmpress.models.linear import input_major
-from llmpress.quant.attach import set_weight_qparams
+from llmpress.parallel.fsdp import whole
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize
 

@@ -44,15 +44,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.contract.block import CalibrationBlock, tokens_per_batch
+from llmpress.contract.observation import Observation, primary_input
 from llmpress.errors import UnsupportedModelError
+from llmpress.lifecycle.kv_cache import KVCacheQuantizer
 from llmpress.memory import release_free_memory
 from llmpress.models.experts import LinearExperts, routed_experts_only
-from llmpress.observation import Observation, primary_input
-from llmpress.pipelines.blocks import CalibrationBlock, hand_on
-from llmpress.pipelines.kept import KeptValues
-from llmpress.pipelines.plan import BlockPlan, tokens_per_batch
+from llmpress.pipelines.blocks import hand_on
+from llmpress.pipelines.by_module.plan import BlockPlan
 from llmpress.pipelines.stand_ins import ZeroAnswer, stood_in
-from llmpress.quant.kv_cache import KVCacheQuantizer
+from llmpress.pipelines.storage.kept import KeptValues
 from llmpress.session import Session
 
 __all__ = ["Kept", "calibrate_block_by_module"]

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.contract.block import Inputs, rows_of
+from llmpress.contract.observation import primary_input
 from llmpress.errors import DataError
-from llmpress.integrations.distributed import is_distributed
-from llmpress.observation import primary_input
-from llmpress.pipelines.blocks import Inputs
-from llmpress.pipelines.kept import rows_of
+from llmpress.parallel.distributed import is_distributed
 
 __all__ = ["OnDevice", "Placement", "execution_device", "home_device"]
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from llmpress import native
-from llmpress.integrations.fsdp import is_dtensor, like
+from llmpress.compat import tensor_version
+from llmpress.parallel.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize, fake_quantize_activation
 from llmpress.quant.scheme import QuantizationScheme
@@ -209,11 +210,11 @@ class _SharedInput(threading.local):
 
     def get(self, x: torch.Tensor, args) -> torch.Tensor:
         entry = self.entry
-        if (entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == args
-                and entry[4] == entry[3]._version):  # neither written since (a module changing its input in place)
+        if (entry is not None and entry[0]() is x and entry[1] == tensor_version(x) and entry[2] == args
+                and entry[4] == tensor_version(entry[3])):  # neither written since (a module changing its input in place)
             return entry[3]
         result = fake_quantize_activation(x, args)
-        self.entry = (weakref.ref(x, self._drop), x._version, args, result, result._version)
+        self.entry = (weakref.ref(x, self._drop), tensor_version(x), args, result, tensor_version(result))
         return result
 
     def _drop(self, reference: weakref.ref) -> None:
