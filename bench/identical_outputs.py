@@ -8,7 +8,9 @@ A refactoring that must not change behaviour prints the same digests before and 
 
 Recipes: GPTQ W4A16, AWQ W4A16 (+ RTN), SmoothQuant 0.8 + GPTQ W8A8, RTN NVFP4A16; each
 calibrated on 32 samples of 256 tokens of the fixture's calibration text, through ``oneshot``
-on the checkpoint folder (as the command line runs it).
+on the checkpoint folder (as the command line runs it). ``llmpress_run.json`` records the run's
+fingerprint, which includes the model's path: compare runs that read the fixture from one place
+(an old commit's package through ``PYTHONPATH=<old checkout>/src`` with this script).
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ import torch
 from common import REPO, fixture, work_folder
 from load_and_run import make_random_llama, worker
 
+from llmpress.lifecycle.state import scheme_of
+
 
 def compress_w8a8(model_dir, output):
     import llmpress
@@ -70,7 +72,7 @@ def per_module_gap(checkpoint, tokens: int = 64) -> float:
         x = args[0]
         if x.numel() < module.in_features * 32:  # decode-sized inputs take the bf16 kernel
             return
-        inputs = module.quantization_scheme.input_activations
+        inputs = scheme_of(module).input_activations
         quantized = fake_quantize_activation(x, inputs, getattr(module, "input_scale", None), getattr(module, "input_zero_point", None))
         reference = F.linear(quantized.double(), module.dequantized_weight(torch.float64))
         gaps.append(float((out.double() - reference).norm() / reference.norm()))

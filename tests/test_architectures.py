@@ -30,6 +30,7 @@ from conftest import checkpoint_tensors, text_path, trained_model_dir
 
 import llmpress
 from llmpress.cli import main
+from llmpress.lifecycle.sparsity import sparsity_structure
 
 FAST = {"llama", "qwen3_moe", "gpt2"}
 
@@ -163,7 +164,7 @@ def test_sparsegpt_prunes_each_family_two_of_four(model_type, tmp_path):
               "re:.*multi_modal_projector.*"]
     done = llmpress.oneshot(llmpress.load(source, dtype=torch.float32),
                             [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", ignore=ignore)], token_batches(4, 32, vocab=4000))
-    pruned = [m for m in find_blocks(done).modules() if is_linear(m) and getattr(m, "llmpress_sparsity_structure", None)]
+    pruned = [m for m in find_blocks(done).modules() if is_linear(m) and sparsity_structure(m)]
     assert pruned, model_type
     for module in pruned:
         weight = linear_weight(module.weight, module)

@@ -12,7 +12,9 @@ from conftest import train_steps
 from test_gptq import correlated_problem, output_error
 
 import llmpress
+from llmpress.lifecycle.attach import attach_scheme
 from llmpress.lifecycle.qat import enable_qat
+from llmpress.lifecycle.state import scheme_of
 from llmpress.models.linear import Conv1D, linear_weight
 from llmpress.modifiers import GPTQModifier, MagnitudePruningModifier, QuantizationModifier
 from llmpress.modifiers.gptq.algorithm import gptq_quantize
@@ -118,9 +120,9 @@ def test_a_config_that_targets_linear_leaves_conv1d_dense_as_compressed_tensors_
 
 def test_qat_on_conv1d_computes_the_linear_on_its_grid():
     conv = Conv1D(96, 64)
-    conv.quantization_scheme = llmpress.quant.preset_scheme("W4A16")
+    attach_scheme(conv, llmpress.quant.preset_scheme("W4A16"))
     x = torch.randn(3, 64)
-    args = conv.quantization_scheme.weights
+    args = scheme_of(conv).weights
     on_grid = fake_quantize(conv.weight.detach(), *weight_qparams(conv.weight.detach(), args), args)
     enable_qat(conv)
     torch.testing.assert_close(conv(x), x @ on_grid + conv.bias, atol=1e-5, rtol=1e-5)
@@ -150,7 +152,7 @@ def test_quantize_on_load_takes_conv1d_in_its_layout(tmp_path):
     runtime = loaded.transformer.h[1].mlp.c_proj
     assert isinstance(runtime, QuantizedLinear) and runtime.input_major
     stored = model.transformer.h[1].mlp.c_proj.weight.detach()
-    args = runtime.quantization_scheme.weights
+    args = scheme_of(runtime).weights
     torch.testing.assert_close(runtime.dequantized_weight(torch.float32), fake_quantize(stored, *weight_qparams(stored, args), args))
     loaded.save_pretrained(tmp_path / "saved")
     again = llmpress.load(tmp_path / "saved", dequantize=True)

@@ -14,6 +14,7 @@ from conftest import make_tiny_llama, token_batches
 import llmpress
 from llmpress import Recipe, Session
 from llmpress.errors import MissingStateError, RecipeError, SessionError
+from llmpress.lifecycle.state import scheme_of
 from llmpress.modifiers import GPTQModifier, QuantizationModifier
 
 
@@ -42,8 +43,8 @@ def test_mixed_schemes_follow_compressed_tensors_priority(tmp_path):
     model = make_tiny_llama(intermediate=256)
     recipe = {"QuantizationModifier": {"scheme": {"W4A16": ["Linear"], "W8A8": "re:.*down_proj"}, "ignore": ["lm_head"]}}
     llmpress.oneshot(model, recipe, output_dir=tmp_path / "out")
-    assert model.model.layers[0].mlp.down_proj.quantization_scheme.weights.num_bits == 8  # regex beats class
-    assert model.model.layers[0].mlp.up_proj.quantization_scheme.weights.num_bits == 4
+    assert scheme_of(model.model.layers[0].mlp.down_proj).weights.num_bits == 8  # regex beats class
+    assert scheme_of(model.model.layers[0].mlp.up_proj).weights.num_bits == 4
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     torch.testing.assert_close(logits(theirs, IDS), logits(model, IDS), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits(llmpress.load_checkpoint(tmp_path / "out"), IDS), logits(model, IDS))
@@ -80,7 +81,7 @@ def test_finalize_quantizes_weights_without_calibration_events(tmp_path):
     session.initialize(model=model)
     session.finalize()
     up = model.model.layers[0].mlp.up_proj
-    args = up.quantization_scheme.weights
+    args = scheme_of(up).weights
     assert not torch.equal(up.weight, before)  # rounded, and onto its own grid
     assert torch.equal(up.weight, fake_quantize(up.weight.detach(), up.weight_scale, None, args))
     assert up.weight_scale.shape == (up.out_features, up.in_features // args.group_size)
@@ -111,7 +112,7 @@ def test_missing_state_is_checked_before_any_modifier_acts():
     session = Session([QuantizationModifier(scheme="W4A16"), QuantizationModifier(scheme="FP8", targets=["re:.*mlp.*"])])
     with pytest.raises(MissingStateError, match="calibration_data"):
         session.initialize(model=model)
-    assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
+    assert not any(scheme_of(m) is not None for m in model.modules())
 
 
 def test_oneshot_without_dataset_names_the_argument():

@@ -11,6 +11,7 @@ from llmpress.errors import SchemeError
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.fp4_packed import pack_fp4, unpack_fp4
 from llmpress.lifecycle.attach import attach_scheme, freeze_weight, fused_families, share_global_scales
+from llmpress.lifecycle.state import scheme_of
 from llmpress.quant.qdq import compute_qparams, dequantize, fake_quantize_activation, quantize, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, preset_scheme
 
@@ -71,9 +72,9 @@ def test_frozen_weight_round_trips_through_its_format(scheme):
     linear = _linear(200, 256, scheme)  # 200 rows: FP8_BLOCK's last row block is short
     freeze_weight(linear)
     state = {k: v for k, v in {**linear._parameters, **linear._buffers}.items() if v is not None}
-    fmt = FORMATS.get(format_for(linear.quantization_scheme))
-    stored = fmt.compress(state, linear.quantization_scheme)
-    back = fmt.decompress(stored, linear.quantization_scheme, torch.float32)["weight"]
+    fmt = FORMATS.get(format_for(scheme_of(linear)))
+    stored = fmt.compress(state, scheme_of(linear))
+    back = fmt.decompress(stored, scheme_of(linear), torch.float32)["weight"]
     assert torch.equal(back, linear.weight.data)
 
 
@@ -120,7 +121,7 @@ def test_fp4_bytes_equal_compressed_tensors(scheme, dtype):
 
     freeze_weight(linear)
     ours_state = {k: v for k, v in {**linear._parameters, **linear._buffers}.items() if v is not None}
-    ours = FORMATS.get(format_for(linear.quantization_scheme)).compress(ours_state, linear.quantization_scheme)
+    ours = FORMATS.get(format_for(scheme_of(linear))).compress(ours_state, scheme_of(linear))
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype, name
@@ -132,9 +133,9 @@ def test_fp8_block_scales_cover_short_blocks():
     linear = _linear(200, 300, "FP8_BLOCK")
     freeze_weight(linear)
     assert tuple(linear.weight_scale.shape) == (2, 3)
-    q = quantize(linear.weight.data, linear.weight_scale, None, linear.quantization_scheme.weights)
+    q = quantize(linear.weight.data, linear.weight_scale, None, scheme_of(linear).weights)
     assert q.dtype == torch.float8_e4m3fn
-    assert torch.equal(dequantize(q, linear.weight_scale, None, linear.quantization_scheme.weights), linear.weight.data)
+    assert torch.equal(dequantize(q, linear.weight_scale, None, scheme_of(linear).weights), linear.weight.data)
 
 
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16", "FP8_BLOCK"])
@@ -172,7 +173,7 @@ def test_runtime_products_match_the_dequantized_weight(scheme, tmp_path):
     module = llmpress.load(tmp_path / "c").model.layers[0].mlp.down_proj
     assert module.kernel == "bf16"
     reference = module.dequantized_weight(torch.float64)
-    inputs = module.quantization_scheme.input_activations  # FP8_BLOCK's: fp8 per group of 128, dynamic
+    inputs = scheme_of(module).input_activations  # FP8_BLOCK's: fp8 per group of 128, dynamic
     for rows, tolerance in ((64, 1e-6), (1, 1e-2)):
         x = torch.randn(rows, module.in_features)
         seen = x if inputs is None else fake_quantize_activation(x, inputs)

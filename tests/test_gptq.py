@@ -14,6 +14,7 @@ from llmpress import Recipe
 from llmpress.contract.block import find_blocks
 from llmpress.data import CalibrationOptions
 from llmpress.errors import MissingStateError, RecipeError
+from llmpress.lifecycle.state import scheme_of
 from llmpress.modifiers import GPTQModifier, QuantizationModifier
 from llmpress.modifiers.gptq.algorithm import gptq_quantize, inverse_hessian_factor
 from llmpress.quant import QuantizationArgs, fake_quantize, weight_qparams
@@ -464,7 +465,7 @@ def test_a_module_that_sees_no_input_is_rounded_to_nearest_and_reported(tmp_path
     spare = model.model.layers[0].mlp.spare
     assert "saw no calibration input" in caplog.text and "model.layers.0.mlp.spare" in caplog.text
     assert spare.weight_scale.shape == (128, 1)
-    assert torch.equal(spare.weight, fake_quantize(spare.weight.detach(), spare.weight_scale, None, spare.quantization_scheme.weights))
+    assert torch.equal(spare.weight, fake_quantize(spare.weight.detach(), spare.weight_scale, None, scheme_of(spare).weights))
 
 
 def test_int8_weights_keep_min_max_unless_the_recipe_names_an_observer():

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import llmpress
 from llmpress.formats import FORMATS
+from llmpress.lifecycle.state import scheme_of
 from llmpress.loading.dense import dequantize_model
 from llmpress.quant import QuantizationArgs, QuantizationScheme, weight_qparams
 from llmpress.runtime import QuantizedLinear, kernels
@@ -72,8 +73,8 @@ def test_quantize_on_load_picks_a_group_that_divides_the_columns(tmp_path, caplo
     assert "groups of 64" in caplog.text
     runtime = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert {m.kernel for m in runtime.values()} == {"int4"}
-    assert runtime["model.layers.0.mlp.down_proj"].quantization_scheme.weights.group_size == 128  # 1536 columns
-    assert runtime["model.layers.0.self_attn.q_proj"].quantization_scheme.weights.group_size == 64
+    assert scheme_of(runtime["model.layers.0.mlp.down_proj"]).weights.group_size == 128  # 1536 columns
+    assert scheme_of(runtime["model.layers.0.self_attn.q_proj"]).weights.group_size == 64
     ids = torch.tensor(token_batches(2, 16))
     dense = dequantize_model(copy.deepcopy(model)).float()  # the same grid, dense, in float32
     with torch.no_grad():

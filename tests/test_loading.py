@@ -12,7 +12,7 @@ from torch import nn
 
 import llmpress
 from llmpress.errors import CheckpointError, RecipeError
-from llmpress.lifecycle.records import applied_recipe
+from llmpress.lifecycle.records import applied_recipe, loading_quantizer
 from llmpress.runtime import QuantizedLinear, kernels
 
 LLMC_FIXTURE = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
@@ -156,7 +156,7 @@ def test_generate_runs_on_runtime_modules(trained_w4a16):
 @pytest.mark.integration  # the trained model; transformers + compressed-tensors
 def test_dequantize_gives_the_dense_view(trained_w4a16):
     model = llmpress.load(trained_w4a16)
-    getattr(model, "llmpress_quantizer").dequantize(model)
+    loading_quantizer(model).dequantize(model)
     assert not kernels_of(model)
     ids = torch.tensor(token_batches(2, 16, vocab=model.config.vocab_size))
     torch.testing.assert_close(logits(model, ids), logits(llmpress.load(trained_w4a16, dequantize=True), ids))

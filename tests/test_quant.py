@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmpress.errors import SchemeError
+from llmpress.lifecycle.state import scheme_of
 from llmpress.quant import (
     PRESET_SCHEMES,
     QuantizationArgs,
@@ -338,7 +339,7 @@ def test_modules_reading_one_input_share_its_dynamic_fake_quantization(monkeypat
     q, k, v = (torch.nn.Linear(64, 64) for _ in range(3))
     for module in (q, k, v):
         attach_scheme(module, preset_scheme("W8A8"))
-    args = q.quantization_scheme.input_activations
+    args = scheme_of(q).input_activations
     x = torch.randn(2, 8, 64)
     with torch.no_grad():
         outs = [fake_quantize_module_input(m, x, args) for m in (q, k, v)]

@@ -10,7 +10,8 @@ from conftest import make_tiny_llama, train_steps, training_batch
 
 import llmpress
 from llmpress.errors import MissingStateError, RecipeError, SessionError
-from llmpress.lifecycle.qat import QAT_ATTR
+from llmpress.lifecycle.qat import QATLinear, in_qat
+from llmpress.lifecycle.state import Status, scheme_of, status_of
 from llmpress.modifiers import (
     QuantizationModifier,
 )
@@ -32,7 +33,7 @@ def test_qat_starts_at_the_rtn_model_trains_and_freezes_on_the_grid(tmp_path):
         assert float(loss.detach()) == pytest.approx(rtn_loss, rel=1e-6)  # the same grid: the same model
         loss.backward()
         q_proj = model.model.layers[0].self_attn.q_proj
-        assert getattr(q_proj, QAT_ATTR) and q_proj.weight.grad.abs().sum() > 0  # straight-through
+        assert in_qat(q_proj) and type(q_proj) is QATLinear and q_proj.weight.grad.abs().sum() > 0  # straight-through
         step.optimizer_step(optimizer)
     losses = train_steps(session, model, optimizer, 20, same_batch=True)
     assert losses[-1] < losses[0]
@@ -40,7 +41,7 @@ def test_qat_starts_at_the_rtn_model_trains_and_freezes_on_the_grid(tmp_path):
     with torch.no_grad():
         mid_logits = model(input_ids=batch).logits
     session.finalize()
-    assert not hasattr(q_proj, QAT_ATTR) and "forward" not in q_proj.__dict__
+    assert not in_qat(q_proj) and type(q_proj) is torch.nn.Linear and status_of(q_proj) == Status.FROZEN
     scale = q_proj.weight_scale.repeat_interleave(128, dim=1)
     codes = q_proj.weight / scale
     assert torch.allclose(codes, codes.round(), atol=1e-3)
@@ -110,4 +111,36 @@ def test_a_stage_with_another_scheme_drops_the_old_input_quantization():
     session.initialize(model=model)
     assert getattr(q_proj, "input_scale", None) is None and getattr(q_proj, "weight_scale", None) is None
     session.finalize()
-    assert q_proj.quantization_scheme.input_activations is None and q_proj.weight_scale.shape == (128, 1)
+    assert scheme_of(q_proj).input_activations is None and q_proj.weight_scale.shape == (128, 1)
+
+
+def test_each_module_carries_one_state_through_its_lifecycle():
+    """One ``ModuleState`` per module (no other llmpress attribute), its status moving PENDING ->
+    TRAINING -> FROZEN; QAT is a swap of the module's class, so a model in QAT copies and
+    pickles like any other and the copy computes the same."""
+    import copy
+    import pickle
+
+    model = make_tiny_llama(intermediate=256)
+    session = llmpress.Session(QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session.initialize(model=model, optimizer=optimizer)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert status_of(q_proj) == Status.PENDING and status_of(model.lm_head) is None
+    batch = training_batch()
+    with session.training_step() as step:
+        step.loss(model(input_ids=batch, labels=batch).loss).backward()
+        step.optimizer_step(optimizer)
+        optimizer.zero_grad()
+    assert status_of(q_proj) == Status.TRAINING and isinstance(q_proj, QATLinear)
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=batch).logits
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert type(twin.model.layers[0].self_attn.q_proj) is QATLinear
+            torch.testing.assert_close(twin(input_ids=batch).logits, expected)
+    session.finalize()
+    assert status_of(q_proj) == Status.FROZEN and type(q_proj) is torch.nn.Linear
+    ours = {k for m in model.modules() if m is not model for k in vars(m) if "llmpress" in k}
+    assert ours == {"llmpress_state"}, ours
+    assert {k for k in vars(model) if "llmpress" in k} == {"llmpress_record"}  # the model's own: its recipe

@@ -19,7 +19,7 @@ from llmpress.checkpoint import save_checkpoint
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
-from llmpress.lifecycle.qat import PENDING_ATTR
+from llmpress.lifecycle.state import Status, status_of
 from llmpress.loading.loader import read_model_and_processor
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.parallel.distributed import is_distributed, same_on_every_rank, share_of
@@ -231,10 +231,8 @@ def _freeze_quantized_weights(model: nn.Module) -> None:
     QAT (a QuantizationModifier of its own): plain steps would move them off the grid."""
     frozen = [
         m for m in model.modules()
-        if getattr(m, "weight_scale", None) is not None
-        and not getattr(m, PENDING_ATTR, False)
-        and isinstance(getattr(m, "weight", None), torch.nn.Parameter)
-        and m.weight.requires_grad
+        if status_of(m) == Status.FROZEN and getattr(m, "weight_scale", None) is not None
+        and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.requires_grad
     ]
     for module in frozen:
         module.weight.requires_grad_(False)

@@ -15,10 +15,10 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
-from llmpress.lifecycle.attach import quantized_modules
 from llmpress.lifecycle.kv_cache import kv_cache_scheme_of
-from llmpress.lifecycle.qat import PENDING_ATTR, QAT_ATTR, qat_snapshot
+from llmpress.lifecycle.qat import qat_snapshot
 from llmpress.lifecycle.records import held_weights
+from llmpress.lifecycle.state import Status, quantized_modules, status_of
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
@@ -61,7 +61,8 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         unfrozen = scheme.weights is not None and f"{prefix}weight_scale" not in state
         # mid-training (QAT on, or a session that will quantize the module later): the weights
         # as finalize would round them now
-        in_training = getattr(module, QAT_ATTR, False) or (unfrozen and getattr(module, PENDING_ATTR, False))
+        status = status_of(module)
+        in_training = status == Status.TRAINING or (unfrozen and status == Status.PENDING)
         if unfrozen and not in_training:
             raise CheckpointError(
                 f"module {name!r} has a quantization scheme but its weight was never quantized",

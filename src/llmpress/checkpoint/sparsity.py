@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from llmpress.lifecycle.records import held_weights
-from llmpress.lifecycle.sparsity import SPARSITY_ATTR, keeps_structure, module_weight
+from llmpress.lifecycle.sparsity import keeps_structure, module_weight, sparsity_structure
 from llmpress.models.linear import is_linear, linear_weight
 
 __all__ = ["SPARSITY_KEY", "sparsity_config_for"]
@@ -27,17 +27,17 @@ def sparsity_config_for(model: nn.Module) -> dict[str, Any] | None:
     """``{"format": "dense", "sparsity_structure", "global_sparsity", "targets", "ignore"}`` when
     some module was pruned, else None. Read one module at a time; a finished layer held as
     integers (``pipelines/storage/compact.py``) is looked at without letting its integers go."""
-    pruned = [(n, m) for n, m in model.named_modules() if getattr(m, SPARSITY_ATTR, None)]
+    pruned = [(n, m) for n, m in model.named_modules() if sparsity_structure(m)]
     if not pruned:
         return None
     held = held_weights(model)
-    structures = {getattr(m, SPARSITY_ATTR) for _, m in pruned}
+    structures = {sparsity_structure(m) for _, m in pruned}
     total = zeros = 0
     for _, module in pruned:
         weight = held.weight_of(module, release=False) if held is not None and module.weight.is_meta else None
         keep = (module_weight(module) if weight is None else linear_weight(weight, module)) != 0
         # N:M only when every pruned module's zeros really are its N:M (mid-schedule they are not yet)
-        if not keeps_structure(keep, getattr(module, SPARSITY_ATTR)):
+        if not keeps_structure(keep, sparsity_structure(module)):
             structures = {"unstructured"}
         total += keep.numel()
         zeros += keep.numel() - int(keep.sum())

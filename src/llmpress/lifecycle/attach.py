@@ -1,10 +1,10 @@
-"""Quantization state on a module: the scheme, its scales, and the input fake-quant hook.
+"""Quantization on a module: the scheme, its scales, and the input fake-quant hook.
 
-A quantized ``nn.Linear`` carries ``quantization_scheme`` and buffers ``weight_scale``
-(``weight_zero_point`` when asymmetric, ``weight_global_scale`` for NVFP4) and, for static
-activations, ``input_scale`` (NVFP4: ``input_global_scale``). Its weight holds values on the
-quantization grid once frozen, so a plain forward already computes what the compressed model
-computes; input activations are fake-quantized by a forward pre-hook.
+A quantized ``nn.Linear`` carries its scheme in its state (``state.py``) and buffers
+``weight_scale`` (``weight_zero_point`` when asymmetric, ``weight_global_scale`` for NVFP4) and,
+for static activations, ``input_scale`` (NVFP4: ``input_global_scale``). Its weight holds values
+on the quantization grid once frozen (``Status.FROZEN``), so a plain forward already computes
+what the compressed model computes; input activations are fake-quantized by a forward pre-hook.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 
 from llmpress import native
 from llmpress.compat import tensor_version
+from llmpress.lifecycle.state import Status, forget_state_if_empty, scheme_of, state_of
 from llmpress.parallel.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize, fake_quantize_activation
@@ -24,7 +25,6 @@ from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = [
     "attach_scheme",
-    "quantized_modules",
     "freeze_weight",
     "replace_weight",
     "set_weight_qparams",
@@ -38,19 +38,19 @@ __all__ = [
     "detach_quantization",
 ]
 
-_HOOK = "_llmpress_input_quant_hook"
 
 
 def attach_scheme(module: nn.Module, scheme: QuantizationScheme) -> None:
-    module.quantization_scheme = scheme
+    """``module`` is to be quantized by ``scheme`` (``Status.ATTACHED``); a module already frozen
+    on a grid of the same scheme stays frozen."""
+    state = state_of(module)
+    frozen = state.status == Status.FROZEN and state.scheme is not None and _same_grid(state.scheme, scheme)
+    state.scheme = scheme
+    state.status = Status.FROZEN if frozen else Status.ATTACHED
 
 
-def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module, QuantizationScheme]]:
-    return [
-        (name, m, m.quantization_scheme)
-        for name, m in model.named_modules()
-        if getattr(m, "quantization_scheme", None) is not None
-    ]
+def _same_grid(a: QuantizationScheme, b: QuantizationScheme) -> bool:
+    return (a.weights, a.input_activations) == (b.weights, b.input_activations)
 
 
 def set_module_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
@@ -100,7 +100,7 @@ def share_global_scales(modules: list[nn.Module], families: dict[nn.Module, tupl
 
 
 def _has_global_scale(module: nn.Module) -> bool:
-    scheme = getattr(module, "quantization_scheme", None)
+    scheme = scheme_of(module)
     return scheme is not None and scheme.weights is not None and scheme.weights.has_global_scale
 
 
@@ -114,7 +114,7 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     """Round the weight onto its quantization grid, store scale / zero point; return the
     relative L2 error of the rounding (a per-module quality figure for reports). NVFP4 uses
     the module's ``weight_global_scale`` (set first by ``share_global_scales``), else its own."""
-    args = module.quantization_scheme.weights
+    args = scheme_of(module).weights
     weight = module.weight.data
     share_global_scales([module], {})  # NVFP4 without a family's scale: its own
     global_scale = getattr(module, "weight_global_scale", None)
@@ -125,6 +125,7 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     replace_weight(module, quantized)
     set_module_buffer(module, "weight_scale", scale)
     set_module_buffer(module, "weight_zero_point", zero_point)
+    state_of(module).status = Status.FROZEN
     return error
 
 
@@ -157,12 +158,13 @@ def set_weight_qparams(
     global_scale: torch.Tensor | None = None,
 ) -> None:
     """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
-    dtype = scale_dtype_for(module.quantization_scheme.weights, module.weight.dtype)
+    dtype = scale_dtype_for(scheme_of(module).weights, module.weight.dtype)
     replace_weight(module, weight)
     set_module_buffer(module, "weight_scale", scale.to(dtype))
     set_module_buffer(module, "weight_zero_point", zero_point)
     if global_scale is not None:
         set_module_buffer(module, "weight_global_scale", global_scale)
+    state_of(module).status = Status.FROZEN
 
 
 def set_input_scale(module: nn.Module, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
@@ -173,14 +175,15 @@ def set_input_scale(module: nn.Module, scale: torch.Tensor, zero_point: torch.Te
 
 def enable_input_quantization(module: nn.Module) -> None:
     """Fake-quantize the module's input on every forward, as the compressed model does."""
-    args = module.quantization_scheme.input_activations
-    if args is None or getattr(module, _HOOK, None) is not None:
+    state = state_of(module)
+    args = state.scheme.input_activations
+    if args is None or state.input_hook is not None:
         return
 
     def hook(mod: nn.Module, inputs: tuple) -> tuple:
         return (fake_quantize_module_input(mod, inputs[0], args), *inputs[1:])
 
-    setattr(module, _HOOK, module.register_forward_pre_hook(hook))
+    state.input_hook = module.register_forward_pre_hook(hook)
 
 
 def fake_quantize_module_input(module: nn.Module, x: torch.Tensor, args) -> torch.Tensor:
@@ -226,11 +229,13 @@ _shared_input = _SharedInput()
 
 
 def detach_quantization(module: nn.Module) -> None:
-    """Remove every trace of quantization state from a module (its weight is left as it is)."""
-    handle = getattr(module, _HOOK, None)
-    if handle is not None:
-        handle.remove()
-        setattr(module, _HOOK, None)
+    """Remove every trace of quantization from a module (its weight is left as it is; a pruning
+    mark or a KV-cache quantizer stays)."""
+    state = state_of(module)
+    if state.input_hook is not None:
+        state.input_hook.remove()
+        state.input_hook = None
     for name in ("weight_scale", "weight_zero_point", "weight_global_scale", "input_scale", "input_zero_point", "input_global_scale"):
         set_module_buffer(module, name, None)
-    module.quantization_scheme = None
+    state.scheme = state.status = None
+    forget_state_if_empty(module)

@@ -25,12 +25,12 @@ from torch import nn
 
 from llmpress.errors import SchemeError
 from llmpress.lifecycle.attach import set_module_buffer
+from llmpress.lifecycle.state import existing_state, forget_state_if_empty, state_of
 from llmpress.quant.qdq import compute_qparams, fake_quantize
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["KVCacheQuantizer", "attention_modules", "kv_cache_args", "kv_cache_scheme_of"]
 
-_ATTR = "_llmpress_kv_cache"
 _PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj", "c_attn")
 #: what transformers calls the attention's cache argument: ``cache`` from 5.2x, before that
 #: ``past_key_values`` (and ``past_key_value`` in 4.x)
@@ -84,7 +84,7 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 def kv_cache_scheme_of(model: nn.Module) -> QuantizationArgs | None:
     """The ``kv_cache_scheme`` the model's attention modules carry (None when none does)."""
     for module in model.modules():
-        quantizer = getattr(module, _ATTR, None)
+        quantizer = KVCacheQuantizer.of(module)
         if quantizer is not None and quantizer.frozen:
             return quantizer.args
     return None
@@ -120,11 +120,11 @@ class KVCacheQuantizer:
         self.absmax: dict[str, torch.Tensor] = {}
         self.keyword = _cache_keyword(module)
         self.handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
-        setattr(module, _ATTR, self)
+        state_of(module).kv_cache = self
 
     @classmethod
     def attach(cls, module: nn.Module, args: QuantizationArgs) -> KVCacheQuantizer:
-        existing = getattr(module, _ATTR, None)
+        existing = KVCacheQuantizer.of(module)
         if existing is not None:
             existing.args = args
             return existing
@@ -132,7 +132,8 @@ class KVCacheQuantizer:
 
     @staticmethod
     def of(module: nn.Module) -> KVCacheQuantizer | None:
-        return getattr(module, _ATTR, None)
+        state = existing_state(module)
+        return None if state is None else state.kv_cache
 
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         if not (self.observing or self.frozen):
@@ -190,5 +191,6 @@ class KVCacheQuantizer:
         self.handle.remove()
         for name in ("k_scale", "v_scale"):
             module._buffers.pop(name, None)
-        delattr(module, _ATTR)
+        state_of(module).kv_cache = None
+        forget_state_if_empty(module)
 

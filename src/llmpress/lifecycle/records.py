@@ -6,12 +6,14 @@
   saves and lets the model go writes them from the integers, one module at a time;
 * the quantizer that loaded the model (``loading_quantizer``).
 
-The floors above read and write these through the functions here, so the save path needs
-neither the recipe parser nor the pipeline that holds the weights.
+They are one object on the model (``ModelRecord``, its ``llmpress_record``), as a module's are
+one ``ModuleState``. The floors above read and write it through the functions here, so the save
+path needs neither the recipe parser nor the pipeline that holds the weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
@@ -19,12 +21,26 @@ from torch import nn
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HeldWeights", "applied_recipe", "held_weights", "keep_held_weights", "loading_quantizer", "record_loading_quantizer",
+__all__ = ["HeldWeights", "ModelRecord", "applied_recipe", "held_weights", "keep_held_weights", "loading_quantizer", "record_loading_quantizer",
            "record_recipe", "release_held_weights"]
 
-_RECIPE = "_llmpress_applied_recipe"
-_HELD = "_llmpress_held_weights"
-_QUANTIZER = "llmpress_quantizer"
+_RECORD = "llmpress_record"
+
+
+@dataclass(eq=False)
+class ModelRecord:
+    """What llmpress keeps on a model (one attribute, ``llmpress_record``)."""
+
+    recipe: Any = None  # the Recipe it was made with so far
+    held: HeldWeights | None = None
+    quantizer: Any = None
+
+
+def _record(model: nn.Module, create: bool = False) -> ModelRecord | None:
+    record = model.__dict__.get(_RECORD)
+    if record is None and create:
+        record = model.__dict__[_RECORD] = ModelRecord()
+    return record
 
 
 class HeldWeights(Protocol):
@@ -37,34 +53,38 @@ class HeldWeights(Protocol):
 
 def applied_recipe(model: nn.Module) -> Any:
     """The ``Recipe`` the model was made with so far, or None."""
-    return getattr(model, _RECIPE, None)
+    record = _record(model)
+    return None if record is None else record.recipe
 
 
 def record_recipe(model: nn.Module, recipe: Any) -> None:
     """The model was made with ``recipe`` (a ``Recipe``: what it was loaded with plus what was
     applied since)."""
-    setattr(model, _RECIPE, recipe)
+    _record(model, create=True).recipe = recipe
 
 
 def held_weights(model: nn.Module) -> HeldWeights | None:
     """What holds some of ``model``'s weights as integers past calibration, if anything."""
-    return getattr(model, _HELD, None)
+    record = _record(model)
+    return None if record is None else record.held
 
 
 def keep_held_weights(model: nn.Module, held: HeldWeights) -> None:
-    setattr(model, _HELD, held)
+    _record(model, create=True).held = held
 
 
 def release_held_weights(model: nn.Module, held: HeldWeights) -> None:
     """``held`` no longer holds any of the model's weights."""
-    if getattr(model, _HELD, None) is held:
-        delattr(model, _HELD)
+    record = _record(model)
+    if record is not None and record.held is held:
+        record.held = None
 
 
 def loading_quantizer(model: nn.Module) -> Any:
     """The ``Quantizer`` ``llmpress.load`` loaded the model with, or None."""
-    return getattr(model, _QUANTIZER, None)
+    record = _record(model)
+    return None if record is None else record.quantizer
 
 
 def record_loading_quantizer(model: nn.Module, quantizer: Any) -> None:
-    setattr(model, _QUANTIZER, quantizer)
+    _record(model, create=True).quantizer = quantizer

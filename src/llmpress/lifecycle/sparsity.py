@@ -2,8 +2,9 @@
 checkpoint) leaves on a module, and what its weight's zeros look like.
 
 Pruning modifiers mark each module they prune with its structure (``"unstructured"`` or
-``"N:M"``, ``SPARSITY_ATTR``); GPTQ keeps a marked module's zeros, and the save path describes the
-marked modules in the checkpoint's ``sparsity_config`` (``checkpoint/sparsity.py``).
+``"N:M"``, ``mark_sparse``: the ``sparsity`` of its state); GPTQ keeps a marked module's zeros,
+and the save path describes the marked modules in the checkpoint's ``sparsity_config``
+(``checkpoint/sparsity.py``).
 """
 
 from __future__ import annotations
@@ -12,14 +13,23 @@ from typing import Any
 
 from torch import nn
 
+from llmpress.lifecycle.state import existing_state, state_of
 from llmpress.models.linear import linear_weight
 from llmpress.parallel.fsdp import whole
 from llmpress.targets import assign_by_targets
 
-__all__ = ["SPARSITY_ATTR", "keeps_structure", "mark_sparse_modules", "module_weight", "sparsity_of", "structure_of"]
+__all__ = ["keeps_structure", "mark_sparse", "mark_sparse_modules", "module_weight", "sparsity_of", "sparsity_structure", "structure_of"]
 
-# attribute on a pruned module: "unstructured" or "N:M"
-SPARSITY_ATTR = "llmpress_sparsity_structure"
+
+def mark_sparse(module: nn.Module, structure: str) -> None:
+    """``module`` is pruned, ``"unstructured"`` or ``"N:M"``."""
+    state_of(module).sparsity = structure
+
+
+def sparsity_structure(module: nn.Module) -> str | None:
+    """How ``module`` was pruned (``"unstructured"``, ``"N:M"``), or None when it was not."""
+    state = existing_state(module)
+    return None if state is None else state.sparsity
 
 
 def module_weight(module: nn.Module):
@@ -58,4 +68,4 @@ def mark_sparse_modules(model: nn.Module, sparsity_config: dict[str, Any] | None
     chosen = assign_by_targets(model, [(list(sparsity_config["targets"]), None)], sparsity_config.get("ignore") or [])
     for module, _ in chosen.values():
         if module_weight(module) is not None:
-            setattr(module, SPARSITY_ATTR, structure)
+            mark_sparse(module, structure)

@@ -10,6 +10,7 @@ from torch import nn
 
 from llmpress.formats import FORMATS
 from llmpress.lifecycle.attach import attach_scheme, enable_input_quantization, set_module_buffer
+from llmpress.lifecycle.state import Status, state_of
 from llmpress.models.classes import model_dtype
 from llmpress.models.linear import Conv1D
 from llmpress.quant.scheme import QuantizationScheme
@@ -37,6 +38,7 @@ def dense_linear(
     attach_scheme(linear, scheme)
     for name, value in local.items():
         set_module_buffer(linear, name, value)
+    state_of(linear).status = Status.FROZEN  # on its grid, its qparams read from the checkpoint
     enable_input_quantization(linear)
     return linear
 
@@ -48,7 +50,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
             dtype = module.bias.dtype if module.bias is not None else model_dtype(model)
             dense = dense_linear(
                 module.in_features, module.out_features, module.compressed_state(),
-                module.quantization_scheme, module.format, dtype, module.input_major,
+                module.scheme, module.format, dtype, module.input_major,
             )
             model.set_submodule(name, dense)
     return model

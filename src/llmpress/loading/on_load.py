@@ -50,7 +50,7 @@ def _kernel_group_scheme(name: str, module: nn.Module, scheme: QuantizationSchem
 def quantize_weight_into(module: QuantizedLinear, weight: torch.Tensor, scale_dtype: torch.dtype) -> None:
     """RTN-quantize a float ``weight`` under ``module``'s scheme and load it into ``module``.
     The scale is rounded to ``scale_dtype`` (as stored) before the weight is rounded with it."""
-    args = module.quantization_scheme.weights
+    args = module.scheme.weights
     scale, zero_point = weight_qparams(weight, args)
     scale = scale.to(scale_dtype)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)

@@ -83,7 +83,7 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
     return [
         m for m in model.modules()
         if isinstance(m, QuantizedLinear) and m.kernel == "int4" and kernels._is_blocks64(m.int4_table)
-        and m.quantization_scheme.input_activations is None and m.int4_weight.device.type == "cpu"
+        and m.scheme.input_activations is None and m.int4_weight.device.type == "cpu"
     ]
 
 

@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.pack_quantized import PACKED_ZERO_POINT_STRATEGIES
 from llmpress.lifecycle.attach import fake_quantize_module_input
+from llmpress.lifecycle.state import Status, scheme_of, state_of
 from llmpress.models.linear import features, input_major
 from llmpress.quant.packing import bytewise, unpack_from_int32
 from llmpress.quant.qdq import dequantize
@@ -78,7 +79,8 @@ class QuantizedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.input_major = input_major
-        self.quantization_scheme = scheme
+        state = state_of(self)  # the scheme lives in the module's state, as on every quantized module
+        state.scheme, state.status = scheme, Status.COMPRESSED
         self.format = format_for(scheme)
         self.kernel = "empty"
         self.int4_group: int | None = None  # the kernel's group size (may be smaller than the scheme's)
@@ -86,6 +88,11 @@ class QuantizedLinear(nn.Module):
         self._dense: torch.Tensor | None = None  # kernel bf16: the weight, dequantized on the first forward
         self._divisor: torch.Tensor | None = None  # and NVFP4's global scale, which divides its products
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @property
+    def scheme(self) -> QuantizationScheme:
+        """The scheme its tensors are compressed by (from its state)."""
+        return scheme_of(self)
 
     @classmethod
     def like(cls, linear: nn.Module, scheme: QuantizationScheme) -> QuantizedLinear:
@@ -98,7 +105,7 @@ class QuantizedLinear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        w = self.quantization_scheme.weights
+        w = self.scheme.weights
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"weights={w.type}{w.num_bits}/{w.strategy}, kernel={self.kernel}" + (", input_major" if self.input_major else "")
@@ -125,12 +132,12 @@ class QuantizedLinear(nn.Module):
             return
         if kernel == "int4" and fmt == "pack-quantized" and bytewise(4, self.in_features):
             scale, zero_point = state["weight_scale"], state.get("weight_zero_point")
-            if zero_point is not None and self.quantization_scheme.weights.strategy in PACKED_ZERO_POINT_STRATEGIES:
+            if zero_point is not None and self.scheme.weights.strategy in PACKED_ZERO_POINT_STRATEGIES:
                 # packed along the output dimension (a per-tensor zero point is stored as it is)
                 zero_point = unpack_from_int32(zero_point, 4, (self.out_features, scale.shape[-1]), dim=0)
             self._set_int4(*kernels.int4_pack_words(state["weight_packed"], *self._kernel_qparams(scale, zero_point)), scale, zero_point)
             return
-        unpacked = FORMATS.get(fmt).unpack(state, self.quantization_scheme)
+        unpacked = FORMATS.get(fmt).unpack(state, self.scheme)
         self._load_values(kernel, unpacked["weight"], unpacked["weight_scale"], unpacked.get("weight_zero_point"))
 
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
@@ -140,15 +147,15 @@ class QuantizedLinear(nn.Module):
         if kernel not in _STORED:
             self._load_values(kernel, q, scale, zero_point)
             return
-        args = self.quantization_scheme.weights
+        args = self.scheme.weights
         state = {"weight": dequantize(q, scale, zero_point, args, torch.float32), "weight_scale": scale}
         if zero_point is not None:
             state["weight_zero_point"] = zero_point
-        self.load_compressed(FORMATS.get(self.format).compress(state, self.quantization_scheme))
+        self.load_compressed(FORMATS.get(self.format).compress(state, self.scheme))
 
     def _kernel_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scale and zero point per kernel group (the stored ones stay as they are, for saving)."""
-        group = self.quantization_scheme.weights.group_size
+        group = self.scheme.weights.group_size
 
         def spread(qparam: torch.Tensor) -> torch.Tensor:
             return kernels.int4_qparams(qparam, group, self.int4_group, self.out_features, self.in_features)
@@ -186,7 +193,7 @@ class QuantizedLinear(nn.Module):
 
     def choose_kernel(self, fmt: str) -> str:
         """The kernel for this module's scheme (and, for ``int4``, ``self.int4_group``)."""
-        args = self.quantization_scheme.weights
+        args = self.scheme.weights
         if (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK) and not self.input_major:
             return "bf16"
         if args.is_float or self.input_major:  # any format's unpack() gives integer schemes their integers
@@ -197,7 +204,7 @@ class QuantizedLinear(nn.Module):
                 return "int4"
         if args.num_bits == 8 and args.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR):
             if kernels.int8_supported(self.in_features):
-                inputs = self.quantization_scheme.input_activations
+                inputs = self.scheme.input_activations
                 return "int8x8" if int8_inputs.int8_inputs_supported(args, inputs) else "int8"
         return "bf16"  # an integer grid no integer kernel takes: dense bf16's speed, not a dequantization per call
 
@@ -224,7 +231,7 @@ class QuantizedLinear(nn.Module):
             dense = {"weight": self.dequantized_weight(torch.float32), "weight_scale": self.weight_scale}
             if self.weight_zero_point is not None:
                 dense["weight_zero_point"] = self.weight_zero_point
-            state = FORMATS.get(self.format).compress(dense, self.quantization_scheme)
+            state = FORMATS.get(self.format).compress(dense, self.scheme)
         for name in _INPUT_TENSORS:
             if getattr(self, name, None) is not None:
                 state[name] = getattr(self, name)
@@ -240,13 +247,13 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.default_dtype
         if self.kernel in _STORED:
-            return FORMATS.get(self.format).decompress(self._stored(), self.quantization_scheme, dtype)["weight"]
-        args = self.quantization_scheme.weights
+            return FORMATS.get(self.format).decompress(self._stored(), self.scheme, dtype)["weight"]
+        args = self.scheme.weights
         return dequantize(self.quantized_values(), self.weight_scale, self.weight_zero_point, args, dtype)
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inputs = self.quantization_scheme.input_activations
+        inputs = self.scheme.input_activations
         if self.kernel == "int8x8" and x.is_cpu and x.numel() >= int8_inputs.MIN_ROWS * self.in_features and not x.requires_grad:
             return self._int8_product(x, inputs)
         if inputs is not None:
@@ -276,12 +283,12 @@ class QuantizedLinear(nn.Module):
         ``x``'s dtype, exactly as the dense view; decode in bf16, at half of fp32's bytes. FP8
         block weights and integer grids in bf16 are not exact: prefill dequantizes them for the
         call."""
-        args = self.quantization_scheme.weights
+        args = self.scheme.weights
         integers = not (args.is_fp4 or args.strategy == QuantizationStrategy.BLOCK)
         if self._dense is None and integers:
             self._dense, self._divisor = self.dequantized_weight(torch.float32).to(kernels.COMPUTE_DTYPE), None
         elif self._dense is None:  # once, from the stored tensors (which stay, for saving)
-            unpacked = FORMATS.get(self.format).unpack(self._stored(), self.quantization_scheme)
+            unpacked = FORMATS.get(self.format).unpack(self._stored(), self.scheme)
             divisor = unpacked.get("weight_global_scale") if args.has_global_scale else None
             ones = None if divisor is None else torch.ones_like(divisor)
             self._dense = dequantize(unpacked["weight"], unpacked["weight_scale"], None, args, kernels.COMPUTE_DTYPE, ones)

@@ -43,7 +43,7 @@ from llmpress.lifecycle.attach import (
     set_weight_qparams,
     share_global_scales,
 )
-from llmpress.lifecycle.sparsity import SPARSITY_ATTR
+from llmpress.lifecycle.sparsity import sparsity_structure
 from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
@@ -313,9 +313,9 @@ class GPTQModifier(Modifier):
 def _kept(modules: list[nn.Module]) -> list[torch.Tensor] | None:
     """The nonzero pattern of each module a pruning modifier marked (or a sparse checkpoint
     named): GPTQ keeps their zeros. None when no module of ``modules`` is marked."""
-    if not any(getattr(m, SPARSITY_ATTR, None) for m in modules):
+    if not any(sparsity_structure(m) for m in modules):
         return None
-    return [m.weight.data != 0 if getattr(m, SPARSITY_ATTR, None) else torch.ones_like(m.weight.data, dtype=torch.bool)
+    return [m.weight.data != 0 if sparsity_structure(m) else torch.ones_like(m.weight.data, dtype=torch.bool)
             for m in modules]
 
 

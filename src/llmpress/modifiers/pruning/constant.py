@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
-from llmpress.lifecycle.sparsity import sparsity_of, structure_of
+from llmpress.lifecycle.sparsity import mark_sparse, sparsity_of, structure_of
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
+from llmpress.modifiers.pruning.masks import prunable_modules
 from llmpress.parallel.fsdp import like, whole
 
 __all__ = ["ConstantPruningModifier"]
@@ -38,7 +38,7 @@ class ConstantPruningModifier(Modifier):
             mask = whole(module.weight.detach()) != 0  # FSDP: decided on the whole weight, the same on every rank
             if not bool(mask.all()):  # only modules that are sparse have zeros to keep
                 self.masks[name] = (module, like(mask, module.weight))  # applied to this rank's shard
-                setattr(module, SPARSITY_ATTR, structure_of(linear_weight(mask, module)))
+                mark_sparse(module, structure_of(linear_weight(mask, module)))
 
     def on_optim_post_step(self, state: State) -> None:
         self.apply()

@@ -26,10 +26,9 @@ from pydantic import field_validator, model_validator
 from torch import nn
 
 from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
-from llmpress.lifecycle.sparsity import sparsity_of
+from llmpress.lifecycle.sparsity import mark_sparse, sparsity_of
 from llmpress.models.linear import linear_weight
 from llmpress.modifiers.pruning.masks import (
-    SPARSITY_ATTR,
     magnitude_mask,
     parse_structure,
     prunable_modules,
@@ -93,7 +92,7 @@ class MagnitudePruningModifier(Modifier):
         self.last_update: float | None = None
         label = self.config.mask_structure if self.structure else "unstructured"
         for module in self.modules.values():
-            setattr(module, SPARSITY_ATTR, label)
+            mark_sparse(module, label)
 
     @property
     def acts_after_window(self) -> bool:

@@ -12,12 +12,10 @@ import torch
 from torch import nn
 
 from llmpress.errors import RecipeError, UnsupportedModelError
-from llmpress.lifecycle.sparsity import SPARSITY_ATTR
 from llmpress.models.linear import features, is_linear
 from llmpress.targets import assign_by_targets
 
 __all__ = [
-    "SPARSITY_ATTR",
     "magnitude_mask",
     "parse_structure",
     "prunable_modules",

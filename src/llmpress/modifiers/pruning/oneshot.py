@@ -33,9 +33,9 @@ from torch import nn
 from llmpress.contract.block import find_blocks
 from llmpress.contract.modifier import Modifier, ModifierConfig, OneShotFields, State
 from llmpress.errors import RecipeError
-from llmpress.lifecycle.sparsity import sparsity_of
+from llmpress.lifecycle.sparsity import mark_sparse, sparsity_of
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.pruning.masks import SPARSITY_ATTR, prunable_modules
+from llmpress.modifiers.pruning.masks import prunable_modules
 
 if TYPE_CHECKING:
     from llmpress.contract.block import CalibrationBlock
@@ -173,7 +173,7 @@ class OneShotPruningModifier(Modifier):
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
         inside = {id(m) for m in block.module.modules()}
         for name in [n for n, m in self.pending.items() if id(m) in inside]:
-            setattr(self.pending.pop(name), SPARSITY_ATTR, self.label)
+            mark_sparse(self.pending.pop(name), self.label)
             self.forget(name)
 
     def on_calibration_end(self, state: State) -> None:
@@ -195,7 +195,7 @@ class OneShotPruningModifier(Modifier):
         for name in self.ready(names):
             module = self.pending.pop(name)
             self.prune(name, module, self.sparsity_for(module))
-            setattr(module, SPARSITY_ATTR, self.label)
+            mark_sparse(module, self.label)
             self.forget(name)
             self.reached[name] = sparsity_of(module)
 

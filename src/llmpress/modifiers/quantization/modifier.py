@@ -38,7 +38,8 @@ from llmpress.lifecycle.attach import (
     fused_families,
     share_global_scales,
 )
-from llmpress.lifecycle.qat import PENDING_ATTR, QAT_ATTR, enable_qat, freeze_qat
+from llmpress.lifecycle.qat import enable_qat, freeze_qat, in_qat
+from llmpress.lifecycle.state import Status, scheme_of, state_of
 from llmpress.models.linear import is_linear
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
@@ -86,7 +87,7 @@ def assign_schemes(
         _warn_uncovered_weights(model, chosen, ignore, modifier)
     untie_shared_weights(model, [m for m, _ in chosen.values()])
     for module, scheme in chosen.values():
-        old = getattr(module, "quantization_scheme", None)
+        old = scheme_of(module)
         if old is not None and (old.weights, old.input_activations) != (scheme.weights, scheme.input_activations):
             detach_quantization(module)  # an earlier stage's grid: its scales and input hook do not apply
         attach_scheme(module, scheme)
@@ -130,8 +131,7 @@ def finish_restored_layer(block: CalibrationBlock, pending: dict[str, tuple[nn.M
     on (a static input scale came back with the block), and so does its KV-cache quantizer."""
     for name in names_of(block.module.modules(), pending):
         module, _ = pending.pop(name)
-        if hasattr(module, PENDING_ATTR):
-            delattr(module, PENDING_ATTR)
+        state_of(module).status = Status.FROZEN  # as the earlier run finished it
         enable_input_quantization(module)
     if kv_cache is not None:
         kv_cache.layer_restored(block)
@@ -180,7 +180,7 @@ class QuantizationModifier(Modifier):
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__) if schemes else {}
         self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         for module, _ in self.modules.values():
-            setattr(module, PENDING_ATTR, True)
+            state_of(module).status = Status.PENDING  # a checkpoint saved meanwhile holds it rounded
         self.pending = dict(self.modules)  # not quantized yet
         self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
         self.inputs = InputRangeObserver(type(self).__name__)
@@ -255,12 +255,12 @@ class QuantizationModifier(Modifier):
             self.inputs.reduce([n for n in names if n in self.pending and has_static_inputs(self.pending[n][1])])
         for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
-            if hasattr(module, PENDING_ATTR):
-                delattr(module, PENDING_ATTR)
-            if getattr(module, QAT_ATTR, False):
+            if in_qat(module):
                 self.errors[name] = freeze_qat(module)  # its input hook is on already
                 continue
             if scheme.weights is not None:
                 self.errors[name] = freeze_weight(module)
+            else:
+                state_of(module).status = Status.FROZEN  # inputs only: nothing to round
             self.inputs.apply_input_quantization(name, module, scheme)
             logger.debug("%s: %s relative error %.4f", type(self).__name__, name, self.errors.get(name, 0.0))

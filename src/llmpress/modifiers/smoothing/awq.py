@@ -59,6 +59,7 @@ from llmpress.contract.block import hidden_of, tokens_per_batch
 from llmpress.contract.modifier import MODIFIERS
 from llmpress.contract.observation import primary_input
 from llmpress.errors import RecipeError
+from llmpress.lifecycle.state import scheme_of
 from llmpress.models.experts import ExpertMLP, routed_experts_only
 from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.hessians import HessianAccumulator
@@ -138,7 +139,7 @@ def column_means(layers: list[nn.Linear], args: QuantizationArgs) -> torch.Tenso
 
 
 def _quantized(layer: nn.Module) -> bool:
-    scheme = getattr(layer, "quantization_scheme", None)
+    scheme = scheme_of(layer)
     return scheme is not None and scheme.weights is not None
 
 
@@ -329,7 +330,7 @@ class AWQModifier(SmoothingModifier):
             )
         kept = []
         for mapping in mappings:
-            weights = {m.quantization_scheme.weights.model_dump_json() for m in mapping.balance if _quantized(m)}
+            weights = {scheme_of(m).weights.model_dump_json() for m in mapping.balance if _quantized(m)}
             if any(input_major(m) for m in mapping.balance):
                 skipped.append(f"{mapping.describe()} (AWQ searches Linear weights; GPT-2's Conv1D is not one)")
             elif len(weights) != 1:
@@ -451,7 +452,7 @@ class AWQModifier(SmoothingModifier):
 
     @staticmethod
     def _search_args(layer: nn.Module) -> QuantizationArgs:
-        return layer.quantization_scheme.weights.model_copy(update={"observer": "minmax", "observer_kwargs": {}})
+        return scheme_of(layer).weights.model_copy(update={"observer": "minmax", "observer_kwargs": {}})
 
     def step_note(self) -> str:
         return self._note

@@ -48,6 +48,7 @@ from torch import nn
 
 from llmpress.contract.modifier import MODIFIERS, Modifier, State
 from llmpress.errors import SessionError
+from llmpress.lifecycle.state import scheme_of
 from llmpress.models.linear import input_major
 from llmpress.modifiers.smoothing.base import SmoothingConfig, SmoothingModifier
 from llmpress.modifiers.smoothing.fold import apply_scales
@@ -151,7 +152,7 @@ class SmoothQuantModifier(SmoothingModifier):
         else:
             alpha = self.config.smoothing_strength
             # the layers a quantizer will round (an ignored router takes the scales exactly)
-            rounded = [m for m in mapping.balance if getattr(m, "quantization_scheme", None) is not None] or mapping.balance
+            rounded = [m for m in mapping.balance if scheme_of(m) is not None] or mapping.balance
             weight_range = 2.0 * torch.stack([m.weight.detach().abs().float().amax(dim=1 if input_major(m) else 0)
                                               for m in rounded]).amax(dim=0)
             scales = activation_range.pow(alpha) / weight_range.pow(1 - alpha)

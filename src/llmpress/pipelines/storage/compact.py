@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from llmpress.lifecycle.records import keep_held_weights, release_held_weights
+from llmpress.lifecycle.state import scheme_of
 from llmpress.memory import release_free_memory
 from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, effective_scale, float_copy, grouped
@@ -28,13 +29,13 @@ __all__ = ["CompactWeights"]
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``k * scale`` in ``dtype``: the on-grid weight."""
-    args = module.quantization_scheme.weights
+    args = scheme_of(module).weights
     return dequantize(k, module.weight_scale, None, args, dtype, getattr(module, "weight_global_scale", None))
 
 
 def _grid_values(module: nn.Module) -> torch.Tensor | None:
     """``k`` with ``_rebuild(module, k)`` equal to the module's weight, or None."""
-    scheme = getattr(module, "quantization_scheme", None)
+    scheme = scheme_of(module)
     scale = getattr(module, "weight_scale", None)
     weight = getattr(module, "weight", None)
     args = None if scheme is None else scheme.weights
