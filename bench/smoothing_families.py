@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     work = work_folder(args.work, "llmpress-smoothing-")
-    from conftest import token_batches
+    from helpers import token_batches
 
     tokens = work / "tokens.jsonl"
     tokens.write_text("\n".join(json.dumps({"input_ids": s}) for s in token_batches(16, 64, vocab=4000)))

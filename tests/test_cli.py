@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import text_path, trained_model_dir
+from helpers import text_path, trained_model_dir
 
 from llmpress.cli import main
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 import yaml
-from conftest import make_tiny_llama, token_batches
+from helpers import make_tiny_llama, token_batches
 
 import llmpress
 from llmpress import Recipe, Session

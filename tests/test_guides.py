@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = REPO / "docs"
 
 
 def python_blocks(path: Path) -> list[str]:

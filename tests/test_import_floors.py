@@ -10,8 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "src" / "llmpress"
 #: the modules that import lazily on purpose: ``llmpress --help`` answers before torch is imported
 LAZY = {"llmpress.cli"}

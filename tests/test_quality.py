@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import text_path, trained_model_dir
+from helpers import text_path, trained_model_dir
 
 from llmpress.cli import main
 from llmpress.evaluation import evaluation_windows, perplexity
@@ -61,7 +61,7 @@ def test_transformers_and_llmpress_agree(preset, tmp_path, windows, fp32_perplex
 def test_gptq_recipe_file_through_the_cli(tmp_path, windows, fp32_perplexity, capsys):
     """llm-compressor's GPTQ recipe YAML, unchanged, through `llmpress oneshot --recipe FILE`:
     within 0.4% of fp32 (RTN W4A16 is +0.44% on this model), and transformers reads the same perplexity."""
-    from conftest import REPO
+    from helpers import REPO
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "gptq"

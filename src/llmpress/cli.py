@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --quantize: the output projection too (as llama.cpp does; faster decode, slightly less exact)")
     generate.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                           help="decode through torch.compile with a static cache from the first token (default: once 1024 tokens "
-                               "are asked for; the compile costs ~25 s for 30 layers on 2 cores, ~8 s once cached, and saves ~5 ms a token)")
+                               "are asked for; the compile takes tens of seconds once and saves a few ms a token on a small model)")
     generate.set_defaults(run=_generate)
 
     inspect = commands.add_parser("inspect", help="describe a checkpoint: format, schemes, sizes, recipe")

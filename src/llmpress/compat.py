@@ -2,8 +2,8 @@
 
 llmpress reads a few things transformers and torch do not publish: how transformers renames and
 fuses checkpoint tensors on load (its conversion mapping), a fused-experts module's gate, the
-marks its loader and its compiled ``generate`` read, torch's tensor version counters and
-Inductor's compiler probe. Each is reached only through a function here, so that a new release
+marks its loader and its compiled ``generate`` read, torch's tensor version counters, a module's
+own parameter and buffer slots, and Inductor's compiler probe. Each is reached only through a function here, so that a new release
 that moves one breaks one place, and each says what it does where the part is missing.
 
 Checked against (``CHECKED``): transformers 5.17 (llm-compressor 0.14's pin) to 5.25, and torch
@@ -33,6 +33,8 @@ __all__ = [
     "is_prefix_change",
     "is_renaming",
     "mark_loaded",
+    "own_buffers",
+    "own_parameters",
     "previous_cache_length",
     "register_with_transformers",
     "tensor_version",
@@ -156,6 +158,17 @@ def previous_cache_length(model: nn.Module) -> int:
 def tensor_version(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter: it changes with every in-place write through torch."""
     return tensor._version
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter slots, by name (``None`` for an unset one such as a missing
+    bias): the live mapping, which a caller may change (set, replace or remove a slot)."""
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffer slots, by name: the live mapping, as ``own_parameters``."""
+    return module._buffers
 
 
 @functools.cache

@@ -3,8 +3,8 @@ layer of layer-by-layer calibration, and between modules packed for a save.
 
 A load frees many temporaries of a few MB (unpacked integers, int32 staging for the int4 kernel).
 glibc keeps such blocks in its heap (its mmap threshold grows with each large free), so the
-resident size climbs well past what the model holds: on a 2048-hidden Llama the int4 load peaked
-at 1.5 GB instead of 1.15 GB. ``malloc_trim(0)`` after each converted tensor returns those pages.
+resident size climbs well past what the model holds (an int4 load's peak: ``bench/README.md``, "Figures behind the code").
+``malloc_trim(0)`` after each converted tensor returns those pages.
 It is a no-op where glibc is not the allocator.
 """
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.compat import own_buffers, own_parameters
 from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
 from llmpress.lifecycle.kv_cache import kv_cache_scheme_of
@@ -82,7 +83,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
             state[f"{prefix}weight"] = held.weight_of(module)
         if not (save_compressed or in_training):
             continue  # dense and frozen: the state dict already holds it
-        own = [*module._parameters, *module._buffers]
+        own = [*own_parameters(module), *own_buffers(module)]
         local = {k: state.pop(prefix + k) for k in own if prefix + k in state}
         if in_training:  # mid-QAT: the weights as finalize would round them now
             local = qat_snapshot(module)

@@ -31,8 +31,7 @@ class CalibrationOptions:
     shuffle: bool = True
     seed: int = 0
     #: samples per calibration forward. Small batches keep activation memory low and cost
-    #: little time on CPU (GPTQ on a 1024-hidden Llama: batch 2 peaks at 998 MB in 111 s,
-    #: batch 8 at 1138 MB in 102 s)
+    #: little time on CPU (bench/README.md, "Figures behind the code")
     batch_size: int = 2
     #: "layerwise" (one block at a time, bounded memory) or "basic" (the whole model per batch)
     pipeline: str = "layerwise"

@@ -42,7 +42,7 @@ BYTE_VALUES = torch.stack([_CODES.repeat(16), _CODES.repeat_interleave(16)], dim
 
 def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``pack_fp4``'s inverse: ``[rows, 2 * bytes]`` values in ``dtype``, one table lookup a
-    byte (5x faster than splitting the nibbles first)."""
+    byte (several times faster than splitting the nibbles first)."""
     table = BYTE_VALUES.to(device=packed.device, dtype=dtype)
     return table.index_select(0, packed.reshape(-1).int()).reshape(packed.shape[0], -1)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from llmpress import native
-from llmpress.compat import tensor_version
+from llmpress.compat import own_buffers, tensor_version
 from llmpress.lifecycle.state import Status, forget_state_if_empty, scheme_of, state_of
 from llmpress.parallel.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
@@ -56,11 +56,11 @@ def _same_grid(a: QuantizationScheme, b: QuantizationScheme) -> bool:
 def set_module_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
     """Set, replace or (with None) remove a persistent buffer such as ``weight_scale``."""
     if value is None:
-        if name in module._buffers:
-            del module._buffers[name]
+        if name in own_buffers(module):
+            del own_buffers(module)[name]
         return
-    if name in module._buffers:
-        module._buffers[name] = value
+    if name in own_buffers(module):
+        own_buffers(module)[name] = value
     else:
         module.register_buffer(name, value)
 
@@ -132,8 +132,8 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
 def replace_weight(module: nn.Module, value: torch.Tensor) -> None:
     """Make ``value`` (a fresh result the caller hands over) the data of ``module.weight``,
     rather than writing it into the old storage: a weight still memory-mapped from its checkpoint
-    is a copy-on-write mapping, and writing into it faults and copies every page (about 10x the
-    time of a fresh tensor; GPTQ on a hidden-1024 Llama spent 1.2 s of 40 there). A view of a
+    is a copy-on-write mapping, and writing into it faults and copies every page (many times the
+    time of a fresh tensor). A view of a
     larger result (one module's rows of a stacked solve) is copied out, so it does not keep the
     rest alive or share storage in a save. A sharded weight (FSDP's DTensor) is written in place."""
     old = module.weight.data

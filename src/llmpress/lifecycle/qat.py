@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmpress.compat import own_buffers, own_parameters
 from llmpress.lifecycle.attach import set_weight_qparams
 from llmpress.lifecycle.state import Status, scheme_of, state_of, status_of
 from llmpress.models.linear import Conv1D, input_major
@@ -116,7 +117,7 @@ def qat_snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
     calls), so its scales are those of the whole weight, the same on every rank."""
     weight = whole(module.weight.detach())
     args = scheme_of(module).weights
-    local = {k: v.detach() for k, v in [*module._parameters.items(), *module._buffers.items()] if v is not None}
+    local = {k: v.detach() for k, v in [*own_parameters(module).items(), *own_buffers(module).items()] if v is not None}
     local["weight"] = weight
     if args is None:  # activation-only scheme: the weight stays as it is
         return local

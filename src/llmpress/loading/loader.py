@@ -1,10 +1,10 @@
-"""``llmpress.load``: one loader for every quantization method (DESIGN.md, "Loading through
-pluggable quantizers").
+"""``llmpress.load``: one loader for every quantization method (``docs/loading.md``).
 
-Loading is two steps. ``read_checkpoint`` reads the config, asks the method's ``Quantizer`` to adjust dtype and placement,
-builds the model with its parameters on ``meta`` (nothing allocated), lets the quantizer swap in
-its modules, then streams the checkpoint one tensor at a time: a tensor the quantizer claims goes
-to ``create_quantized_param``, any other is copied into place. It never looks at the method.
+Loading is two steps. ``read_checkpoint`` reads the config, asks the method's ``Quantizer`` to
+adjust dtype and placement, builds the model with its parameters on ``meta`` (nothing
+allocated), lets the quantizer swap in its modules, then streams the checkpoint one tensor at a
+time: a tensor the quantizer claims goes to ``create_quantized_param``, any other is copied into
+place. It never looks at the method.
 ``prepare_decode`` (``runtime/decode.py``) then sets the model up for inference: fused
 projections and a compiled decode step. ``llmpress.load`` does both; ``oneshot``, ``train``,
 ``eval`` and ``inspect`` only read (``read_checkpoint``, ``read_model_and_processor``).
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.sparsity import SPARSITY_KEY
+from llmpress.compat import own_buffers, own_parameters
 from llmpress.errors import CheckpointError, RecipeError, UnsupportedModelError
 from llmpress.lifecycle.records import record_loading_quantizer, record_recipe
 from llmpress.lifecycle.sparsity import mark_sparse_modules
@@ -331,7 +332,7 @@ def _assign(model: nn.Module, entry: ShardEntry, read, device: torch.device) -> 
         module = model.get_submodule(owner)
     except AttributeError:
         return False
-    slots = module._parameters if attr in module._parameters else module._buffers if attr in module._buffers else None
+    slots = own_parameters(module) if attr in own_parameters(module) else own_buffers(module) if attr in own_buffers(module) else None
     if slots is None or slots[attr] is None:
         return False
     current = slots[attr]
@@ -343,7 +344,7 @@ def _assign(model: nn.Module, entry: ShardEntry, read, device: torch.device) -> 
             fix="check that config.json and the weights belong together",
         )
     tensor = read(current.dtype if current.is_floating_point() else None).to(device)
-    if slots is module._parameters:
+    if slots is own_parameters(module):
         slots[attr] = nn.Parameter(tensor, requires_grad=current.requires_grad and tensor.is_floating_point())
     else:
         slots[attr] = tensor

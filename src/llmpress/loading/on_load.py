@@ -11,6 +11,7 @@ import logging
 import torch
 from torch import nn
 
+from llmpress.compat import own_parameters
 from llmpress.errors import CheckpointError
 from llmpress.loading.config import LlmpressConfig, QuantizationMethod
 from llmpress.loading.methods import register_quantization_method
@@ -137,7 +138,7 @@ class LlmpressQuantizer(Quantizer):
         embedding = model.get_input_embeddings().weight
         if embedding.is_meta or tuple(embedding.shape) != (output.out_features, output.in_features):
             return
-        output._parameters.pop("weight", None)  # what tie_weights() attached
+        own_parameters(output).pop("weight", None)  # what tie_weights() attached
         quantize_weight_into(output, embedding.detach(), self.dtype)
         model.config.tie_word_embeddings = False  # two tensors now: saved and loaded as such
         logger.info("quantize-on-load: the output projection is a quantized copy of the tied embedding")

@@ -1,7 +1,7 @@
 """``Quantizer``: what a quantization method plugs into the loader.
 
 The loader (``llmpress.load``) never branches on the method; it calls these methods in a fixed
-order (DESIGN.md, "Loading through pluggable quantizers"). Public methods do the bookkeeping and call the ``_hooks`` a subclass
+order (``docs/loading.md``). Public methods do the bookkeeping and call the ``_hooks`` a subclass
 overrides; every hook has a harmless default, so a method overrides only what it needs:
 
 1. ``validate_environment`` 2. ``update_dtype`` 3. ``update_device_map`` / ``adjust_max_memory``

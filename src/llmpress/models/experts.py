@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmpress.compat import apply_gate, conversion_mapping, converter_patterns, is_converter
+from llmpress.compat import apply_gate, conversion_mapping, converter_patterns, is_converter, own_parameters
 
 __all__ = ["ExpertMLP", "LinearExperts", "calibrating_all_experts", "fused_experts", "linearize_experts", "mixing_all_experts",
            "routed_experts_only"]
@@ -62,7 +62,7 @@ def _layout(module: nn.Module) -> _Layout | None:
 def fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """The fused experts modules of ``model``: 3-D ``down_proj`` and ``gate_up_proj`` (or ``up_proj``)."""
     for name, module in model.named_modules():
-        params = module._parameters
+        params = own_parameters(module)
         down = params.get("down_proj")
         up = params.get("gate_up_proj", params.get("up_proj"))
         if down is not None and up is not None and down.dim() == 3 and up.dim() == 3:
@@ -105,10 +105,10 @@ class LinearExperts(nn.ModuleList):
         self.calibrate_all = False
         self.mix_all = False  # checking a transform: every expert's result reaches the output
         for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
-            if name in fused._parameters:
+            if name in own_parameters(fused):
                 if not down.is_meta:
-                    self._copy_in(name, fused._parameters[name].detach())
-                del fused._parameters[name]
+                    self._copy_in(name, own_parameters(fused)[name].detach())
+                del own_parameters(fused)[name]
         self._activation = (fused,)  # its _apply_gate (and act_fn, limits); a tuple keeps it out of the state dict
 
     def _copy_in(self, name: str, value: torch.Tensor) -> None:

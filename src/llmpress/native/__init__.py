@@ -7,10 +7,10 @@ per-column update and the MSE observer's scoring, each one call where PyTorch ta
 small ones.
 
 They are compiled once per source, compiler flags and PyTorch version by
-``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): about
-15 s, once; later processes load the library in milliseconds. As operators they cost an eager
-call what an aten operator costs (a ctypes or Python-defined operator costs 3-10x more, which a
-decode step of 200 small products feels), and a ``torch.compile``d model calls them as opaque
+``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): seconds,
+once; later processes load the library in milliseconds. As operators they cost an eager call
+what an aten operator costs (a ctypes or Python-defined operator costs several times more, which
+a decode step of 200 small products feels), and a ``torch.compile``d model calls them as opaque
 kernels.
 
 They are used where the CPU has AVX2 and FMA and the build succeeds (it needs a C++ compiler);
@@ -58,7 +58,7 @@ def cpu_flags() -> frozenset[str]:
 @functools.cache
 def bf16_native() -> bool:
     """True where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX), so that a bf16
-    matrix product outruns float32 (6x here on AMX); elsewhere PyTorch emulates it, 5x slower
+    matrix product outruns float32 (several times, on AMX); elsewhere PyTorch emulates it, slower
     than float32."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
@@ -166,7 +166,7 @@ def candidate_errors(blocks: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 def transposed(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x.t()`` copied into ``out`` (new and contiguous by default), for 2-D float32 CPU tensors
-    whose rows are contiguous: 3-4x PyTorch's strided copy. Other tensors take PyTorch's copy."""
+    whose rows are contiguous: several times PyTorch's strided copy. Other tensors take PyTorch's copy."""
     if out is None:
         out = torch.empty(x.shape[1], x.shape[0], dtype=x.dtype, device=x.device)
     if (x.dim() == 2 and x.dtype == out.dtype == torch.float32 and x.device.type == out.device.type == "cpu"

@@ -129,7 +129,7 @@ def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tenso
         return x.min().reshape(1), x.max().reshape(1)
     if args.strategy == QuantizationStrategy.CHANNEL:
         return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-    if args.strategy == QuantizationStrategy.TOKEN:  # (torch.aminmax along a dim is ~6x slower on CPU)
+    if args.strategy == QuantizationStrategy.TOKEN:  # (torch.aminmax along a dim is several times slower on CPU)
         flat = x.reshape(-1, x.shape[-1])
         return flat.amin(dim=-1, keepdim=True), flat.amax(dim=-1, keepdim=True)
     if args.strategy == QuantizationStrategy.BLOCK:

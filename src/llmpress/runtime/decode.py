@@ -3,11 +3,10 @@ compiled once (Inductor's C++ backend on the CPU), which ``llmpress.load`` sets 
 
 A decode step of a small model is hundreds of small PyTorch calls; compiled, the step runs as a
 few generated C++ loops around the quantized products (llmpress's int4 operator is opaque to the
-compiler and called as it is). Measured here (2 cores, int4 with the output projection): a
-Llama with SmolLM2-135M's shapes decodes 1.25-1.55x faster compiled (about 5 ms less a token);
-the 2048-hidden Llama, whose time is its products, 1.0-1.25x. The compile is paid by the first
-compiled ``generate()`` of each static cache size: 20-25 s on 2 cores for a 30-layer model the
-first time, 8 s once Inductor's cache on disk holds its code (later processes on the machine).
+compiler and called as it is). A small model's decode gains the most (a few ms a token); a large
+one, whose time is its products, gains less. The compile is paid by the first compiled
+``generate()`` of each static cache size: tens of seconds on 2 cores for a 30-layer model the
+first time, less once Inductor's cache on disk holds its code (the figures: ``bench/README.md``, "Figures behind the code").
 
 So the compile waits until it can pay: by default a model decodes as transformers does until it
 has generated ``COMPILE_AFTER_TOKENS`` tokens (or one call asks for that many), and compiled from
@@ -48,8 +47,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MIN_CACHE_POSITIONS = 256
-#: tokens generated before the decode step compiles, by default: a 20-25 s compile (8 s with
-#: Inductor's cache warm) that saves ~5 ms a token pays after a few thousand
+#: tokens generated before the decode step compiles, by default: the one-off compile pays after a
+#: few thousand tokens on a small model (bench/README.md, "Figures behind the code")
 COMPILE_AFTER_TOKENS = 1024
 
 

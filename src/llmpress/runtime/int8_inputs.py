@@ -3,9 +3,9 @@
 A W8A8 module's input is quantized to int8 (per token or per tensor, dynamic or with its
 calibrated scale, as the scheme says), multiplied with the int8 weight in integers, and the
 integer result scaled back: what vLLM computes, here on oneDNN's quantized linear
-(``onednn::qlinear_pointwise``, uint8 inputs with a zero point against int8 weights). Measured
-on the 2-core AVX2 machine at 512 × 2048 × 2048: ``torch._int_mm`` 1050 ms, fp32 30 ms, bf16
-207 ms, oneDNN 16 ms per pass.
+(``onednn::qlinear_pointwise``, uint8 inputs with a zero point against int8 weights): the
+fastest int8 product PyTorch has on a CPU, faster than fp32 and far faster than ``torch._int_mm``
+(the figures: ``bench/README.md``, "Figures behind the code").
 
 One pass is exact only where the CPU multiplies int8 pairs into int32 (VNNI). Without it (AVX2,
 AVX-512F) the product goes through ``vpmaddubsw``, which adds two ``uint8 × int8`` products into
@@ -28,7 +28,7 @@ from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
 __all__ = ["MIN_ROWS", "Int8Inputs", "int8_inputs_supported"]
 
-MIN_ROWS = 32  # below this many rows the bf16 int8-weight kernel is faster (measured: 2048 x 2048)
+MIN_ROWS = 32  # below this many rows the bf16 int8-weight kernel is faster (as measured at 2048 x 2048)
 _SHIFT = 128  # int8 values + 128 = the uint8 values oneDNN takes
 _SAFE = 64  # |w| <= 64: a uint8 x int8 pair sum stays within int16
 

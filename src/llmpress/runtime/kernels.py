@@ -7,7 +7,7 @@ the CPU multiplies bf16 natively) where they build on this machine, in the layou
 ``native/blocks64.h``) with a float32 ``[1 or 2, out, groups]`` table of scales (and zeros).
 Elsewhere, and for 8-bit
 weights, PyTorch's kernels apply, both computing in bfloat16 (with fp32 activations they run
-10x slower, so activations are cast to bf16 for the call and the result back):
+several times slower, so activations are cast to bf16 for the call and the result back):
 
 - ``_weight_int4pack_mm_for_cpu``: 4-bit weights in groups of 32/64/128/256 columns, the weight
   packed by ``_convert_weight_to_int4pack_for_cpu`` from unsigned values ``u = q + 8``, with
@@ -187,7 +187,7 @@ def int4_pack_words(
     """The same as ``int4_pack`` straight from compressed-tensors' int32 words ``[out, in / 8]``:
     each byte holds two values already offset by 8 (low nibble first), which is what the kernel
     takes. Where this CPU's kernel layout is known (checked against the kernel once), the bytes
-    are rearranged into it directly, 5-6x faster than converting through int32 values."""
+    are rearranged into it directly, several times faster than converting through int32 values."""
     data = words.contiguous().view(torch.uint8)
     rows, half = data.shape
     if (layout or int4_layout()) == "blocks64":
@@ -253,7 +253,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, table: t
     """``x @ w.T`` for ``x`` ``[..., in]``; the result has ``x``'s dtype."""
     if _is_blocks64(table):
         if x.dtype == torch.bfloat16 and x.numel() > PREFILL_ROWS * x.shape[-1] and not native.bf16_native():
-            return native.int4_linear(x.float(), packed, table, group_size).to(x.dtype)  # emulated bf16: 5x slower
+            return native.int4_linear(x.float(), packed, table, group_size).to(x.dtype)  # emulated bf16 is slower
         return native.int4_linear(x, packed, table, group_size)
     flat = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group_size, table)
@@ -316,9 +316,9 @@ def int8_matmul(
 
     Decode (up to 16 tokens) runs on llmpress's integer product where it builds and the columns
     are whole 32s (``x`` quantized to int16 per 32-128 columns: 1e-4 from the float32 product;
-    decode 1.2-1.3x faster than with PyTorch's bf16 kernel); prefill in bf16 where the CPU multiplies
-    bf16 natively (13x PyTorch's kernel at 512 rows); PyTorch's ``_weight_int8pack_mm`` (bf16)
-    elsewhere."""
+    faster than PyTorch's bf16 kernel); prefill in bf16 where the CPU multiplies bf16 natively
+    (many times PyTorch's kernel); PyTorch's ``_weight_int8pack_mm`` (bf16) elsewhere (the
+    figures: ``bench/README.md``, "Figures behind the code")."""
     decode = x.numel() <= PREFILL_ROWS * x.shape[-1]
     if decode and x.is_cpu and x.shape[-1] % 32 == 0 and x.dtype in (torch.float32, torch.bfloat16) and native.available():
         return native.int8_linear(x, weight, scale.float(), None if zero_correction is None else zero_correction.float())

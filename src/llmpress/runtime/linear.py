@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from llmpress.compat import own_buffers
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.pack_quantized import PACKED_ZERO_POINT_STRATEGIES
 from llmpress.lifecycle.attach import fake_quantize_module_input
@@ -308,15 +309,15 @@ class QuantizedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to(), .float(): oneDNN's packed copy (the bf16 weight) is rebuilt from the buffers
         self._int8_inputs = self._dense = None
-        stored = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
+        stored = {name: buffer for name, buffer in own_buffers(self).items() if buffer is not None}
         result = super()._apply(fn, recurse)
         for name, before in stored.items():
             # a dtype cast (model.to(torch.bfloat16), .half()) would round the stored scales (a
             # later save would write other numbers) and the int4 kernel's table (whose dtype also
             # says which layout the weight is in): they keep their dtypes, on the new device
-            if self._buffers[name].dtype != before.dtype:
-                self._buffers[name] = before.to(self._buffers[name].device)
-        if self._fusion is not None and any(self._buffers[n] is not stored[n] for n in ("int4_weight", "int4_table")):
+            if own_buffers(self)[name].dtype != before.dtype:
+                own_buffers(self)[name] = before.to(own_buffers(self)[name].device)
+        if self._fusion is not None and any(own_buffers(self)[n] is not stored[n] for n in ("int4_weight", "int4_table")):
             self._fusion[0].dissolve()  # moved: the fused tensors stayed where they were, every member runs alone
         return result
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress.compat import own_parameters
 from llmpress.contract.block import hidden_of, structure_of
 from llmpress.contract.observation import primary_input
 from llmpress.models.experts import LinearExperts, mixing_all_experts
@@ -53,7 +54,7 @@ def reads_columns(module: nn.Module) -> bool:
     (Qwen3-MoE's, DeepSeek's), so its input channels can take ``s`` as a Linear's do."""
     if isinstance(module, nn.Linear) or input_major(module):
         return True
-    weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+    weight = own_parameters(module).get("weight") if isinstance(module, nn.Module) else None
     return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
 
 

@@ -2,9 +2,9 @@
 
 Tensors whose rows match the batch's tokens (alone, or first in a tuple of Nones) are copied into
 one buffer for all batches: a single allocation goes back to the system whole, where a few dozen
-batch-sized ones leave glibc's heap fragmented (GPTQ on the 1024-hidden Llama of bench/gptq.py:
-peak RSS 877-898 MB packed, 938-1026 MB with a copy per batch). The copy also means nothing the model does to the tensor it got back changes what is
-kept: ``get`` hands out a fresh copy each time (``take``, for a value read once, the stored rows).
+batch-sized ones leave glibc's heap fragmented (a lower peak for GPTQ: ``bench/README.md``, "Figures behind the code"). The copy also
+means nothing the model does to the tensor it got back changes what is kept: ``get`` hands out a
+fresh copy each time (``take``, for a value read once, the stored rows).
 
 With a ``spill`` folder, that buffer is a file there instead (a GPU's tensors go through host
 memory, and come back to the GPU when read): each batch's rows are
@@ -30,8 +30,8 @@ from llmpress.contract.observation import primary_input, with_primary_input
 __all__ = ["KeptValues", "SpilledInputs", "close_spill_files"]
 
 #: spill files that finished ``KeptValues`` gave back, by folder: the next one writes over them.
-#: Writing into pages the file cache already holds is several times faster than into new ones
-#: (1 -> 4 GB/s here), and the cache then holds about one stage's values, not a stream of new files.
+#: Writing into pages the file cache already holds is several times faster than into new ones,
+#: and the cache then holds about one stage's values, not a stream of new files.
 _FREE_FILES: dict[str, list[Any]] = {}
 
 

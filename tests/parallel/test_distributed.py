@@ -1,0 +1,222 @@
+"""Calibration on several ranks (torch.distributed, gloo): real processes, two ranks.
+
+Each rank calibrates on its share of the batches and the modifiers reduce what they gather; the
+result must be the one process's, bit for bit where the statistics are sums of per-batch terms
+(GPTQ's Hessians, ranges), written once by rank 0. Both ranks and the one process run with one
+thread: matrix products split over threads differently round differently."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import GPTQ_W4_G32, REPO, checkpoint_tensors, gloo_rank, make_tiny_llama, token_batches
+
+import llmpress
+from llmpress.data import CalibrationOptions
+from llmpress.errors import DataError, SessionError
+from llmpress.parallel import distributed
+
+GPTQ_W4 = GPTQ_W4_G32
+
+#: SmoothQuant, then GPTQ with int8 weights and static per-tensor int8 inputs, and an fp8 KV cache:
+#: every statistic kind (channel ranges, Hessians, input ranges, cache magnitudes) is reduced
+SMOOTH_W8A8_STATIC = """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.5
+    GPTQModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}
+          input_activations: {num_bits: 8, type: int, symmetric: true, strategy: tensor, dynamic: false}
+      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}
+"""
+
+#: SmoothQuant, then GPTQ W8A8 with dynamic inputs, calibrated in two passes: SmoothQuant's
+#: ranges come from GPTQ's observing run and the Hessians are rescaled after their reduction
+SMOOTH_W8A8_DYNAMIC = """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.8
+    GPTQModifier:
+      ignore: [lm_head]
+      scheme: W8A8
+"""
+
+#: one-shot pruning: SparseGPT's Hessians and Wanda's input norms are summed over the ranks, and
+#: every rank prunes alike
+SPARSEGPT_24 = """
+sparsity_stage:
+  sparsity_modifiers:
+    SparseGPTModifier: {sparsity: 0.5, mask_structure: "2:4", ignore: ["re:.*lm_head"]}
+"""
+WANDA = """
+sparsity_stage:
+  sparsity_modifiers:
+    WandaPruningModifier: {sparsity: 0.5, ignore: ["re:.*lm_head"]}
+"""
+
+AWQ_W4 = """
+quant_stage:
+  quant_modifiers:
+    AWQModifier: {n_grid: 5}
+    QuantizationModifier:
+      ignore: [lm_head]
+      scheme: W4A16
+"""
+
+OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1)
+TWO_PASSES = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1, true_sequential=False)
+
+
+def _samples() -> list[list[int]]:
+    return token_batches(count=6, length=32)
+
+
+def _run_rank(rank: int, world: int, init: str, model_dir: str, recipes: list[tuple[str, str]]) -> None:
+    with gloo_rank(rank, world, init):
+        for recipe, output in recipes:
+            llmpress.oneshot(model_dir, recipe, _samples(), output_dir=output, calibration=_options(recipe))
+
+
+def _one_process(model_dir: Path, recipe: str, output: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llmpress.oneshot(str(model_dir), recipe, _samples(), output_dir=output, calibration=_options(recipe))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _options(recipe: str) -> CalibrationOptions:
+    return TWO_PASSES if recipe == SMOOTH_W8A8_DYNAMIC else OPTIONS
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """The three recipes on two ranks (one spawn) and in one process."""
+    work = tmp_path_factory.mktemp("ranks")
+    make_tiny_llama(intermediate=256).save_pretrained(work / "model")
+    recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
+               "sparsegpt": SPARSEGPT_24, "wanda": WANDA}
+    runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
+    mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
+    for name, recipe in recipes.items():
+        _one_process(work / "model", recipe, work / f"{name}-1")
+    return work
+
+
+@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda"])
+def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
+    one = checkpoint_tensors(two_rank_runs / f"{name}-1")
+    two = checkpoint_tensors(two_rank_runs / f"{name}-2")
+    assert one.keys() == two.keys()
+    different = [k for k in one if not torch.equal(one[k], two[k])]
+    assert not different, different[:5]
+    if name == "smooth":  # the reduced statistics are there: static input scales and cache scales
+        assert any(k.endswith("input_scale") for k in one) and any(k.endswith("k_scale") for k in one)
+    if name in ("sparsegpt", "wanda"):  # pruned indeed
+        assert (one["model.layers.1.mlp.up_proj.weight"] == 0).float().mean() == 0.5
+
+
+def test_two_ranks_of_awq_choose_the_one_process_scales(two_rank_runs):
+    """AWQ's channel means are float sums in another order: equal to rounding, and the grid
+    search picks the same candidates."""
+    one = checkpoint_tensors(two_rank_runs / "awq-1")
+    two = checkpoint_tensors(two_rank_runs / "awq-2")
+    for key in one:
+        if one[key].is_floating_point():
+            torch.testing.assert_close(one[key], two[key], rtol=1e-3, atol=1e-5)
+        else:
+            assert (one[key] != two[key]).float().mean() < 0.01, key
+
+
+def test_rank_zero_alone_writes_one_checkpoint(two_rank_runs):
+    names = sorted(p.name for p in two_rank_runs.iterdir())
+    assert names.count("gptq-2") == 1 and not [n for n in names if n.startswith(".") or "tmp" in n]
+    loaded = llmpress.load(two_rank_runs / "gptq-2")
+    assert loaded(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_torchrun_runs_the_command_on_two_ranks(two_rank_runs, tmp_path):
+    """``torchrun --nproc-per-node 2 -m llmpress oneshot``: every rank exits 0, the checkpoint is
+    the one process's."""
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join('{"input_ids": %s}' % s for s in _samples()))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(GPTQ_W4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "llmpress",
+               "oneshot", "--model", str(two_rank_runs / "model"), "--recipe", str(recipe), "--dataset", str(data),
+               "--output", str(tmp_path / "out"), "--seq-len", "32", "--batch-size", "1", "--num-samples", "6"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("saved ") == 1  # the main rank reports
+    one = checkpoint_tensors(two_rank_runs / "gptq-1")
+    two = checkpoint_tensors(tmp_path / "out")
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_share_of_needs_an_item_per_rank(monkeypatch):
+    monkeypatch.setattr(distributed, "world_size", lambda: 4)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    assert distributed.share_of(list(range(10))) == [1, 5, 9]
+    with pytest.raises(DataError, match="cannot be shared by 4 ranks"):
+        distributed.share_of([1, 2, 3])
+
+
+def test_owners_balance_the_work(monkeypatch):
+    costs = [10.0, 9.0, 2.0, 1.0, 1.0]
+    assert distributed.assign_owners(costs) == [0, 0, 0, 0, 0]  # one process: everything here
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    assert distributed.assign_owners(costs) == [0, 1, 1, 0, 0]  # largest first, to the least loaded
+
+
+def test_a_modifier_that_does_not_reduce_is_refused_on_several_ranks(monkeypatch):
+    from llmpress.modifiers import GPTQModifier
+
+    monkeypatch.setattr(GPTQModifier, "reduces_across_ranks", False)
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    model = make_tiny_llama()
+    session = llmpress.Session(GPTQModifier(scheme="W4A16", ignore=["lm_head"]))
+    with session:
+        session.initialize(model=model, calibration_data=[torch.tensor([[1, 2, 3]])])
+        with pytest.raises(SessionError, match="cannot calibrate on several ranks"):
+            session.calibration_start()
+
+
+def test_ending_a_process_group_destroys_it_and_is_a_no_op_without_one(tmp_path):
+    from llmpress.parallel.distributed import end_process_group
+
+    end_process_group()  # none initialised: nothing to do
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    end_process_group()  # one rank: no barrier to wait at
+    assert not torch.distributed.is_initialized()
+
+
+def test_hessians_agreed_on_go_where_the_waiting_modules_are():
+    """Under torch.distributed, a rank makes empty Hessians for modules only another rank's
+    tokens reached (an MoE expert), on the device of a module still waiting for its solve, not on
+    a finished layer's (its weight held as integers, the Parameter on ``meta``)."""
+    from torch import nn
+
+    from llmpress.modifiers import GPTQModifier
+
+    modifier = GPTQModifier(scheme="W4A16")
+    finished, waiting = nn.Linear(4, 4, device="meta"), nn.Linear(4, 4)
+    modifier.modules = {"layers.0.q_proj": (finished, None), "layers.1.q_proj": (waiting, None)}
+    modifier.pending = dict(modifier.modules)
+    assert modifier._device == torch.device("cpu")
+    modifier.pending = {"layers.0.q_proj": (finished, None)}
+    assert modifier._device == torch.device("cpu")

@@ -1,0 +1,199 @@
+"""Resumable one-shot runs: a run stopped after some layers, resumed, writes the checkpoint an
+uninterrupted run writes, bit for bit; the work folder is checked before it is trusted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import REPO, Stop, checkpoint_tensors, four_layers, oneshot_stopping_after, token_batches
+
+import llmpress
+from llmpress.data import CalibrationOptions
+from llmpress.errors import CheckpointError, RecipeError
+from llmpress.pipelines.storage.resume import WorkFolder
+
+#: every kind of state a finished layer holds: smoothing folded into norms, int8 weights with
+#: static input scales (hooks that must come back), an fp8 KV cache's scales
+RECIPE = """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier: {smoothing_strength: 0.5}
+    GPTQModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
+          input_activations: {num_bits: 8, type: int, symmetric: true, strategy: tensor, dynamic: false}
+      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}
+"""
+OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2)
+
+
+def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=None, monkeypatch=None, options=OPTIONS):
+    return oneshot_stopping_after(tmp_path, out, recipe=recipe, options=options, stop_after=stop_after, resume=resume,
+                                  samples=samples, monkeypatch=monkeypatch)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    four_layers().save_pretrained(tmp_path / "model")
+    return tmp_path
+
+
+@pytest.mark.parametrize("inputs_after, two_passes", [(1, False), (0, False), (-1, False), (-1, True)])
+def test_a_stopped_run_resumed_writes_the_uninterrupted_checkpoint(model_dir, monkeypatch, caplog, inputs_after, two_passes):
+    """Stopped after its second layer, with the next inputs written after it (1), after the
+    first layer only (0: the second is forwarded on them when resuming) or never (-1: both are
+    forwarded from the first block's inputs); blocks calibrated module by module, or in two passes."""
+    from dataclasses import replace
+
+    from llmpress.pipelines.storage import resume
+
+    options = replace(OPTIONS, true_sequential=False) if two_passes else OPTIONS
+    whole = run(model_dir, model_dir / "whole", options=options)
+    save = WorkFolder.save_layer
+
+    def save_when_due(self, index, *args):
+        monkeypatch.setattr(resume, "INPUTS_EVERY_S", 0.0 if index <= inputs_after else 1e9)
+        save(self, index, *args)
+
+    monkeypatch.setattr(WorkFolder, "save_layer", save_when_due)
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch, options=options)
+    assert not (model_dir / "cut").exists()
+    progress = json.loads((model_dir / "cut.llmpress-work" / "progress.json").read_text())
+    assert progress["layers"] == 2 and progress["inputs_after"] == inputs_after
+    inputs_files = sorted(p.name for p in (model_dir / "cut.llmpress-work").glob("*.inputs.*"))
+    assert inputs_files == ([f"layer-{inputs_after:05d}.inputs.rank0.pt"] if inputs_after >= 0 else [])
+    with caplog.at_level(logging.INFO, logger="llmpress"):
+        resumed = run(model_dir, model_dir / "cut", resume=True, options=options)
+    assert "resumed after layer 1 of 4" in caplog.text
+    assert ("forwarded layers" in caplog.text) == (inputs_after < 1)
+    assert two_passes or "two passes" not in caplog.text  # the default here: module by module
+    one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert any(k.endswith("k_scale") for k in one) and any(k.endswith("input_scale") for k in one)
+    ids = torch.tensor([token_batches(count=1, seed=5)[0]])
+    with torch.no_grad():  # the returned model computes what the uninterrupted one does (input hooks back on)
+        assert torch.equal(resumed(input_ids=ids).logits, whole(input_ids=ids).logits)
+    # finished: the work folder is gone, the checkpoint records the run
+    assert not (model_dir / "cut.llmpress-work").exists() and (model_dir / "cut" / "llmpress_run.json").exists()
+
+
+def test_a_run_stopped_after_its_last_layer_resumes_to_the_same_checkpoint_and_recipe(model_dir, monkeypatch):
+    """Every layer restored, none calibrated: SmoothQuant's mappings, found while calibrating,
+    still reach the saved recipe (kept in progress.json with each layer)."""
+    run(model_dir, model_dir / "whole")
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=3, monkeypatch=monkeypatch)
+    run(model_dir, model_dir / "cut", resume=True)
+    one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    recipe = (model_dir / "whole" / "recipe.yaml").read_text()
+    assert "mappings" in recipe and (model_dir / "cut" / "recipe.yaml").read_text() == recipe
+
+
+def test_a_work_folder_written_before_inputs_were_spaced_out_resumes(model_dir, monkeypatch):
+    """progress.json without ``inputs_after`` (inputs were written after every layer): its
+    inputs are the last layer's; a later layer not due to write them keeps that right."""
+    from llmpress.pipelines.storage import resume
+
+    run(model_dir, model_dir / "whole")
+    whole = checkpoint_tensors(model_dir / "whole")
+    monkeypatch.setattr(resume, "INPUTS_EVERY_S", 0.0)
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=1, monkeypatch=monkeypatch)
+    progress_file = model_dir / "cut.llmpress-work" / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    del progress["inputs_after"], progress["notes"]
+    progress_file.write_text(json.dumps(progress))
+    monkeypatch.setattr(resume, "INPUTS_EVERY_S", 1e9)
+    with pytest.raises(Stop):  # layer 2 finishes without writing inputs, then stops
+        run(model_dir, model_dir / "cut", stop_after=2, resume=True, monkeypatch=monkeypatch)
+    assert json.loads(progress_file.read_text())["inputs_after"] == 1
+    run(model_dir, model_dir / "cut", resume=True)
+    cut = checkpoint_tensors(model_dir / "cut")
+    assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
+
+
+def test_resume_of_a_finished_run_does_nothing(model_dir, caplog):
+    run(model_dir, model_dir / "out")
+    stamp = os.stat(model_dir / "out")
+    with caplog.at_level(logging.WARNING, logger="llmpress"):
+        run(model_dir, model_dir / "out", resume=True)
+    assert "already the finished checkpoint" in caplog.text
+    assert os.stat(model_dir / "out").st_ino == stamp.st_ino
+    run(model_dir, model_dir / "out")  # without --resume the same run runs again
+    assert os.stat(model_dir / "out").st_ino != stamp.st_ino
+    # another save into the folder drops the record: the folder is no longer that run's
+    llmpress.oneshot(str(model_dir / "model"), RECIPE + RECIPE.replace("quant_stage", "second_stage"), token_batches(count=6),
+                     output_dir=model_dir / "out", calibration=OPTIONS)
+    assert not (model_dir / "out" / "llmpress_run.json").exists()
+
+
+def test_a_work_folder_of_another_run_is_refused(model_dir, monkeypatch):
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "out", stop_after=0, monkeypatch=monkeypatch)
+    with pytest.raises(CheckpointError, match="of another run"):
+        run(model_dir, model_dir / "out", resume=True, samples=token_batches(count=6, seed=1))
+    other = RECIPE.replace("group_size: 32", "group_size: 16")
+    with pytest.raises(CheckpointError, match="of another run"):
+        run(model_dir, model_dir / "out", resume=True, recipe=other)
+
+
+def test_a_damaged_work_folder_is_refused(model_dir, monkeypatch):
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "out", stop_after=1, monkeypatch=monkeypatch)
+    state = model_dir / "out.llmpress-work" / "layer-00001.state.pt"
+    state.write_bytes(state.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="damaged"):
+        run(model_dir, model_dir / "out", resume=True)
+    run(model_dir, model_dir / "out")  # without --resume: starts over
+    assert (model_dir / "out" / "config.json").exists()
+
+
+def test_a_recipe_of_several_stages_cannot_resume(model_dir):
+    two_stages = RECIPE + RECIPE.replace("quant_stage", "second_stage")
+    with pytest.raises(RecipeError, match="cannot resume"):
+        run(model_dir, model_dir / "out", resume=True, recipe=two_stages)
+
+
+def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
+    """The command, killed with SIGKILL while it calibrates its third layer (or its fourth, when
+    this process was not scheduled in time to see the second finish), then ``--resume``."""
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join('{"input_ids": %s}' % s for s in token_batches(count=6)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+    def command(out, *extra):
+        return [sys.executable, "-m", "llmpress", "oneshot", "--model", str(model_dir / "model"), "--recipe", str(recipe),
+                "--dataset", str(data), "--output", str(out), "--seq-len", "32", "--num-samples", "6", *extra]
+
+    subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True, timeout=300)
+    progress = tmp_path / "cut.llmpress-work" / "progress.json"
+    process = subprocess.Popen(command(tmp_path / "cut"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["layers"] >= 2:
+            break
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert json.loads(progress.read_text())["layers"] in (2, 3), "the run was not killed before its last layer"
+    done = subprocess.run(command(tmp_path / "cut", "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one, two = checkpoint_tensors(tmp_path / "whole"), checkpoint_tensors(tmp_path / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    again = subprocess.run(command(tmp_path / "cut", "--resume"), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
