@@ -34,7 +34,7 @@ def _oneshot(args: argparse.Namespace) -> int:
     before = _folder_stamp(args.output)
     with ranks_from_environment() as main_process:  # under torchrun: one rank of a process group
         oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume,
-                return_model=False)
+                return_model=False, trust_remote_code=args.trust_remote_code)
     if not main_process:
         return 0
     if before is not None and _folder_stamp(args.output) == before:
@@ -64,7 +64,8 @@ def _train(args: argparse.Namespace) -> int:
     )
     calibration = CalibrationOptions(num_samples=args.calibration_samples, seq_len=args.seq_len, seed=args.seed)
     start = time.perf_counter()
-    train(args.model, args.recipe, args.dataset, output_dir=args.output, teacher=args.teacher, training=training, calibration=calibration)
+    train(args.model, args.recipe, args.dataset, output_dir=args.output, teacher=args.teacher, training=training, calibration=calibration,
+          trust_remote_code=args.trust_remote_code)
     print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -85,7 +86,7 @@ def _eval(args: argparse.Namespace) -> int:
     from llmpress.evaluation.report import evaluate_models, format_table
 
     results = evaluate_models(args.model, args.dataset, seq_len=args.seq_len, max_windows=args.max_windows, batch_size=args.batch_size,
-                              dtype=getattr(torch, args.dtype))
+                              dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
     if args.plot:
         from llmpress.evaluation.report import plot_results
 
@@ -131,20 +132,19 @@ class _TokenClock:
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from llmpress.errors import CheckpointError
     from llmpress.loading import LlmpressConfig, load
+    from llmpress.loading.loader import model_folder, read_tokenizer
     from llmpress.runtime.decode import is_compiled, kernel_report
 
     config = LlmpressConfig(bits=args.quantize, lm_head=args.quantize_lm_head) if args.quantize else None
     start = time.perf_counter()
-    model = load(args.model, quantization_config=config, compile_decode=args.compile)
+    model = load(args.model, quantization_config=config, compile_decode=args.compile, trust_remote_code=args.trust_remote_code)
     loaded = time.perf_counter() - start
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except (OSError, ValueError):
-        raise CheckpointError("the model folder has no tokenizer", got=args.model, expected="tokenizer.json / tokenizer_config.json") from None
+    tokenizer = read_tokenizer(model_folder(args.model), args.trust_remote_code)
+    if tokenizer is None:
+        raise CheckpointError("the model folder has no tokenizer", got=args.model, expected="tokenizer.json / tokenizer_config.json")
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     clock = _TokenClock()
@@ -162,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from llmpress.loading.inspect import describe_checkpoint
 
-    info = describe_checkpoint(args.path)
+    info = describe_checkpoint(args.path, trust_remote_code=args.trust_remote_code)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe a checkpoint: format, schemes, sizes, recipe")
     inspect.add_argument("path", help="checkpoint folder")
     inspect.add_argument("--json", action="store_true")
+    for command in (oneshot, training, evaluate, generate, inspect):
+        command.add_argument("--trust-remote-code", action="store_true",
+                             help="run Python code a model folder brings (its auto_map); off by default, never asked for")
     inspect.set_defaults(run=_inspect)
     return parser
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.checkpoint import save_checkpoint
+from llmpress.checkpoint import check_output, save_checkpoint
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
@@ -57,6 +57,7 @@ def oneshot(
     save_compressed: bool = True,
     resume: bool = False,
     return_model: bool = True,
+    trust_remote_code: bool = False,
 ) -> nn.Module | None:
     """Apply ``recipe`` to ``model`` stage by stage, calibrating on ``dataset``; save to
     ``output_dir`` when given; return the compressed model.
@@ -71,13 +72,18 @@ def oneshot(
     rebuilt in float, so the run's peak memory stays that of about one layer (the command line
     runs this way).
 
+    ``trust_remote_code``: a model folder that brings its own Python code is refused unless this
+    is True (nothing ever asks on standard input).
+
     ``model`` is a module or a checkpoint folder (its tokenizer is loaded too when
     ``processor`` is not given). ``dataset`` is a text or JSON-lines file, a dataset folder, a
     ``datasets.Dataset``, or a list of strings or token-id lists; ``calibration`` says how many
     samples of how many tokens to take from it.
     """
+    if output_dir is not None:  # before any work: not the model's own folder, not a file, not "" or "."
+        check_output(output_dir, model if isinstance(model, (str, Path)) else None)
     if isinstance(model, (str, Path)):
-        model, loaded_processor = read_model_and_processor(model)
+        model, loaded_processor = read_model_and_processor(model, trust_remote_code=trust_remote_code)
         processor = processor if processor is not None else loaded_processor
     recipe = Recipe.from_any(recipe)
     options = calibration or CalibrationOptions()
@@ -176,6 +182,7 @@ def train(
     training: TrainingOptions | None = None,
     calibration: CalibrationOptions | None = None,
     save_compressed: bool = True,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Apply ``recipe`` stage by stage: one-shot stages calibrate on ``dataset``, training stages
     train on it (causal LM loss, AdamW, ``training`` options). With ``output_dir``, each stage but
@@ -184,8 +191,10 @@ def train(
     ``teacher`` (a model or a checkpoint folder) is what distillation learns from; when a stage
     distills and none is given, it is a copy of ``model`` as it was before the first stage.
     """
+    if output_dir is not None:
+        check_output(output_dir, model if isinstance(model, (str, Path)) else None)
     if isinstance(model, (str, Path)):
-        model, loaded_processor = read_model_and_processor(model)
+        model, loaded_processor = read_model_and_processor(model, trust_remote_code=trust_remote_code)
         processor = processor if processor is not None else loaded_processor
     if dataset is None:
         raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
@@ -202,7 +211,7 @@ def train(
     options = training or TrainingOptions()
     calibration = calibration or CalibrationOptions()
     if isinstance(teacher, (str, Path)):
-        teacher, _ = read_model_and_processor(teacher)
+        teacher, _ = read_model_and_processor(teacher, trust_remote_code=trust_remote_code)
     if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
         logger.info("distilling from a copy of the model as it was before the first stage")
         teacher = copy.deepcopy(model).eval()

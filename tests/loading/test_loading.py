@@ -192,7 +192,7 @@ def test_truncated_or_incomplete_checkpoints_are_refused(tmp_path):
     weights = tmp_path / "c" / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(CheckpointError, match="ends early"):
+    with pytest.raises(CheckpointError, match="truncated"):
         llmpress.load(tmp_path / "c")
     # a module without its scale
     from safetensors.torch import load_file, save_file
@@ -267,17 +267,23 @@ def test_mappings_stay_within_their_budget(tmp_path, monkeypatch):
     assert all(torch.equal(got[name], tensors[name]) for name in tensors)
 
 
-def test_a_loaded_model_survives_a_save_into_its_own_folder(tmp_path, monkeypatch):
+def test_a_save_into_the_folder_a_model_was_loaded_from_is_refused_and_the_model_survives(tmp_path, monkeypatch):
+    """The model's tensors are mapped from that folder's files; a save there would replace the
+    source with its copy (``checkpoint/output.py``): refused, nothing touched."""
     from llmpress.loading import shards
 
     monkeypatch.setattr(shards, "MAP_MIN_BYTES", 0)  # every tensor mapped from the file
     llmpress.oneshot(make_tiny_llama(intermediate=256), "W4A16", token_batches(), output_dir=tmp_path / "c")
+    written = (tmp_path / "c" / "model.safetensors").read_bytes()
     model = llmpress.load(tmp_path / "c")
     ids = torch.tensor(token_batches(2, 16, seed=3))
     before = logits(model, ids)
-    llmpress.save_checkpoint(tmp_path / "c", model)
+    with pytest.raises(CheckpointError, match="replace the model"):
+        llmpress.save_checkpoint(tmp_path / "c", model)
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == written
     torch.testing.assert_close(logits(model, ids), before)
-    torch.testing.assert_close(logits(llmpress.load(tmp_path / "c"), ids), before)
+    llmpress.save_checkpoint(tmp_path / "d", model)
+    torch.testing.assert_close(logits(llmpress.load(tmp_path / "d"), ids), before)
 
 
 def test_llm_compressor_014_recipes_load_and_a_bad_recipe_file_only_warns(tmp_path, caplog):

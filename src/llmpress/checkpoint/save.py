@@ -18,6 +18,7 @@ from llmpress.checkpoint.compressed_state import (
     compressed_state_dict,
     quantization_config_for,
 )
+from llmpress.checkpoint.output import check_output
 from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_config_for
 from llmpress.errors import CheckpointError
 from llmpress.lifecycle.records import applied_recipe
@@ -58,6 +59,8 @@ def save_checkpoint(
     save (``unwrap_if_fsdp``: every rank takes part), or, without ``synchronize``, takes its
     whole tensors from ``state_dict`` (what a Trainer gathered).
     """
+    config = getattr(model, "config", None)
+    check_output(output_dir, getattr(config, "_name_or_path", None) or None)
     synchronize = synchronize and torch.distributed.is_available() and torch.distributed.is_initialized()
     # FSDP: every rank takes part in gathering the parameters (with synchronize); the main one writes
     with unwrap_if_fsdp(model, None if synchronize else _whole_state(model, state_dict)):

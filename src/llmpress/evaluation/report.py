@@ -27,7 +27,6 @@ def scheme_label(folder: str | Path) -> str:
     group is one), the scheme described otherwise, or ``dense float32``."""
     import json
 
-
     config_path = Path(folder) / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
@@ -46,7 +45,7 @@ def scheme_label(folder: str | Path) -> str:
 
 def evaluate_models(
     models: list[str], dataset: str, *, seq_len: int = 256, max_windows: int = 200, batch_size: int = 8,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per checkpoint: its perplexity (computed in ``dtype``), what it holds and the
     size of its weight files."""
@@ -56,7 +55,7 @@ def evaluate_models(
     text = text_path.read_text(encoding="utf-8")
     rows, windows = [], None
     for path in models:
-        model, tokenizer = read_model_and_processor(path, dtype=dtype)
+        model, tokenizer = read_model_and_processor(path, dtype=dtype, trust_remote_code=trust_remote_code)
         if tokenizer is None:
             raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
         windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)

@@ -12,6 +12,7 @@ from torch import nn
 from llmpress.checkpoint.sparsity import SPARSITY_KEY
 from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.formats import format_for
+from llmpress.loading.remote_code import require_trust_for_remote_code
 from llmpress.models import build, model_class
 from llmpress.models.linear import is_linear
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
@@ -37,7 +38,9 @@ def describe_args(args: QuantizationArgs | None, what: str) -> str:
     return f"{kind} {mode} {strategy} {what}"
 
 
-def describe_checkpoint(path: str | Path) -> dict[str, Any]:
+def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> dict[str, Any]:
+    """What a checkpoint folder holds, from its files (its weights are not read). A folder that
+    brings its own Python code is refused unless ``trust_remote_code``."""
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -45,7 +48,8 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     qcfg = config.get("quantization_config") or {}
     files = sorted(folder.glob("*.safetensors"))
-    skeleton = _skeleton(folder)
+    require_trust_for_remote_code(folder, trust_remote_code)
+    skeleton = _skeleton(folder, trust_remote_code)
     schemes = {name: QuantizationScheme(**group) for name, group in (qcfg.get("config_groups") or {}).items()}
     # the same assignment the loaders make: each module to its most specific group
     assigned = (
@@ -100,16 +104,15 @@ def _describe_sparsity(config: dict[str, Any] | None) -> str | None:
     return f"{config.get('sparsity_structure', 'unstructured')}, {share} in {len(targets)} target(s), stored {config.get('format', 'dense')}"
 
 
-def _skeleton(folder: Path) -> nn.Module | None:
+def _skeleton(folder: Path, trust_remote_code: bool) -> nn.Module | None:
     """The model built on the meta device (no memory): for parameter counts and module names."""
     try:
         from transformers import AutoConfig
 
-
-        config = AutoConfig.from_pretrained(str(folder))
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with torch.device("meta"):
-            return build(model_class(config), config)
+            return build(model_class(config), config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError, UnsupportedModelError):
         return None  # an architecture transformers does not know: describe the files only

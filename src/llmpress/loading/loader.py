@@ -29,6 +29,7 @@ from llmpress.lifecycle.sparsity import mark_sparse_modules
 from llmpress.loading.config import QuantizationConfig
 from llmpress.loading.methods import config_from_dict, make_quantizer
 from llmpress.loading.quantizer import Quantizer
+from llmpress.loading.remote_code import require_trust_for_remote_code
 from llmpress.loading.shards import (
     ShardEntry,
     checkpoint_shards,
@@ -40,7 +41,7 @@ from llmpress.models import KeyMap, build, fused_experts, linearize_experts, mod
 from llmpress.recipe import Recipe
 from llmpress.runtime.decode import prepare_decode
 
-__all__ = ["load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor"]
+__all__ = ["load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor", "read_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ def load(
     max_memory: dict[Any, int | str] | None = None,
     dequantize: bool = False,
     compile_decode: bool | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Load a causal LM from a local checkpoint folder.
 
@@ -69,11 +71,13 @@ def load(
       a compiled step (``compile_decode``: True from the first call; None, wherever it works, once
       the model has generated ``runtime.decode.COMPILE_AFTER_TOKENS`` tokens, when the compile
       pays; False never). ``LLMPRESS_COMPILE=0`` turns the default off.
+    - ``trust_remote_code``: a model folder that brings its own Python code (an ``auto_map``) is
+      refused unless this is True (``loading/remote_code.py``); nothing ever asks on standard input.
 
-    ``read_checkpoint`` takes the same arguments but the last and reads only.
+    ``read_checkpoint`` takes the same arguments but ``compile_decode`` and reads only.
     """
     model = read_checkpoint(path, quantization_config=quantization_config, dtype=dtype, device_map=device_map,
-                            max_memory=max_memory, dequantize=dequantize)
+                            max_memory=max_memory, dequantize=dequantize, trust_remote_code=trust_remote_code)
     prepare_decode(model, compile_decode)
     return model
 
@@ -86,12 +90,13 @@ def read_checkpoint(
     device_map: str | torch.device | dict[str, Any] | None = None,
     max_memory: dict[Any, int | str] | None = None,
     dequantize: bool = False,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """The model a checkpoint folder holds, in eval mode, as ``load`` reads it (its arguments),
     without setting it up for inference: no projections fused, ``generate()`` as transformers
     has it."""
     folder = model_folder(path)
-    config = _read_config(folder)
+    config = _read_config(folder, trust_remote_code)
     qconfig, pre_quantized = _quantization_config(config, quantization_config)
     quantizer: Quantizer | None = None
     if qconfig is not None:
@@ -109,7 +114,7 @@ def read_checkpoint(
         max_memory = quantizer.adjust_max_memory(max_memory)
     dtype = _as_dtype(dtype) or _checkpoint_dtype(config)
 
-    model = _skeleton(config, dtype)
+    model = _skeleton(config, dtype, trust_remote_code)
     shards = {file: read_header(file) for file in checkpoint_shards(folder)}
     shards = _model_names(model, shards)
     keys = {entry.name for entries in shards.values() for entry in entries}
@@ -156,23 +161,30 @@ def read_checkpoint(
     return model
 
 
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
     """The exact dense view of a checkpoint in ``dtype``, read only (``read_checkpoint(path,
     dtype=dtype, dequantize=True)``). What ``eval`` and ``oneshot`` use, so figures match
     compressed-tensors' full-precision ones."""
-    return read_checkpoint(path, dtype=dtype, dequantize=True)
+    return read_checkpoint(path, dtype=dtype, dequantize=True, trust_remote_code=trust_remote_code)
 
 
-def read_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+def read_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float32,
+                             trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
     """A model (plain or compressed-tensors checkpoint, its exact dense view in ``dtype``) and
     its tokenizer (None when the folder has none), from a folder or a cached Hub model id."""
+    folder = model_folder(path)
+    model = load_checkpoint(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model, read_tokenizer(folder, trust_remote_code)
+
+
+def read_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
+    """The folder's tokenizer, or None when it has none."""
     from transformers import AutoTokenizer
 
-    folder = model_folder(path)
-    model = load_checkpoint(folder, dtype=dtype)
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    processor = AutoTokenizer.from_pretrained(str(folder)) if any((folder / n).exists() for n in tokenizer_files) else None
-    return model, processor
+    if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    require_trust_for_remote_code(folder, trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
 
 
 def model_folder(path: str | Path) -> Path:
@@ -208,11 +220,12 @@ def _is_repo_id(text: str) -> bool:
     return len(parts) == 2 and all(p and not p.startswith(".") and " " not in p for p in parts)
 
 
-def _read_config(folder: Path):
+def _read_config(folder: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
+    require_trust_for_remote_code(folder, trust_remote_code)
     try:
-        return AutoConfig.from_pretrained(str(folder))
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise UnsupportedModelError(
             "transformers cannot read this model's config",
@@ -258,7 +271,7 @@ def _checkpoint_dtype(config) -> torch.dtype:
         return torch.float32
 
 
-def _skeleton(config, dtype: torch.dtype) -> nn.Module:
+def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
     """The model with every parameter on ``meta`` (buffers such as rotary tables are real), of
     the class ``config.architectures`` names, as ``from_pretrained`` builds it. Its weights are
     not initialised (every one is read from the checkpoint, as in transformers' own
@@ -268,7 +281,7 @@ def _skeleton(config, dtype: torch.dtype) -> nn.Module:
     cls = model_class(config)
     try:
         with init_empty_weights(include_buffers=False), _no_weight_init():
-            return build(cls, config, dtype=dtype)
+            return build(cls, config, dtype=dtype, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise UnsupportedModelError(
             f"transformers cannot build {cls.__name__} from this config",

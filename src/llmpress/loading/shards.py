@@ -19,6 +19,7 @@ order.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -71,24 +72,69 @@ def checkpoint_shards(folder: Path) -> list[Path]:
     return files
 
 
+#: the largest JSON header a shard may have (safetensors' own limit)
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_header(path: Path) -> list[ShardEntry]:
-    """The tensors of one shard, in file order."""
+    """The tensors of one shard, in file order, every entry checked against the file before
+    anything is read: the header's length within the file and ``MAX_HEADER_BYTES``, a known
+    dtype, a shape of non-negative integers, offsets inside the data, in order and not
+    overlapping, and each tensor's bytes equal to its dtype's size times its element count."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _invalid_shard(path, "it is shorter than a safetensors header", f"{size} bytes")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise _invalid_shard(path, "its header length does not fit the file", f"{length} bytes in a file of {size}")
             header = json.loads(f.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise CheckpointError("a weight file is not a readable safetensors file", got=f"{path.name}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError("a weight file cannot be read", got=f"{path.name}: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _invalid_shard(path, "its header is not JSON", str(exc)[:120]) from None
+    if not isinstance(header, dict):
+        raise _invalid_shard(path, "its header is not a JSON object", type(header).__name__)
     base = 8 + length
-    entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _DTYPES:
-            raise CheckpointError(f"tensor {name!r} has a dtype llmpress cannot read", got=info["dtype"], expected=sorted(_DTYPES))
-        start, stop = info["data_offsets"]
-        entries.append(ShardEntry(name, _DTYPES[info["dtype"]], tuple(info["shape"]), base + start, base + stop))
-    return sorted(entries, key=lambda e: e.start)
+    entries = [_entry(path, name, info, base) for name, info in header.items() if name != "__metadata__"]
+    entries.sort(key=lambda e: (e.start, e.stop))
+    end = base
+    for entry in entries:
+        if entry.start < end:
+            raise _invalid_shard(path, f"tensor {entry.name!r} overlaps the one before it", f"starts at {entry.start - base}, before {end - base}")
+        end = entry.stop
+    if end > size:
+        raise _invalid_shard(path, "its tensors run past the end of the file (a truncated file?)", f"data up to {end}, file of {size} bytes")
+    return entries
+
+
+def _entry(path: Path, name: str, info: object, base: int) -> ShardEntry:
+    """One header entry, checked (``read_header``)."""
+    if not isinstance(info, dict):
+        raise _invalid_shard(path, f"tensor {name!r} has no description", repr(info)[:80])
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"tensor {name!r} of {path.name} has a dtype llmpress cannot read", got=repr(dtype), expected=sorted(_DTYPES))
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _invalid_shard(path, f"tensor {name!r} has no valid shape", repr(shape)[:80])
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise _invalid_shard(path, f"tensor {name!r} has no valid data_offsets", repr(offsets)[:80])
+    needed = _DTYPES[dtype].itemsize * math.prod(shape)
+    if offsets[1] - offsets[0] != needed:
+        raise _invalid_shard(path, f"tensor {name!r} has {offsets[1] - offsets[0]} bytes where its dtype and shape need {needed}",
+                        f"{dtype} {shape}, data_offsets {offsets}")
+    return ShardEntry(name, _DTYPES[dtype], tuple(shape), base + offsets[0], base + offsets[1])
+
+
+def _invalid_shard(path: Path, what: str, got: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path.name} is not a valid safetensors file: {what}", got=got,
+        expected="a safetensors file as save_pretrained writes it (8-byte header length, JSON header, tensor data)",
+        fix="re-download or re-save the checkpoint; nothing was read from it",
+    )
 
 
 _CHUNK_BYTES = 32 << 20  # converting reads go through a scratch buffer of this size

@@ -34,9 +34,11 @@ def model_class(config: Any):
 
 
 def build(cls, config: Any, **kwargs: Any):
-    """``cls`` built from ``config``: Auto classes through ``from_config``, others ``_from_config``."""
+    """``cls`` built from ``config``: Auto classes through ``from_config`` (with
+    ``trust_remote_code``, False unless given), others ``_from_config``."""
+    trust_remote_code = kwargs.pop("trust_remote_code", False)
     if hasattr(cls, "from_config") and cls.__module__.startswith("transformers.models.auto"):
-        return cls.from_config(config, **kwargs)
+        return cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
     return cls._from_config(config, **kwargs)
 
 
