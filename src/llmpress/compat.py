@@ -3,8 +3,9 @@
 llmpress reads a few things transformers and torch do not publish: how transformers renames and
 fuses checkpoint tensors on load (its conversion mapping), a fused-experts module's gate, the
 marks its loader and its compiled ``generate`` read, torch's tensor version counters, a module's
-own parameter and buffer slots, and Inductor's compiler probe. Each is reached only through a function here, so that a new release
-that moves one breaks one place, and each says what it does where the part is missing.
+own parameter and buffer slots, and Inductor's compiler probe. Each is reached only through a
+function here, so that a new release that moves one breaks one place, and each says what it
+does where the part is missing.
 
 Checked against (``CHECKED``): transformers 5.17 (llm-compressor 0.14's pin) to 5.25, and torch
 2.4 to 2.13. transformers 4 has no conversion mapping and no ``ConversionOps`` loading: the

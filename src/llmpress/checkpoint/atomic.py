@@ -32,14 +32,7 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
     not claim (a Trainer's ``checkpoint-*`` folders, a README) are carried into the new folder as
     hard links before the swap, so saving into a folder never deletes what else lives there.
     """
-    target = Path(output_dir).absolute()
-    if target.exists() and not target.is_dir():
-        raise CheckpointError(
-            "the output path exists and is not a folder",
-            got=str(target),
-            expected="a folder (new or an earlier checkpoint)",
-            fix="choose another --output path",
-        )
+    target = Path(output_dir).absolute()  # a folder or nothing yet: ``output.check_output`` came first
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

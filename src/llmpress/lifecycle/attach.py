@@ -25,6 +25,7 @@ from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = [
     "attach_scheme",
+    "same_grid",
     "freeze_weight",
     "replace_weight",
     "set_weight_qparams",
@@ -39,28 +40,28 @@ __all__ = [
 ]
 
 
-
 def attach_scheme(module: nn.Module, scheme: QuantizationScheme) -> None:
     """``module`` is to be quantized by ``scheme`` (``Status.ATTACHED``); a module already frozen
     on a grid of the same scheme stays frozen."""
     state = state_of(module)
-    frozen = state.status == Status.FROZEN and state.scheme is not None and _same_grid(state.scheme, scheme)
+    frozen = state.status == Status.FROZEN and state.scheme is not None and same_grid(state.scheme, scheme)
     state.scheme = scheme
     state.status = Status.FROZEN if frozen else Status.ATTACHED
 
 
-def _same_grid(a: QuantizationScheme, b: QuantizationScheme) -> bool:
+def same_grid(a: QuantizationScheme, b: QuantizationScheme) -> bool:
+    """Whether two schemes put weights and inputs on the same grid (their targets aside)."""
     return (a.weights, a.input_activations) == (b.weights, b.input_activations)
 
 
 def set_module_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
     """Set, replace or (with None) remove a persistent buffer such as ``weight_scale``."""
+    buffers = own_buffers(module)
     if value is None:
-        if name in own_buffers(module):
-            del own_buffers(module)[name]
+        buffers.pop(name, None)
         return
-    if name in own_buffers(module):
-        own_buffers(module)[name] = value
+    if name in buffers:
+        buffers[name] = value
     else:
         module.register_buffer(name, value)
 
@@ -133,9 +134,8 @@ def replace_weight(module: nn.Module, value: torch.Tensor) -> None:
     """Make ``value`` (a fresh result the caller hands over) the data of ``module.weight``,
     rather than writing it into the old storage: a weight still memory-mapped from its checkpoint
     is a copy-on-write mapping, and writing into it faults and copies every page (many times the
-    time of a fresh tensor). A view of a
-    larger result (one module's rows of a stacked solve) is copied out, so it does not keep the
-    rest alive or share storage in a save. A sharded weight (FSDP's DTensor) is written in place."""
+    time of a fresh tensor). A view of a larger result (one module's rows of a stacked solve) is
+    copied out, so it does not keep the rest alive or share storage in a save. A sharded weight (FSDP's DTensor) is written in place."""
     old = module.weight.data
     value = value.detach().to(device=old.device, dtype=old.dtype)
     if is_dtensor(old):  # FSDP: ``value`` is the whole weight; this rank keeps its shard

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.compat import own_buffers
 from llmpress.errors import SchemeError
 from llmpress.lifecycle.attach import set_module_buffer
 from llmpress.lifecycle.state import existing_state, forget_state_if_empty, state_of
@@ -191,7 +190,7 @@ class KVCacheQuantizer:
     def detach(self, module: nn.Module) -> None:
         self.handle.remove()
         for name in ("k_scale", "v_scale"):
-            own_buffers(module).pop(name, None)
+            set_module_buffer(module, name, None)
         state_of(module).kv_cache = None
         forget_state_if_empty(module)
 

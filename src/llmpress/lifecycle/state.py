@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from llmpress.quant.scheme import QuantizationScheme
 
-__all__ = ["ModuleState", "Status", "existing_state", "quantized_modules", "scheme_of", "state_of", "status_of"]
+__all__ = ["ModuleState", "Status", "existing_state", "forget_state_if_empty", "quantized_modules", "scheme_of", "state_of", "status_of"]
 
 _STATE = "llmpress_state"
 
@@ -79,6 +79,7 @@ def existing_state(module: nn.Module) -> ModuleState | None:
 
 
 def forget_state_if_empty(module: nn.Module) -> None:
+    """Drop ``module``'s state once nothing is left in it (a scheme detached, no other mark)."""
     state = existing_state(module)
     if state is not None and state.empty:
         del module.__dict__[_STATE]

@@ -345,7 +345,8 @@ def _assign(model: nn.Module, entry: ShardEntry, read, device: torch.device) -> 
         module = model.get_submodule(owner)
     except AttributeError:
         return False
-    slots = own_parameters(module) if attr in own_parameters(module) else own_buffers(module) if attr in own_buffers(module) else None
+    parameters, buffers = own_parameters(module), own_buffers(module)
+    slots = parameters if attr in parameters else buffers if attr in buffers else None
     if slots is None or slots[attr] is None:
         return False
     current = slots[attr]
@@ -357,7 +358,7 @@ def _assign(model: nn.Module, entry: ShardEntry, read, device: torch.device) -> 
             fix="check that config.json and the weights belong together",
         )
     tensor = read(current.dtype if current.is_floating_point() else None).to(device)
-    if slots is own_parameters(module):
+    if slots is parameters:
         slots[attr] = nn.Parameter(tensor, requires_grad=current.requires_grad and tensor.is_floating_point())
     else:
         slots[attr] = tensor

@@ -104,11 +104,12 @@ class LinearExperts(nn.ModuleList):
         self.layout = layout
         self.calibrate_all = False
         self.mix_all = False  # checking a transform: every expert's result reaches the output
+        fused_parameters = own_parameters(fused)
         for name in ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
-            if name in own_parameters(fused):
+            if name in fused_parameters:
                 if not down.is_meta:
-                    self._copy_in(name, own_parameters(fused)[name].detach())
-                del own_parameters(fused)[name]
+                    self._copy_in(name, fused_parameters[name].detach())
+                del fused_parameters[name]
         self._activation = (fused,)  # its _apply_gate (and act_fn, limits); a tuple keeps it out of the state dict
 
     def _copy_in(self, name: str, value: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from llmpress.lifecycle.attach import (
     enable_input_quantization,
     freeze_weight,
     fused_families,
+    same_grid,
     share_global_scales,
 )
 from llmpress.lifecycle.qat import enable_qat, freeze_qat, in_qat
@@ -88,7 +89,7 @@ def assign_schemes(
     untie_shared_weights(model, [m for m, _ in chosen.values()])
     for module, scheme in chosen.values():
         old = scheme_of(module)
-        if old is not None and (old.weights, old.input_activations) != (scheme.weights, scheme.input_activations):
+        if old is not None and not same_grid(old, scheme):
             detach_quantization(module)  # an earlier stage's grid: its scales and input hook do not apply
         attach_scheme(module, scheme)
     return chosen
