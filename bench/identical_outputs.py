@@ -37,6 +37,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default: a temporary folder)")
     parser.add_argument("--only", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--model", type=Path, default=fixture("tiny-llama"),
+                        help="the checkpoint (default: the shared fp32 fixture; assets/tiny-llama is a bf16 copy)")
     args = parser.parse_args()
     import llmpress
     from llmpress.data import CalibrationOptions
@@ -46,7 +48,7 @@ def main() -> None:
     options = CalibrationOptions(num_samples=32, seq_len=256)
     for name in args.only:
         out = work / name
-        llmpress.oneshot(str(fixture('tiny-llama')), eval(RECIPES[name]), str(fixture('text', 'calibration.txt')),
+        llmpress.oneshot(str(args.model), eval(RECIPES[name]), str(fixture('text', 'calibration.txt')),
                          output_dir=out, calibration=options, return_model=False)
         for file in sorted(p for p in out.iterdir() if p.is_file()):
             print(f"{name}/{file.name} {hashlib.sha256(file.read_bytes()).hexdigest()}")
