@@ -1,7 +1,8 @@
 """llmpress: compress language models into the compressed-tensors format.
 
 Public names: ``oneshot``, ``train``, ``TrainingOptions``, ``Session``, ``active_session``, ``save_checkpoint``, ``Recipe``,
-``CalibrationOptions``, ``load``, ``read_checkpoint``, ``LlmpressConfig``, ``load_checkpoint``, ``compile_decode``; modifiers in ``llmpress.modifiers``; errors in
+``CalibrationOptions``, ``load``, ``read_checkpoint``, ``LlmpressConfig``, ``load_checkpoint``, ``compile_decode``,
+``quantize_model_free``; modifiers in ``llmpress.modifiers``; errors in
 ``llmpress.errors``.
 
 Importing the package is cheap: each name (and each subpackage, ``llmpress.quant`` say) is
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from llmpress.checkpoint import save_checkpoint
     from llmpress.data import CalibrationOptions
     from llmpress.entrypoints import oneshot, train
+    from llmpress.model_free import quantize_model_free
     from llmpress.errors import LlmpressError
     from llmpress.loading import (
         CompressedTensorsConfig,
@@ -53,6 +55,7 @@ _HOMES = {
     "load_checkpoint": "llmpress.loading",
     "read_checkpoint": "llmpress.loading",
     "oneshot": "llmpress.entrypoints",
+    "quantize_model_free": "llmpress.model_free",
     "save_checkpoint": "llmpress.checkpoint",
     "train": "llmpress.entrypoints",
 }
@@ -74,6 +77,7 @@ __all__ = [
     "load_checkpoint",
     "modifiers",
     "oneshot",
+    "quantize_model_free",
     "read_checkpoint",
     "save_checkpoint",
     "train",

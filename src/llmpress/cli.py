@@ -34,7 +34,8 @@ def _oneshot(args: argparse.Namespace) -> int:
     before = _folder_stamp(args.output)
     with ranks_from_environment() as main_process:  # under torchrun: one rank of a process group
         oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume,
-                return_model=False, trust_remote_code=args.trust_remote_code)
+                return_model=False, trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype),
+                model_free=args.model_free, workers=args.workers)
     if not main_process:
         return 0
     if before is not None and _folder_stamp(args.output) == before:
@@ -42,6 +43,11 @@ def _oneshot(args: argparse.Namespace) -> int:
     else:
         print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
     return 0
+
+
+def _model_dtype(name: str) -> str | None:
+    """``--dtype``: None for ``auto`` (the checkpoint's own)."""
+    return None if name == "auto" else name
 
 
 def _folder_stamp(path: str) -> tuple[int, int] | None:
@@ -65,7 +71,7 @@ def _train(args: argparse.Namespace) -> int:
     calibration = CalibrationOptions(num_samples=args.calibration_samples, seq_len=args.seq_len, seed=args.seed)
     start = time.perf_counter()
     train(args.model, args.recipe, args.dataset, output_dir=args.output, teacher=args.teacher, training=training, calibration=calibration,
-          trust_remote_code=args.trust_remote_code)
+          trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype))
     print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -220,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: a CUDA GPU when there is one; the model stays in host memory)")
     oneshot.add_argument("--resume", action="store_true",
                          help="go on from the last finished layer of an interrupted run (its work folder: OUTPUT.llmpress-work)")
+    oneshot.add_argument("--model-free", action=argparse.BooleanOptionalAction, default=None,
+                         help="quantize straight from the checkpoint's shards, without building the model (default: "
+                         "whenever the recipe needs no calibration data and the tensor names say what it targets)")
+    oneshot.add_argument("--workers", type=_at_least(1), help="threads for --model-free (default: the CPU count, at most 8)")
     oneshot.set_defaults(run=_oneshot)
 
     training = commands.add_parser(
@@ -239,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--calibration-samples", type=_at_least(1), default=64, help="samples for one-shot stages")
     training.add_argument("--seed", type=int, default=0)
     training.set_defaults(run=_train)
+    for command in (oneshot, training):
+        command.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                             help="the dtype the model is read, calibrated and saved in (default auto: the one its config "
+                             "names); statistics accumulate in float32 whatever it is")
 
     evaluate = commands.add_parser("eval", help="perplexity of one or more checkpoints on a text file")
     evaluate.add_argument("--model", required=True, action="append", help="checkpoint folder (repeat to compare)")
@@ -248,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=_at_least(1), default=8)
     evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
     evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
-    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                           help="the dtype the models run in (default float32)")
     evaluate.set_defaults(run=_eval)
 

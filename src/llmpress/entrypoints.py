@@ -20,7 +20,8 @@ from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.lifecycle.state import Status, status_of
-from llmpress.loading.loader import read_model_and_processor
+from llmpress.loading.loader import as_dtype, model_folder, read_model_and_processor
+from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, quantize_model_free
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.parallel.distributed import is_distributed, same_on_every_rank, share_of
 from llmpress.pipelines.basic import run_basic_calibration
@@ -33,6 +34,49 @@ from llmpress.session import Session
 __all__ = ["is_training_stage", "oneshot", "train"]
 
 logger = logging.getLogger(__name__)
+
+
+def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtype | str | None,
+                trust_remote_code: bool) -> tuple[nn.Module, Any]:
+    """``model`` read from its folder in ``dtype`` (None: its config's) with its tokenizer, unless
+    it is a module already (then ``dtype`` must not ask for another dtype than it has)."""
+    if isinstance(model, (str, Path)):
+        model, loaded = read_model_and_processor(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        return model, processor if processor is not None else loaded
+    if dtype is not None:
+        wanted = as_dtype(dtype)
+        held = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if held != {wanted}:
+            raise RecipeError(
+                "dtype names the dtype a model folder is read in; this model is a module already",
+                got=f"dtype={wanted}, a model in {sorted(str(d) for d in held)}",
+                expected="dtype=None with a module",
+                fix=f"convert it yourself first (model.to({wanted})), or pass the checkpoint folder",
+            )
+    return model, processor
+
+
+def _model_free_plan(model: Any, recipe: Recipe, output_dir: str | Path | None, wanted: bool | None, model_wanted: bool,
+                     resume: bool, dtype: torch.dtype | str | None) -> ModelFreePlan | None:
+    """The model-free plan when this run takes that path (``oneshot``'s ``model_free``)."""
+    if wanted is False or (wanted is None and (model_wanted or resume or is_distributed())):
+        return None
+    if not isinstance(model, (str, Path)) or output_dir is None:
+        if wanted:
+            raise RecipeError("model_free=True reads a checkpoint folder and writes one",
+                              got=f"model {type(model).__name__}, output_dir {output_dir!r}",
+                              expected="a model folder and an output_dir")
+        return None
+    try:
+        plan = plan_model_free(model_folder(model), recipe, as_dtype(dtype))
+    except ModelFreeRefused as exc:
+        if wanted:
+            raise
+        logger.info("loading the model: %s", exc.args[0] if exc.args else exc)
+        return None
+    logger.info("the recipe needs no calibration data: quantizing %d weights straight from the checkpoint's shards, "
+                "without building the model (model_free=False / --no-model-free loads it instead)", len(plan.schemes))
+    return plan
 
 
 def _require_no_calibration(recipe: Recipe) -> None:
@@ -58,6 +102,9 @@ def oneshot(
     resume: bool = False,
     return_model: bool = True,
     trust_remote_code: bool = False,
+    dtype: torch.dtype | str | None = None,
+    model_free: bool | None = None,
+    workers: int | None = None,
 ) -> nn.Module | None:
     """Apply ``recipe`` to ``model`` stage by stage, calibrating on ``dataset``; save to
     ``output_dir`` when given; return the compressed model.
@@ -76,16 +123,29 @@ def oneshot(
     is True (nothing ever asks on standard input).
 
     ``model`` is a module or a checkpoint folder (its tokenizer is loaded too when
-    ``processor`` is not given). ``dataset`` is a text or JSON-lines file, a dataset folder, a
+    ``processor`` is not given). A folder is read in ``dtype``, by default the dtype its config
+    names (a bf16 checkpoint stays bf16: its calibration forwards run in bf16, and what is not
+    quantized, and every scale, is saved in bf16); statistics (Hessians, ranges, smoothing sums)
+    accumulate in float32 whatever the dtype.
+
+    ``model_free``: a recipe that needs no calibration data (one QuantizationModifier: FP8_DYNAMIC,
+    FP8_BLOCK, W4A16, NVFP4A16, ...) can run on the checkpoint's shards without building the model
+    (``llmpress.model_free``: the same tensors, a few tensors in memory, ``workers`` threads).
+    True asks for it (it returns None; a recipe or checkpoint that needs the model class is an
+    error); None takes it when ``model`` is a folder, ``output_dir`` is given, no model is
+    asked back (``return_model=False``, as on the command line) and the recipe allows it; False
+    never. ``dataset`` is a text or JSON-lines file, a dataset folder, a
     ``datasets.Dataset``, or a list of strings or token-id lists; ``calibration`` says how many
     samples of how many tokens to take from it.
     """
     if output_dir is not None:  # before any work: not the model's own folder, not a file, not "" or "."
         check_output(output_dir, model if isinstance(model, (str, Path)) else None)
-    if isinstance(model, (str, Path)):
-        model, loaded_processor = read_model_and_processor(model, trust_remote_code=trust_remote_code)
-        processor = processor if processor is not None else loaded_processor
     recipe = Recipe.from_any(recipe)
+    plan = _model_free_plan(model, recipe, output_dir, model_free, return_model and model_free is None, resume, dtype)
+    if plan is not None:
+        quantize_model_free(plan.folder, recipe, output_dir, dtype=plan.dtype, workers=workers, plan=plan)
+        return None
+    model, processor = _read_model(model, processor, dtype, trust_remote_code)
     options = calibration or CalibrationOptions()
     training = [s.name for s in recipe.stages if is_training_stage(s)]
     if training:
@@ -183,6 +243,7 @@ def train(
     calibration: CalibrationOptions | None = None,
     save_compressed: bool = True,
     trust_remote_code: bool = False,
+    dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Apply ``recipe`` stage by stage: one-shot stages calibrate on ``dataset``, training stages
     train on it (causal LM loss, AdamW, ``training`` options). With ``output_dir``, each stage but
@@ -190,12 +251,11 @@ def train(
 
     ``teacher`` (a model or a checkpoint folder) is what distillation learns from; when a stage
     distills and none is given, it is a copy of ``model`` as it was before the first stage.
+    ``dtype``: as in ``oneshot`` (the model's, and a teacher folder's, own by default).
     """
     if output_dir is not None:
         check_output(output_dir, model if isinstance(model, (str, Path)) else None)
-    if isinstance(model, (str, Path)):
-        model, loaded_processor = read_model_and_processor(model, trust_remote_code=trust_remote_code)
-        processor = processor if processor is not None else loaded_processor
+    model, processor = _read_model(model, processor, dtype, trust_remote_code)
     if dataset is None:
         raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
     recipe = Recipe.from_any(recipe)
@@ -211,7 +271,7 @@ def train(
     options = training or TrainingOptions()
     calibration = calibration or CalibrationOptions()
     if isinstance(teacher, (str, Path)):
-        teacher, _ = read_model_and_processor(teacher, trust_remote_code=trust_remote_code)
+        teacher, _ = read_model_and_processor(teacher, dtype=dtype, trust_remote_code=trust_remote_code)
     if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
         logger.info("distilling from a copy of the model as it was before the first stage")
         teacher = copy.deepcopy(model).eval()

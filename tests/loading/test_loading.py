@@ -238,7 +238,7 @@ def test_int4_byte_layout_equals_the_kernels_own_conversion(rows):
 def test_large_tensors_are_mapped_copy_on_write(tmp_path):
     from safetensors.torch import save_file
 
-    from llmpress.loading.shards import MAP_MIN_BYTES, read_header, stream_tensors
+    from llmpress.tensorfiles.read import MAP_MIN_BYTES, read_header, stream_tensors
 
     path = tmp_path / "w.safetensors"
     big, small = torch.randn(MAP_MIN_BYTES // 4 + 5), torch.randn(7)
@@ -256,7 +256,7 @@ def test_large_tensors_are_mapped_copy_on_write(tmp_path):
 def test_mappings_stay_within_their_budget(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    from llmpress.loading import shards
+    from llmpress.tensorfiles import read as shards
 
     path = tmp_path / "w.safetensors"
     tensors = {f"t{i}": torch.randn(shards.MAP_MIN_BYTES // 4) for i in range(3)}
@@ -270,7 +270,7 @@ def test_mappings_stay_within_their_budget(tmp_path, monkeypatch):
 def test_a_save_into_the_folder_a_model_was_loaded_from_is_refused_and_the_model_survives(tmp_path, monkeypatch):
     """The model's tensors are mapped from that folder's files; a save there would replace the
     source with its copy (``checkpoint/output.py``): refused, nothing touched."""
-    from llmpress.loading import shards
+    from llmpress.tensorfiles import read as shards
 
     monkeypatch.setattr(shards, "MAP_MIN_BYTES", 0)  # every tensor mapped from the file
     llmpress.oneshot(make_tiny_llama(intermediate=256), "W4A16", token_batches(), output_dir=tmp_path / "c")

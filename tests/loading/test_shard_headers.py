@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import llmpress
 from llmpress.errors import CheckpointError
-from llmpress.loading.shards import read_header
+from llmpress.tensorfiles.read import read_header
 
 
 def _shard(path, header: dict, data: bytes = b"", length: int | None = None):

@@ -24,7 +24,7 @@ from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
 
-__all__ = ["compressed_state_dict", "quantization_config_for", "unique_state_dict"]
+__all__ = ["compressed_state_dict", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,16 +119,23 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> d
     kv_cache = kv_cache_scheme_of(model)
     if not modules and kv_cache is None:
         return None
+    quantized = {id(m) for _, m, _ in modules}
+    ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
+    return quantization_config_of([s for _, _, s in modules], ignore, kv_cache, save_compressed)
+
+
+def quantization_config_of(schemes: list[QuantizationScheme], ignore: list[str], kv_cache: Any = None,
+                           save_compressed: bool = True) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` of modules quantized by ``schemes`` (one
+    entry a module), the linear layers left dense named in ``ignore``."""
     groups: dict[str, dict[str, Any]] = {}
-    for _, _, scheme in modules:
+    for scheme in schemes:
         group = groups.setdefault(_scheme_key(scheme), {**scheme.to_json(), "targets": []})
         group["targets"] += [t for t in scheme.targets if t not in group["targets"]]
     for group in groups.values():
         scheme = QuantizationScheme(**group)
         group["format"] = format_for(scheme) if save_compressed else "dense"
     formats = {g["format"] for g in groups.values()}
-    quantized = {id(m) for _, m, _ in modules}
-    ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
     return {
         "quant_method": "compressed-tensors",
         "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if formats else "dense",

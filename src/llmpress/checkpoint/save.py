@@ -89,7 +89,7 @@ def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compre
     state = compressed_state_dict(model, save_compressed)
     names = KeyMap(model)  # the names transformers' save_pretrained would write
     state = {names.to_checkpoint(key): tensor for key, tensor in state.items()}
-    with atomic_directory(output_dir, replaces=_is_checkpoint_file) as tmp:
+    with atomic_directory(output_dir, replaces=is_checkpoint_file) as tmp:
         _write_shards(tmp, state, limit)
         _write_config(tmp, model, *_compression_config(model, save_compressed, sparsity))
         if processor is not None:
@@ -100,7 +100,7 @@ def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compre
         _copy_remote_code(tmp, model)
 
 
-def _is_checkpoint_file(name: str) -> bool:
+def is_checkpoint_file(name: str) -> bool:
     """Files a save writes or makes stale (old weight shards, an old recipe); everything else in
     the folder is kept."""
     return (

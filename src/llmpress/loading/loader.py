@@ -30,7 +30,8 @@ from llmpress.loading.config import QuantizationConfig
 from llmpress.loading.methods import config_from_dict, make_quantizer
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.remote_code import require_trust_for_remote_code
-from llmpress.loading.shards import (
+from llmpress.tensorfiles.folder import model_folder
+from llmpress.tensorfiles.read import (
     ShardEntry,
     checkpoint_shards,
     read_header,
@@ -41,7 +42,7 @@ from llmpress.models import KeyMap, build, fused_experts, linearize_experts, mod
 from llmpress.recipe import Recipe
 from llmpress.runtime.decode import prepare_decode
 
-__all__ = ["load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor", "read_tokenizer"]
+__all__ = ["as_dtype", "load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor", "read_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +110,10 @@ def read_checkpoint(
                 fix="compress the model with `llmpress oneshot` first, then load the result",
             )
         quantizer.validate_environment(device_map=device_map)
-        dtype = quantizer.update_dtype(_as_dtype(dtype))
+        dtype = quantizer.update_dtype(as_dtype(dtype))
         device_map = quantizer.update_device_map(device_map)
         max_memory = quantizer.adjust_max_memory(max_memory)
-    dtype = _as_dtype(dtype) or _checkpoint_dtype(config)
+    dtype = as_dtype(dtype) or _checkpoint_dtype(config)
 
     model = _skeleton(config, dtype, trust_remote_code)
     shards = {file: read_header(file) for file in checkpoint_shards(folder)}
@@ -161,17 +162,20 @@ def read_checkpoint(
     return model
 
 
-def load_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
-    """The exact dense view of a checkpoint in ``dtype``, read only (``read_checkpoint(path,
-    dtype=dtype, dequantize=True)``). What ``eval`` and ``oneshot`` use, so figures match
-    compressed-tensors' full-precision ones."""
+def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = torch.float32,
+                    trust_remote_code: bool = False) -> nn.Module:
+    """The exact dense view of a checkpoint in ``dtype`` (None: the dtype its config names), read
+    only (``read_checkpoint(path, dtype=dtype, dequantize=True)``). What ``eval`` (in float32, so
+    figures match compressed-tensors' full-precision ones) and ``oneshot`` (in the model's own
+    dtype) use."""
     return read_checkpoint(path, dtype=dtype, dequantize=True, trust_remote_code=trust_remote_code)
 
 
-def read_model_and_processor(path: str | Path, dtype: torch.dtype = torch.float32,
+def read_model_and_processor(path: str | Path, dtype: torch.dtype | str | None = torch.float32,
                              trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
-    """A model (plain or compressed-tensors checkpoint, its exact dense view in ``dtype``) and
-    its tokenizer (None when the folder has none), from a folder or a cached Hub model id."""
+    """A model (plain or compressed-tensors checkpoint, its exact dense view in ``dtype``; None:
+    the dtype its config names) and its tokenizer (None when the folder has none), from a folder
+    or a cached Hub model id."""
     folder = model_folder(path)
     model = load_checkpoint(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     return model, read_tokenizer(folder, trust_remote_code)
@@ -185,39 +189,6 @@ def read_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
         return None
     require_trust_for_remote_code(folder, trust_remote_code)
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-
-
-def model_folder(path: str | Path) -> Path:
-    """A local checkpoint folder, or a Hub model id (``Qwen/Qwen3-8B``) resolved as
-    ``from_pretrained`` resolves it: the local cache first, downloading only when online
-    (``HF_HUB_OFFLINE=1`` is honoured)."""
-    folder = Path(path)
-    if (folder / "config.json").is_file():
-        return folder
-    if not folder.exists() and _is_repo_id(str(path)):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-        try:
-            return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.yaml"]))
-        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
-            raise CheckpointError(
-                "the model is neither a local folder nor in the Hugging Face cache",
-                got=f"{path}: {str(exc).splitlines()[0]}",
-                expected="a local checkpoint folder, or a Hub model id that is cached (or reachable online)",
-                fix="download it first (huggingface-cli download ID), or unset HF_HUB_OFFLINE",
-            ) from None
-    raise CheckpointError(
-        "not a model checkpoint folder",
-        got=str(folder),
-        expected="a local folder with config.json and *.safetensors, or a Hub model id",
-        fix="check the --model path",
-    )
-
-
-def _is_repo_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(p and not p.startswith(".") and " " not in p for p in parts)
 
 
 def _read_config(folder: Path, trust_remote_code: bool = False):
@@ -254,19 +225,20 @@ def _quantization_config(config, requested) -> tuple[QuantizationConfig | None, 
     return config_from_dict(requested), False
 
 
-def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a torch dtype ('bfloat16', 'torch.float16' or a dtype; None stays None)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise CheckpointError("unknown dtype", got=dtype, expected="e.g. 'float32', 'bfloat16', 'float16'")
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise CheckpointError("not a floating-point dtype", got=dtype, expected="e.g. 'float32', 'bfloat16', 'float16'")
     return value
 
 
 def _checkpoint_dtype(config) -> torch.dtype:
     stored = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
     try:
-        return _as_dtype(stored) or torch.float32
+        return as_dtype(stored) or torch.float32
     except CheckpointError:
         return torch.float32
 

@@ -32,13 +32,15 @@ import torch
 
 from llmpress.errors import CheckpointError
 
-__all__ = ["ShardEntry", "checkpoint_shards", "read_header", "stream_tensors"]
+__all__ = ["DTYPE_NAMES", "ShardEntry", "checkpoint_shards", "read_header", "stream_tensors"]
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+#: each dtype's name in a safetensors header
+DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
