@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from llmpress.checkpoint import save_checkpoint
     from llmpress.data import CalibrationOptions
     from llmpress.entrypoints import oneshot, train
-    from llmpress.model_free import quantize_model_free
     from llmpress.errors import LlmpressError
     from llmpress.loading import (
         CompressedTensorsConfig,
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
         load_checkpoint,
         read_checkpoint,
     )
+    from llmpress.model_free import quantize_model_free
     from llmpress.pipelines.training import TrainingOptions
     from llmpress.recipe import Recipe
     from llmpress.runtime.decode import compile_decode

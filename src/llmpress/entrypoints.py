@@ -21,7 +21,7 @@ from llmpress.data import CalibrationOptions, batch_samples, load_calibration_sa
 from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.lifecycle.state import Status, status_of
 from llmpress.loading.loader import as_dtype, model_folder, read_model_and_processor
-from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, quantize_model_free
+from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, run_plan
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.parallel.distributed import is_distributed, same_on_every_rank, share_of
 from llmpress.pipelines.basic import run_basic_calibration
@@ -56,10 +56,10 @@ def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtyp
     return model, processor
 
 
-def _model_free_plan(model: Any, recipe: Recipe, output_dir: str | Path | None, wanted: bool | None, model_wanted: bool,
+def _model_free_plan(model: Any, recipe: Recipe, output_dir: str | Path | None, wanted: bool | None, return_model: bool,
                      resume: bool, dtype: torch.dtype | str | None) -> ModelFreePlan | None:
     """The model-free plan when this run takes that path (``oneshot``'s ``model_free``)."""
-    if wanted is False or (wanted is None and (model_wanted or resume or is_distributed())):
+    if wanted is False or (wanted is None and (return_model or resume or is_distributed())):
         return None
     if not isinstance(model, (str, Path)) or output_dir is None:
         if wanted:
@@ -141,9 +141,9 @@ def oneshot(
     if output_dir is not None:  # before any work: not the model's own folder, not a file, not "" or "."
         check_output(output_dir, model if isinstance(model, (str, Path)) else None)
     recipe = Recipe.from_any(recipe)
-    plan = _model_free_plan(model, recipe, output_dir, model_free, return_model and model_free is None, resume, dtype)
+    plan = _model_free_plan(model, recipe, output_dir, model_free, return_model, resume, dtype)
     if plan is not None:
-        quantize_model_free(plan.folder, recipe, output_dir, dtype=plan.dtype, workers=workers, plan=plan)
+        run_plan(plan, recipe, output_dir, workers=workers)
         return None
     model, processor = _read_model(model, processor, dtype, trust_remote_code)
     options = calibration or CalibrationOptions()

@@ -143,7 +143,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("llmpress.checkpoint.save.save_file", broken)
+    monkeypatch.setattr("llmpress.tensorfiles.write.TensorFileBuilder.write", broken)  # each shard file is written here
     with pytest.raises(CheckpointError, match="disk full"):
         llmpress.save_checkpoint(out, make_tiny_llama(seed=5))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -155,12 +155,13 @@ KILL_SCRIPT = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     import llmpress.checkpoint.save as save
+    from llmpress.tensorfiles.write import TensorFileBuilder
     from helpers import make_tiny_llama
-    real = save.save_file
+    real = TensorFileBuilder.write
     def save_then_die(*args, **kwargs):
         real(*args, **kwargs)          # the new weights are half written...
         os.kill(os.getpid(), signal.SIGKILL)
-    save.save_file = save_then_die
+    TensorFileBuilder.write = save_then_die
     save.save_checkpoint({out!r}, make_tiny_llama(seed=7), max_shard_size="100KB")
     """
 )

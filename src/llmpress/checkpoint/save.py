@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from llmpress.checkpoint.atomic import atomic_directory
@@ -24,6 +22,7 @@ from llmpress.errors import CheckpointError
 from llmpress.lifecycle.records import applied_recipe
 from llmpress.models.keys import KeyMap
 from llmpress.parallel.fsdp import is_sharded, unwrap_if_fsdp
+from llmpress.tensorfiles.write import ShardedWriter
 
 if TYPE_CHECKING:
     from llmpress.recipe import Recipe
@@ -32,8 +31,6 @@ __all__ = ["parse_size", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 RECIPE_NAME = "recipe.yaml"
 
 
@@ -125,27 +122,12 @@ def parse_size(size: int | str) -> int:
 
 
 def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    """The state's tensors as sharded safetensors (``ShardedWriter``); they are all in memory
+    already, so none waits in a scratch file, and each is written from its own storage."""
+    writer = ShardedWriter(folder, limit, hold=limit)
     for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.cpu().contiguous()
-        size += nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_NAME), metadata=metadata)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / filename), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, filename))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+        writer.add(name, tensor)
+    writer.finish()
 
 
 def _compression_config(model: nn.Module, save_compressed: bool,

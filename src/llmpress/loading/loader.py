@@ -30,6 +30,10 @@ from llmpress.loading.config import QuantizationConfig
 from llmpress.loading.methods import config_from_dict, make_quantizer
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.remote_code import require_trust_for_remote_code
+from llmpress.memory import release_free_memory
+from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
+from llmpress.recipe import Recipe
+from llmpress.runtime.decode import prepare_decode
 from llmpress.tensorfiles.folder import model_folder
 from llmpress.tensorfiles.read import (
     ShardEntry,
@@ -37,10 +41,6 @@ from llmpress.tensorfiles.read import (
     read_header,
     stream_tensors,
 )
-from llmpress.memory import release_free_memory
-from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
-from llmpress.recipe import Recipe
-from llmpress.runtime.decode import prepare_decode
 
 __all__ = ["as_dtype", "load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor", "read_tokenizer"]
 

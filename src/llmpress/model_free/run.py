@@ -3,10 +3,11 @@
 The source's tensors are read shard by shard in file order (memory-mapped where their dtype is
 kept); each quantized weight is rounded and compressed by the same functions the model-class
 path uses (``attach.freeze_weight``, the format codecs), so the two paths write the same tensors
-(the same file, where the output is one shard). Results are gathered up to ``max_shard_size``
-and written as one output shard (``tensorfiles.write``), each tensor let go once written. Weights are processed by a pool of worker threads (torch
-releases the interpreter lock in its kernels), a bounded number ahead of the writer, so memory
-holds a few tensors whatever the checkpoint's size. The folder appears whole or not at all
+(the same file, where the output is one shard). Weights are processed by a pool of worker
+threads (torch releases the interpreter lock in its kernels), a bounded number ahead of the
+writer, and the results go to ``ShardedWriter`` (``tensorfiles/write.py``), which keeps a few of
+them in memory and the rest of the shard being gathered in a scratch file: memory holds a few
+tensors whatever the checkpoint's size. The folder appears whole or not at all
 (``atomic_directory``), beside the config (``quantization_config`` added, and ``dtype`` where it
 changed), the recipe, and every other file of the source (tokenizer, generation config, code).
 """
@@ -28,7 +29,8 @@ from tqdm.auto import tqdm
 from llmpress.checkpoint.atomic import atomic_directory
 from llmpress.checkpoint.compressed_state import quantization_config_of
 from llmpress.checkpoint.output import check_output
-from llmpress.checkpoint.save import INDEX_NAME, RECIPE_NAME, WEIGHTS_NAME, is_checkpoint_file, parse_size
+from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file, parse_size
+from llmpress.compat import own_buffers, own_parameters
 from llmpress.formats import FORMATS, format_for
 from llmpress.lifecycle.attach import attach_scheme, freeze_weight, set_module_buffer
 from llmpress.model_free.plan import ModelFreePlan, plan_model_free
@@ -37,9 +39,9 @@ from llmpress.quant.scheme import QuantizationScheme
 from llmpress.recipe import Recipe
 from llmpress.tensorfiles.folder import model_folder
 from llmpress.tensorfiles.read import ShardEntry, stream_tensors
-from llmpress.tensorfiles.write import TensorFileBuilder
+from llmpress.tensorfiles.write import INDEX_NAME, ShardedWriter
 
-__all__ = ["default_workers", "quantize_model_free"]
+__all__ = ["default_workers", "quantize_model_free", "run_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,28 +51,36 @@ def default_workers() -> int:
 
 
 def quantize_model_free(model: str | Path, recipe, output_dir: str | Path, *, dtype: torch.dtype | None = None,
-                        workers: int | None = None, max_shard_size: int | str = "1GB", plan: ModelFreePlan | None = None) -> Path:
+                        workers: int | None = None, max_shard_size: int | str = "1GB") -> Path:
     """Quantize the checkpoint ``model`` (a folder or cached Hub id) with a data-free ``recipe``
     (one QuantizationModifier whose schemes need no calibration: FP8_DYNAMIC, FP8_BLOCK, W4A16 /
     W8A16 / W8A8 dynamic, NVFP4A16, MXFP4A16) into ``output_dir``, shard by shard, without
     building the model. ``dtype``: the dtype unquantized tensors and scales are written in (by
     default the checkpoint's own). Raises ``ModelFreeRefused`` (a ``RecipeError``) where the
     recipe or checkpoint needs the model class (``plan.py``). The output's shards hold at most
-    ``max_shard_size`` each (gathered in memory before each is written: the run's memory is
-    a few tensors: what waits for its shard to be written goes to a scratch file)."""
+    ``max_shard_size`` each."""
     folder = model_folder(model)
     recipe = Recipe.from_any(recipe)
     check_output(output_dir, folder)
-    plan = plan or plan_model_free(folder, recipe, dtype)
+    return run_plan(plan_model_free(folder, recipe, dtype), recipe, output_dir, workers=workers, max_shard_size=max_shard_size)
+
+
+def run_plan(plan: ModelFreePlan, recipe: Recipe, output_dir: str | Path, *, workers: int | None = None,
+             max_shard_size: int | str = "1GB") -> Path:
+    """``quantize_model_free`` once its plan is made and its output checked (``oneshot`` made both)."""
     workers = workers or default_workers()
-    global_scales = _family_global_scales(plan)
+    scales = _GlobalScales(plan)
     total = sum(len(entries) for entries in plan.shards.values())
     with atomic_directory(output_dir, replaces=is_checkpoint_file) as tmp, ThreadPoolExecutor(workers) as pool, \
             tqdm(total=total, desc="Quantizing tensors", unit="tensor") as bar:
-        output = _OutputShards(tmp, parse_size(max_shard_size))
-        for path, entries in plan.shards.items():
-            _quantize_shard(path, entries, plan, global_scales, pool, workers, output, bar)
-        output.finish()
+        output = ShardedWriter(tmp, parse_size(max_shard_size))
+        try:
+            for path, entries in plan.shards.items():
+                _quantize_shard(path, entries, plan, scales, pool, workers, output, bar)
+            output.finish()
+        except BaseException:
+            output.abort()
+            raise
         _write_config(tmp, plan)
         (tmp / RECIPE_NAME).write_text(recipe.to_yaml(), encoding="utf-8")
         _copy_other_files(plan.folder, tmp)
@@ -78,8 +88,8 @@ def quantize_model_free(model: str | Path, recipe, output_dir: str | Path, *, dt
     return Path(output_dir)
 
 
-def _quantize_shard(source: Path, entries: list[ShardEntry], plan: ModelFreePlan, global_scales: dict[str, torch.Tensor],
-                    pool: ThreadPoolExecutor, workers: int, output: _OutputShards, bar) -> None:
+def _quantize_shard(source: Path, entries: list[ShardEntry], plan: ModelFreePlan, scales: _GlobalScales,
+                    pool: ThreadPoolExecutor, workers: int, output: ShardedWriter, bar) -> None:
     """One source shard's tensors, in file order, into ``output``."""
     pending: deque[Future] = deque()
 
@@ -91,55 +101,13 @@ def _quantize_shard(source: Path, entries: list[ShardEntry], plan: ModelFreePlan
 
     for entry, read in stream_tensors(source, entries):
         scheme = plan.schemes.get(entry.name)
-        convert = plan.dtype if entry.dtype.is_floating_point and plan.dtype is not None else None
-        tensor = read(convert)
+        tensor = read(plan.dtype if entry.dtype.is_floating_point else None)
         if scheme is None:
             pending.append(_done({entry.name: tensor}))
         else:
-            pending.append(pool.submit(_quantize, entry.name, tensor, scheme, global_scales.get(entry.name)))
+            pending.append(pool.submit(_quantize, entry.name, tensor, scheme, scales.of(entry.name)))
         drain(2 * workers)  # a bounded number of weights in flight
     drain(0)
-
-
-class _OutputShards:
-    """The output's tensors, gathered up to ``limit`` bytes and then written as one shard
-    (``TensorFileBuilder``: little of it in memory), named as ``save_checkpoint`` names them once
-    their number is known."""
-
-    def __init__(self, folder: Path, limit: int) -> None:
-        self.folder, self.limit = folder, limit
-        self.parts: list[tuple[Path, list[str]]] = []
-        self.total = 0
-        self.current = self._builder()
-
-    def _builder(self) -> TensorFileBuilder:
-        return TensorFileBuilder(self.folder / f".part-{len(self.parts):05d}.scratch")
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if len(self.current) and self.current.nbytes + tensor.numel() * tensor.element_size() > self.limit:
-            self._flush()
-        self.current.add(name, tensor)
-
-    def _flush(self) -> None:
-        path = self.folder / f".part-{len(self.parts):05d}.safetensors"
-        names = self.current.names()
-        self.total += self.current.write(path, {"format": "pt"})
-        self.parts.append((path, names))
-        self.current = self._builder()
-
-    def finish(self) -> None:
-        if len(self.current) or not self.parts:
-            self._flush()
-        if len(self.parts) == 1:
-            self.parts[0][0].rename(self.folder / WEIGHTS_NAME)
-            return
-        weight_map = {}
-        for i, (path, names) in enumerate(self.parts, start=1):
-            filename = f"model-{i:05d}-of-{len(self.parts):05d}.safetensors"
-            path.rename(self.folder / filename)
-            weight_map.update(dict.fromkeys(names, filename))
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
 def _done(value: dict[str, torch.Tensor]) -> Future:
@@ -157,29 +125,36 @@ def _quantize(name: str, weight: torch.Tensor, scheme: QuantizationScheme,
     if global_scale is not None:
         set_module_buffer(module, "weight_global_scale", global_scale.clone())
     freeze_weight(module)
-    local = {k: v for k, v in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]}
-    compressed = FORMATS.get(format_for(scheme)).compress({k: v.detach() for k, v in local.items()}, scheme)
+    local = {k: v.detach() for k, v in {**own_parameters(module), **own_buffers(module)}.items() if v is not None}
+    compressed = FORMATS.get(format_for(scheme)).compress(local, scheme)
     prefix = name.rpartition(".")[0]
     return {f"{prefix}.{k}": v for k, v in compressed.items()}
 
 
-def _family_global_scales(plan: ModelFreePlan) -> dict[str, torch.Tensor]:
-    """The shared NVFP4 global scale of each fused family's weights (read once, before the shards)."""
-    if not plan.families:
-        return {}
-    where = {e.name: (path, e) for path, entries in plan.shards.items() for e in entries}
-    scales: dict[str, torch.Tensor] = {}
-    for members in dict.fromkeys(plan.families.values()):
-        weights = [_read_one(*where[m], plan.dtype) for m in members]
-        shared = weight_global_scale(weights)
-        scales.update(dict.fromkeys(members, shared))
-    return scales
+class _GlobalScales:
+    """Each NVFP4 fused family's shared global scale, computed when its first member comes up:
+    its members are read then (their neighbours in the file, so the main pass finds them in the
+    page cache), not in a pass of their own over the checkpoint."""
 
+    def __init__(self, plan: ModelFreePlan) -> None:
+        self.plan = plan
+        self.where = {e.name: (path, e) for path, entries in plan.shards.items() for e in entries} if plan.families else {}
+        self.known: dict[str, torch.Tensor] = {}
 
-def _read_one(path: Path, entry: ShardEntry, dtype: torch.dtype | None) -> torch.Tensor:
-    for _, read in stream_tensors(path, [entry]):
-        return read(dtype)
-    raise AssertionError("unreachable")
+    def of(self, name: str) -> torch.Tensor | None:
+        members = self.plan.families.get(name)
+        if members is None:
+            return None
+        if name not in self.known:
+            shared = weight_global_scale([self._read(m) for m in members])
+            self.known.update(dict.fromkeys(members, shared))
+        return self.known[name]
+
+    def _read(self, name: str) -> torch.Tensor:
+        path, entry = self.where[name]
+        for _, read in stream_tensors(path, [entry]):  # the file is open while the loop runs
+            return read(self.plan.dtype)
+        raise AssertionError(f"{name} is not in {path}")
 
 
 def _write_config(folder: Path, plan: ModelFreePlan) -> None:

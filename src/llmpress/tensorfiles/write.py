@@ -20,7 +20,7 @@ import torch
 
 from llmpress.tensorfiles.read import DTYPE_NAMES
 
-__all__ = ["TensorFileBuilder"]
+__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "ShardedWriter", "TensorFileBuilder"]
 
 _COPY_CHUNK = 64 << 20
 #: the order ``save_file`` writes dtypes in (safetensors' own dtype ranking, highest first)
@@ -110,3 +110,53 @@ class TensorFileBuilder:
             self._file.close()
             self._file = None
             self.scratch.unlink(missing_ok=True)
+
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class ShardedWriter:
+    """A checkpoint's weights as ``transformers`` lays them out: tensors in the order they come,
+    a new shard whenever the next tensor would take the current one past ``limit`` bytes, one
+    ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` with their index. Each shard is a
+    ``TensorFileBuilder`` holding ``hold`` bytes in memory (the rest waits in a scratch file)."""
+
+    def __init__(self, folder: Path, limit: int, hold: int = 64 << 20) -> None:
+        self.folder, self.limit, self.hold = folder, limit, hold
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.total = 0
+        self.current = self._builder()
+
+    def _builder(self) -> TensorFileBuilder:
+        return TensorFileBuilder(self.folder / f".part-{len(self.parts):05d}.scratch", self.hold)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if len(self.current) and self.current.nbytes + tensor.numel() * tensor.element_size() > self.limit:
+            self._flush()
+        self.current.add(name, tensor)
+
+    def _flush(self) -> None:
+        path = self.folder / f".part-{len(self.parts):05d}.safetensors"
+        names = self.current.names()
+        self.total += self.current.write(path, {"format": "pt"})
+        self.parts.append((path, names))
+        self.current = self._builder()
+
+    def finish(self) -> None:
+        """Write the last shard, name the shards, write the index when there are several."""
+        if len(self.current) or not self.parts:
+            self._flush()
+        if len(self.parts) == 1:
+            self.parts[0][0].rename(self.folder / WEIGHTS_NAME)
+            return
+        weight_map = {}
+        for i, (path, names) in enumerate(self.parts, start=1):
+            filename = f"model-{i:05d}-of-{len(self.parts):05d}.safetensors"
+            path.rename(self.folder / filename)
+            weight_map.update(dict.fromkeys(names, filename))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+    def abort(self) -> None:
+        self.current.close()
