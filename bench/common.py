@@ -31,16 +31,23 @@ def fixture(*parts: str) -> Path:
     return shared if shared.exists() else REPO.joinpath("assets", *parts)
 
 
-def save_random_llama(folder: Path, tokenizer_dir: Path | None = None, **config) -> Path:
+def save_random_llama(folder: Path, tokenizer_dir: Path | None = None, dtype: str = "float32", **config) -> Path:
     """A randomly initialised Llama built from ``LlamaConfig(**config)`` (seed 0, untied
-    embeddings), saved as fp32 safetensors once; ``tokenizer_dir``'s tokenizer is copied beside it."""
+    embeddings unless ``config`` ties them), saved as ``dtype`` safetensors once (built in that dtype: a bf16 model never
+    exists in fp32); ``tokenizer_dir``'s tokenizer is copied beside it."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if (folder / "config.json").exists():
         return folder
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **config)).save_pretrained(str(folder))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model = LlamaForCausalLM(LlamaConfig(**{"tie_word_embeddings": False, **config}))
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(str(folder))
     if tokenizer_dir is not None:
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(folder))
     return folder

@@ -3,9 +3,11 @@
     python bench/gptq_worker.py TOOL RECIPE_YAML MODEL_DIR TOKENS_JSONL OUTPUT_DIR
 
 TOOL is ``llmpress`` (the ``llmpress oneshot`` command, as a user runs it: this process runs the
-console script's own function), ``llmpress-api`` (``llmpress.oneshot`` from Python) or
-``llmcompressor`` (its ``oneshot`` from Python: it has no command for this). Both tools read the
-same recipe file, llm-compressor's YAML format, and the same token ids (one JSON line a sample).
+console script's own function), ``llmpress-model-class`` (the same with ``--no-model-free``),
+``llmpress-api`` (``llmpress.oneshot`` from Python) or ``llmcompressor`` (its ``oneshot`` from
+Python on the model in its own dtype: it has no command for this). Both tools read the same
+recipe file, llm-compressor's YAML format, and the same token ids (one JSON line a sample);
+TOKENS_JSONL ``-`` is no calibration data (a data-free recipe).
 
 Prints one JSON line: {"seconds": from the tool's first import to the saved checkpoint,
 "peak_rss_mb": the process's peak resident memory}.
@@ -32,10 +34,12 @@ def read_tokens(path: str) -> list[list[int]]:
         return [json.loads(line)["input_ids"] for line in lines if line.strip()]
 
 
-def run_llmpress_command(recipe: str, model_dir: str, tokens: str, output: str) -> None:
-    samples = read_tokens(tokens)
-    sys.argv = ["llmpress", "oneshot", "--model", model_dir, "--recipe", recipe, "--dataset", tokens,
-                "--num-samples", str(len(samples)), "--seq-len", str(len(samples[0])), "--output", output]
+def run_llmpress_command(recipe: str, model_dir: str, tokens: str, output: str, *options: str) -> None:
+    data = []
+    if tokens != "-":
+        samples = read_tokens(tokens)
+        data = ["--dataset", tokens, "--num-samples", str(len(samples)), "--seq-len", str(len(samples[0]))]
+    sys.argv = ["llmpress", "oneshot", "--model", model_dir, "--recipe", recipe, *data, "--output", output, *options]
     from llmpress.cli import run
 
     atexit.register(report)  # run() exits, as the command does
@@ -64,18 +68,21 @@ def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> 
         from llmcompressor.pipelines.cache import IntermediatesCache
 
         IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
-    samples = read_tokens(tokens)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")  # the checkpoint's own dtype
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
-    oneshot(model=model, processor=tokenizer, dataset=dataset, recipe=recipe, num_calibration_samples=len(samples),
-            max_seq_length=len(samples[0]), output_dir=output)
+    data = {}
+    if tokens != "-":
+        samples = read_tokens(tokens)
+        data = dict(dataset=Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}),
+                    num_calibration_samples=len(samples), max_seq_length=len(samples[0]))
+    oneshot(model=model, processor=tokenizer, recipe=recipe, output_dir=output, **data)
     report()
 
 
 def main() -> None:
     tool, recipe, model_dir, tokens, output = sys.argv[1:6]
-    runs = {"llmpress": run_llmpress_command, "llmpress-api": run_llmpress_api, "llmcompressor": run_llmcompressor}
+    runs = {"llmpress": run_llmpress_command, "llmpress-api": run_llmpress_api, "llmcompressor": run_llmcompressor,
+            "llmpress-model-class": lambda *args: run_llmpress_command(*args, "--no-model-free")}
     runs[tool](recipe, model_dir, tokens, output)
 
 
