@@ -190,3 +190,24 @@ def oneshot_stopping_after(tmp_path, out, *, recipe, options, stop_after=None, r
     finally:
         if stop_after is not None:
             monkeypatch.setattr(WorkFolder, "save_layer", original)
+
+
+def hf_fp8_copy(source: Path, folder: Path) -> Path:
+    """``source`` as a Hugging Face ``quant_method: fp8`` checkpoint (DeepSeek-V3's layout: fp8
+    weights, a float32 ``weight_scale_inv`` per 128 x 128 block, lm_head dense), made from
+    llmpress's FP8_BLOCK output, which is the same grid under compressed-tensors' names."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    llmpress.oneshot(source, "FP8_BLOCK", output_dir=folder, model_free=False)
+    weights = folder / "model.safetensors"
+    tensors = {(k.replace(".weight_scale", ".weight_scale_inv")): v.float() if k.endswith(".weight_scale") else v
+               for k, v in load_file(str(weights)).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                                     "modules_to_not_convert": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "recipe.yaml").unlink()
+    return folder

@@ -74,7 +74,7 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
         "architecture": ",".join(config.get("architectures") or ["?"]),
         "model_type": config.get("model_type", "?"),
         "parameters": sum(p.numel() for p in skeleton.parameters()) if skeleton is not None else 0,
-        "format": qcfg.get("format", "dense (not quantized)"),
+        "format": _format_of(qcfg),
         "quantization_status": qcfg.get("quantization_status", "-"),
         "groups": groups,
         "ignore": list(qcfg.get("ignore") or []),
@@ -83,6 +83,14 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
         "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
         "sparsity": _describe_sparsity(qcfg.get("sparsity_config") or config.get(SPARSITY_KEY)),
     }
+
+
+def _format_of(qcfg: dict[str, Any]) -> str:
+    if qcfg.get("quant_method") == "fp8":  # formats/hf_fp8.py
+        block = qcfg.get("weight_block_size")
+        grid = "block({}x{})".format(*block) if block else "per tensor"
+        return f"Hugging Face fp8, {grid}: read dense, as a source for any recipe"
+    return qcfg.get("format", "dense (not quantized)")
 
 
 def _cpu_paths(modules: list[nn.Module], scheme: QuantizationScheme, fmt: str | None) -> dict[str, int]:

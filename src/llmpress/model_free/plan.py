@@ -8,7 +8,8 @@ the architectures llmpress supports (``tests/model_free``) that is exactly the s
 ``assign_schemes`` quantizes, and the two paths write the same tensors. Where the names cannot
 say (a target that is a class other than ``Linear``, GPT-2's transposed ``Conv1D``, experts
 fused into one 3-D tensor, a tied head the recipe quantizes, checkpoint names that are not the
-model's (GPT-NeoX, multimodal models), a checkpoint that is quantized already) ``plan_model_free`` raises ``ModelFreeRefused`` with the reason, and ``oneshot`` loads
+model's (GPT-NeoX, multimodal models), a checkpoint that is quantized already, but for Hugging
+Face fp8 ones, whose weights are read dense) ``plan_model_free`` raises ``ModelFreeRefused`` with the reason, and ``oneshot`` loads
 the model instead.
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from llmpress.errors import RecipeError
+from llmpress.formats.hf_fp8 import DROPPED_NAMES, SCALE_NAME, check_fp8_source
 from llmpress.lifecycle.attach import FUSED_NAMES
 from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.quant.scheme import QuantizationScheme
@@ -54,16 +56,28 @@ class ModelFreePlan:
     families: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: the linear layers left dense, as the saved config lists them
     ignore: list[str] = field(default_factory=list)
+    #: what unquantized tensors and scales are written in (None: each tensor's own)
     dtype: torch.dtype | None = None
+    #: a Hugging Face fp8 source (``formats/hf_fp8.py``): each fp8 weight -> its scale's name, the
+    #: block size, and the dtype its weights are dequantized to (the model's)
+    fp8_weights: dict[str, str] = field(default_factory=dict)
+    fp8_block: list[int] | None = None
+    fp8_dtype: torch.dtype = torch.bfloat16
+
+    def skipped(self, name: str) -> bool:
+        """A tensor of the source the output does not carry (an fp8 source's scales)."""
+        owner, _, local = name.rpartition(".")
+        return bool(self.fp8_weights) and f"{owner}.weight" in self.fp8_weights and local in (SCALE_NAME, *DROPPED_NAMES)
 
 
 def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = None) -> ModelFreePlan:
     """The plan for ``recipe`` on the checkpoint in ``folder``, or ``ModelFreeRefused``."""
     modifier = _data_free_modifier(recipe)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("quantization_config") is not None:
+    stored = config.get("quantization_config")
+    if stored is not None and stored.get("quant_method") != "fp8":
         raise ModelFreeRefused("the checkpoint is quantized already: it is read through the model class",
-                               got=config["quantization_config"].get("quant_method"))
+                               got=stored.get("quant_method"), expected="a full-precision or Hugging Face fp8 checkpoint")
     if config.get("model_type") in CONV1D_MODEL_TYPES:
         raise ModelFreeRefused(f"{config['model_type']} stores its linear layers transposed (Conv1D)", got=config["model_type"])
     if config.get("model_type") in RENAMED_MODEL_TYPES or "text_config" in config:
@@ -98,7 +112,18 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
             raise ModelFreeRefused("the recipe quantizes a head tied to the embeddings: it is untied in the model first",
                                    got="lm_head shares the embedding weight", fix="ignore lm_head, or load the model")
         dense.append("lm_head")
-    return ModelFreePlan(folder, config, shards, chosen, _families(chosen), _in_module_order(dense, entries), dtype)
+    plan = ModelFreePlan(folder, config, shards, chosen, _families(chosen), _in_module_order(dense, entries), dtype)
+    if stored is not None:  # a Hugging Face fp8 source: its weights are read dense
+        plan.fp8_block = check_fp8_source(stored)
+        plan.fp8_weights = {f"{name[: -len(SCALE_NAME) - 1]}.weight": name for name in entries if name.endswith(f".{SCALE_NAME}")}
+        plan.fp8_dtype = dtype or _config_dtype(config)
+    return plan
+
+
+def _config_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The dtype config.json names (bf16 where it names none, as fp8 checkpoints are made from bf16)."""
+    value = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16
 
 
 def _data_free_modifier(recipe: Recipe) -> QuantizationModifier:

@@ -32,6 +32,7 @@ from llmpress.checkpoint.output import check_output
 from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file, parse_size
 from llmpress.compat import own_buffers, own_parameters
 from llmpress.formats import FORMATS, format_for
+from llmpress.formats.hf_fp8 import SCALE_NAME, dequantize_fp8, fp8_source_args
 from llmpress.lifecycle.attach import attach_scheme, freeze_weight, set_module_buffer
 from llmpress.model_free.plan import ModelFreePlan, plan_model_free
 from llmpress.quant.observers import weight_global_scale
@@ -69,14 +70,15 @@ def run_plan(plan: ModelFreePlan, recipe: Recipe, output_dir: str | Path, *, wor
              max_shard_size: int | str = "1GB") -> Path:
     """``quantize_model_free`` once its plan is made and its output checked (``oneshot`` made both)."""
     workers = workers or default_workers()
-    scales = _GlobalScales(plan)
+    source = _Source(plan)
+    scales = _GlobalScales(plan, source)
     total = sum(len(entries) for entries in plan.shards.values())
     with atomic_directory(output_dir, replaces=is_checkpoint_file) as tmp, ThreadPoolExecutor(workers) as pool, \
             tqdm(total=total, desc="Quantizing tensors", unit="tensor") as bar:
         output = ShardedWriter(tmp, parse_size(max_shard_size))
         try:
             for path, entries in plan.shards.items():
-                _quantize_shard(path, entries, plan, scales, pool, workers, output, bar)
+                _quantize_shard(path, entries, plan, source, scales, pool, workers, output, bar)
             output.finish()
         except BaseException:
             output.abort()
@@ -88,7 +90,7 @@ def run_plan(plan: ModelFreePlan, recipe: Recipe, output_dir: str | Path, *, wor
     return Path(output_dir)
 
 
-def _quantize_shard(source: Path, entries: list[ShardEntry], plan: ModelFreePlan, scales: _GlobalScales,
+def _quantize_shard(path: Path, entries: list[ShardEntry], plan: ModelFreePlan, source: _Source, scales: _GlobalScales,
                     pool: ThreadPoolExecutor, workers: int, output: ShardedWriter, bar) -> None:
     """One source shard's tensors, in file order, into ``output``."""
     pending: deque[Future] = deque()
@@ -99,9 +101,12 @@ def _quantize_shard(source: Path, entries: list[ShardEntry], plan: ModelFreePlan
                 output.add(name, tensor)
             bar.update()
 
-    for entry, read in stream_tensors(source, entries):
+    for entry, read in stream_tensors(path, entries):
+        if plan.skipped(entry.name):
+            bar.update()
+            continue
         scheme = plan.schemes.get(entry.name)
-        tensor = read(plan.dtype if entry.dtype.is_floating_point else None)
+        tensor = source.dense(entry.name, read)
         if scheme is None:
             pending.append(_done({entry.name: tensor}))
         else:
@@ -131,37 +136,55 @@ def _quantize(name: str, weight: torch.Tensor, scheme: QuantizationScheme,
     return {f"{prefix}.{k}": v for k, v in compressed.items()}
 
 
+class _Source:
+    """The checkpoint's tensors as the recipe sees them: in ``plan.dtype`` where it names one,
+    a Hugging Face fp8 weight dense (times its block scales, ``formats/hf_fp8.py``)."""
+
+    def __init__(self, plan: ModelFreePlan) -> None:
+        self.plan = plan
+        self.where = {e.name: (path, e) for path, entries in plan.shards.items() for e in entries}
+        self.fp8_args = fp8_source_args(plan.fp8_block) if plan.fp8_weights else None
+
+    def dense(self, name: str, read) -> torch.Tensor:
+        """The tensor ``name``, from its reader (``stream_tensors``)."""
+        scale = self.plan.fp8_weights.get(name)
+        if scale is not None:
+            return dequantize_fp8(read(), self.by_name(scale), self.fp8_args, self.plan.fp8_dtype)
+        return read(self.plan.dtype if self.where[name][1].dtype.is_floating_point else None)
+
+    def by_name(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` on its own, dense (a family member, an fp8 weight's scale)."""
+        path, entry = self.where[name]
+        for _, read in stream_tensors(path, [entry]):  # the file is open while the loop runs
+            return read() if name.endswith(f".{SCALE_NAME}") else self.dense(name, read)
+        raise AssertionError(f"{name} is not in {path}")
+
+
 class _GlobalScales:
     """Each NVFP4 fused family's shared global scale, computed when its first member comes up:
     its members are read then (their neighbours in the file, so the main pass finds them in the
     page cache), not in a pass of their own over the checkpoint."""
 
-    def __init__(self, plan: ModelFreePlan) -> None:
-        self.plan = plan
-        self.where = {e.name: (path, e) for path, entries in plan.shards.items() for e in entries} if plan.families else {}
+    def __init__(self, plan: ModelFreePlan, source: _Source) -> None:
+        self.families, self.source = plan.families, source
         self.known: dict[str, torch.Tensor] = {}
 
     def of(self, name: str) -> torch.Tensor | None:
-        members = self.plan.families.get(name)
+        members = self.families.get(name)
         if members is None:
             return None
         if name not in self.known:
-            shared = weight_global_scale([self._read(m) for m in members])
+            shared = weight_global_scale([self.source.by_name(m) for m in members])
             self.known.update(dict.fromkeys(members, shared))
         return self.known[name]
-
-    def _read(self, name: str) -> torch.Tensor:
-        path, entry = self.where[name]
-        for _, read in stream_tensors(path, [entry]):  # the file is open while the loop runs
-            return read(self.plan.dtype)
-        raise AssertionError(f"{name} is not in {path}")
 
 
 def _write_config(folder: Path, plan: ModelFreePlan) -> None:
     config = dict(plan.config)
     config["quantization_config"] = quantization_config_of(list(plan.schemes.values()), plan.ignore)
-    if plan.dtype is not None:
-        config["dtype"] = str(plan.dtype).removeprefix("torch.")
+    dtype = plan.dtype or (plan.fp8_dtype if plan.fp8_weights else None)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
         config.pop("torch_dtype", None)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
