@@ -36,8 +36,11 @@ def quantization_config(folder):
 def test_the_same_file_as_the_model_class_path(preset, tmp_path):
     source = bf16_llama(tmp_path / "source")
     llmpress.oneshot(source, preset, output_dir=tmp_path / "model", model_free=False)
+    # the model-class path as the command line runs it: blocks compressed and held one by one
+    llmpress.oneshot(source, preset, output_dir=tmp_path / "held", model_free=False, return_model=False)
     quantize_model_free(source, preset, tmp_path / "free")
     assert (tmp_path / "free" / "model.safetensors").read_bytes() == (tmp_path / "model" / "model.safetensors").read_bytes()
+    assert (tmp_path / "held" / "model.safetensors").read_bytes() == (tmp_path / "model" / "model.safetensors").read_bytes()
     assert quantization_config(tmp_path / "free") == quantization_config(tmp_path / "model")
     assert (tmp_path / "free" / "recipe.yaml").read_text() == (tmp_path / "model" / "recipe.yaml").read_text()
     tensors = checkpoint_tensors(tmp_path / "free")
@@ -60,6 +63,18 @@ def test_each_architecture_the_same_tensors_or_a_reason(model_type, tmp_path):
     free, model = quantization_config(tmp_path / "free"), quantization_config(tmp_path / "model")
     assert sorted(free.pop("ignore")) == sorted(model.pop("ignore"))
     assert free == model
+
+
+def test_without_data_the_model_class_path_holds_each_block_once_compressed(tmp_path, monkeypatch):
+    from llmpress.pipelines.storage.compact import CompactWeights
+
+    source = bf16_llama(tmp_path / "source")
+    held = []
+    hold = CompactWeights.hold
+    monkeypatch.setattr(CompactWeights, "hold", lambda self, layer: held.append(layer) or hold(self, layer))
+    llmpress.oneshot(source, "W4A16", output_dir=tmp_path / "out", model_free=False, return_model=False)
+    assert len(held) == 2  # both blocks, each held as soon as it was compressed
+    assert all(m.weight.is_meta for m in held[0].modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_shards_and_dtype(tmp_path):

@@ -197,3 +197,22 @@ def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
     again = subprocess.run(command(tmp_path / "cut", "--resume"), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_finished_layers_wait_in_their_work_files_not_in_memory(model_dir, tmp_path, monkeypatch):
+    """Each finished layer's held integers are swapped for the memory-mapped copy its work file
+    holds, so they do not add up in RAM; the checkpoint is the one they would write from memory."""
+    from llmpress.pipelines.storage.compact import CompactWeights
+
+    swapped = []
+    replace = CompactWeights.replace_integers
+    monkeypatch.setattr(CompactWeights, "replace_integers",
+                        lambda self, module, k: swapped.append(module) or replace(self, module, k))
+    llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "paged", calibration=OPTIONS,
+                     return_model=False)
+    assert len(swapped) == 4 * 7  # four layers of seven linear modules
+    monkeypatch.setattr(CompactWeights, "page_out", lambda self, layer, state_file: None)
+    llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "held", calibration=OPTIONS,
+                     return_model=False)
+    assert checkpoint_tensors(tmp_path / "paged").keys() == checkpoint_tensors(tmp_path / "held").keys()
+    assert (tmp_path / "paged" / "model.safetensors").read_bytes() == (tmp_path / "held" / "model.safetensors").read_bytes()

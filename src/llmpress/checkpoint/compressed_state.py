@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,9 +43,21 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors to write: quantized modules compressed by their scheme's format."""
+def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
+                          emit: Callable[[str, torch.Tensor], None] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors to write: quantized modules compressed by their scheme's format. With
+    ``emit``, each module's tensors go to ``emit(name, tensor)`` as soon as they are made, then
+    the model's other tensors, and the dict returned is empty: the compressed model never sits in
+    memory whole (a save streams it to its files)."""
     state = unique_state_dict(model)
+
+    def put(prefix: str, local: dict[str, torch.Tensor]) -> None:
+        for k, v in local.items():
+            if emit is None:
+                state[prefix + k] = v
+            else:
+                emit(prefix + k, v)
+
     held = held_weights(model)  # finished layers still held as integers: rebuilt one module at a time
     uneven, transposed = [], []
     for name, module, scheme in quantized_modules(model):
@@ -57,7 +70,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
                 local = FORMATS.get(module.format).decompress(local, scheme, module.default_dtype)
             for k in [k for k in state if k.startswith(prefix) and "." not in k[len(prefix):]]:
                 del state[k]
-            state.update({prefix + k: v for k, v in local.items()})
+            put(prefix, local)
             continue
         unfrozen = scheme.weights is not None and f"{prefix}weight_scale" not in state
         # mid-training (QAT on, or a session that will quantize the module later): the weights
@@ -91,7 +104,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
         if save_compressed:
             local = FORMATS.get(format_for(scheme)).compress(local, scheme)
             release_free_memory()  # packing temporaries: give them back before the next module
-        state.update({prefix + k: v for k, v in local.items()})
+        put(prefix, local)
     if uneven:
         logger.warning(
             "%d module(s) have a column count that is not a multiple of their (weight or input) group size (%s): "
@@ -104,6 +117,9 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True) -> dic
             "does with CompressedTensorsConfig(dequantize=True) (5.24 and later); its default compressed route "
             "initializes only nn.Linear modules and cannot", len(transposed), transposed[0] + (" ..." if len(transposed) > 1 else ""),
         )
+    if emit is not None:
+        for key in list(state):  # in the model's order
+            emit(key, state.pop(key))
     return state
 
 

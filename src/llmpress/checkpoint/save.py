@@ -83,11 +83,9 @@ def _whole_state(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -
 def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compressed: bool, recipe: Recipe | None,
            limit: int) -> None:
     sparsity = sparsity_config_for(model)  # before the held weights go to the state dict, one by one
-    state = compressed_state_dict(model, save_compressed)
     names = KeyMap(model)  # the names transformers' save_pretrained would write
-    state = {names.to_checkpoint(key): tensor for key, tensor in state.items()}
     with atomic_directory(output_dir, replaces=is_checkpoint_file) as tmp:
-        _write_shards(tmp, state, limit)
+        _write_shards(tmp, model, save_compressed, names, limit)
         _write_config(tmp, model, *_compression_config(model, save_compressed, sparsity))
         if processor is not None:
             processor.save_pretrained(str(tmp))
@@ -121,13 +119,17 @@ def parse_size(size: int | str) -> int:
     raise CheckpointError("cannot read the shard size", got=size, expected="a byte count or a size like '5GB'")
 
 
-def _write_shards(folder: Path, state: dict[str, torch.Tensor], limit: int) -> None:
-    """The state's tensors as sharded safetensors (``ShardedWriter``); they are all in memory
-    already, so none waits in a scratch file, and each is written from its own storage."""
-    writer = ShardedWriter(folder, limit, hold=limit)
-    for name, tensor in state.items():
-        writer.add(name, tensor)
-    writer.finish()
+def _write_shards(folder: Path, model: nn.Module, save_compressed: bool, names: KeyMap, limit: int) -> None:
+    """The model's tensors (``compressed_state_dict``) as sharded safetensors: each module's
+    tensors go to the ``ShardedWriter`` as they are made (beyond a few, into its scratch file), so
+    the compressed model is never in memory whole, nor, for held layers, its float weights."""
+    writer = ShardedWriter(folder, limit)
+    try:
+        compressed_state_dict(model, save_compressed, emit=lambda key, tensor: writer.add(names.to_checkpoint(key), tensor))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _compression_config(model: nn.Module, save_compressed: bool,

@@ -14,5 +14,6 @@ Read in this order:
 5. ``storage/``: where activations wait (memory or spill files), the execution device, finished
    layers held as integers, and the work folder a run resumes from.
 
-``basic.py`` calibrates a model whole; ``training.py`` is the small training loop ``train`` runs.
+``basic.py`` calibrates a model whole; ``data_free.py`` walks the blocks of a recipe that needs
+no data (compress, hold); ``training.py`` is the small training loop ``train`` runs.
 """

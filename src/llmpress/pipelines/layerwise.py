@@ -32,6 +32,7 @@ from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
 from llmpress.pipelines.by_module.plan import BlockPlan, kept_bytes, plan_block
 from llmpress.pipelines.by_module.sequential import calibrate_block_by_module
+from llmpress.pipelines.data_free import compress_blocks_without_data
 from llmpress.pipelines.reference import calibrate_block_reference, run_block
 from llmpress.pipelines.storage.compact import CompactWeights
 from llmpress.pipelines.storage.kept import close_spill_files
@@ -63,12 +64,17 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     work folder (else the system's temporary folder) and come back one batch at a time
     (``kept.py``). ``keep_held``: the finished layers' weights stay held as integers after
     calibration (``held_weights(model)``), for one save that writes them, letting each go, without
-    rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``).
+    rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``); a recipe
+    that needs no calibration data then compresses and holds the blocks one by one too.
     ``device``: where each block calibrates (``onload.execution_device``; by default a CUDA GPU
     when the model is in host memory and there is one): the block moves there and back."""
     if not session.needs_calibration_forward:
-        session.calibration_start()
-        session.calibration_end()
+        blocks = find_blocks(model) if keep_held else None
+        if blocks is not None and all("layer_calibrated" in m.events for m in session.modifiers):
+            compress_blocks_without_data(model, blocks, session)
+        else:
+            session.calibration_start()
+            session.calibration_end()
         return
     blocks = find_blocks(model)
     place = Placement.of(model, device)
@@ -153,7 +159,9 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
             rest = place.back(rest)
         held.hold(module)
         if work is not None:
-            work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
+            state_file = work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
+            if state_file is not None:
+                held.page_out(module, state_file)  # its integers wait in that file, not in memory
         bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
         bar.update()
         release_free_memory()  # the block's solver temporaries and float weights go back

@@ -14,6 +14,8 @@ values: a ``-0.0`` comes back as ``0.0``.)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -24,7 +26,9 @@ from llmpress.memory import release_free_memory
 from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, effective_scale, float_copy, grouped
 
-__all__ = ["CompactWeights"]
+__all__ = ["HELD", "CompactWeights"]
+
+HELD = "@held"  # suffix of a weight's key, in a layer file, whose value is the integers held for it
 
 
 def _rebuild(module: nn.Module, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,6 +119,26 @@ class CompactWeights:
             freed += module.weight.numel() * module.weight.element_size()
             self.adopt(module, _packed(k))  # the float storage goes back now
         return freed
+
+    def replace_integers(self, module: nn.Module, k: torch.Tensor) -> None:
+        """Hold ``module``'s integers as ``k`` from now on: the same values, stored elsewhere (a
+        memory-mapped copy of them in a work-folder file, say)."""
+        for index, (held, param, old, guard) in enumerate(self._held):
+            if held is module:
+                if k.shape != old.shape or k.dtype != old.dtype:
+                    raise ValueError(f"integers of another shape or dtype: {tuple(k.shape)} {k.dtype}, held {tuple(old.shape)} {old.dtype}")
+                self._held[index] = (held, param, k, guard)
+                return
+        raise KeyError("the module is not held")
+
+    def page_out(self, layer: nn.Module, state_file: Path) -> None:
+        """``layer``'s held integers, from now on read memory-mapped from ``state_file`` (a layer
+        file the work folder just wrote, its held weights under ``name`` + ``HELD``): they leave
+        the process's memory, so finished layers do not add up in RAM however deep the model is."""
+        modules = dict(layer.named_modules())
+        for key, k in torch.load(state_file, weights_only=True, mmap=True).items():  # just written: no hash check
+            if key.endswith(HELD):
+                self.replace_integers(modules[key.removesuffix(HELD).rpartition(".")[0]], k)
 
     def integers_of(self, layer: nn.Module) -> dict[nn.Module, torch.Tensor]:
         """The held integers (as stored: int4 packed in int32 words) of ``layer``'s modules."""

@@ -41,7 +41,7 @@ from llmpress.checkpoint.atomic import sha256_of, write_file
 from llmpress.errors import CheckpointError
 from llmpress.lifecycle.attach import set_module_buffer
 from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
-from llmpress.pipelines.storage.compact import CompactWeights
+from llmpress.pipelines.storage.compact import HELD, CompactWeights
 from llmpress.pipelines.storage.onload import execution_device
 from llmpress.version import __version__
 
@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
 RUN_RECORD = "llmpress_run.json"  # in a finished checkpoint: the fingerprint of the run that wrote it
-HELD = "@held"  # suffix of a weight's key whose integers CompactWeights holds
 #: the next block's inputs are written after a block once this long has gone by since they were
 #: last written: a resumed run then forwards at most this much calibration's worth of blocks
 INPUTS_EVERY_S = 300.0
@@ -156,14 +155,15 @@ class WorkFolder:
 
     # -- writing -----------------------------------------------------------------------------
     def save_layer(self, index: int, block: nn.Module, held: CompactWeights, inputs: list, rest: Any,
-                   notes: list | None = None) -> None:
+                   notes: list | None = None) -> Path | None:
         """Block ``index`` is finished: its state (rank 0) and, when due (``INPUTS_EVERY_S``), the
         next block's inputs (each rank; empty after the last block when nothing runs after it).
-        ``notes``: what the modifiers keep across a resume (plain data, in progress.json)."""
+        ``notes``: what the modifiers keep across a resume (plain data, in progress.json).
+        Returns the state file on the process that wrote it (``CompactWeights.page_out``)."""
         files: dict[str, str] = {}
-        if is_main_process():
-            name = f"layer-{index:05d}.state.pt"
-            files[name] = write_file(self.path / name, _block_state(block, held))
+        state_file = self.path / f"layer-{index:05d}.state.pt" if is_main_process() else None
+        if state_file is not None:
+            files[state_file.name] = write_file(state_file, _block_state(block, held))
         due = gather_objects(time.monotonic() - self._inputs_written >= INPUTS_EVERY_S)[0]  # rank 0's clock decides
         if due:
             name = f"layer-{index:05d}.inputs.rank{rank()}.pt"
@@ -184,6 +184,7 @@ class WorkFolder:
                     stale = self.path / f"layer-{previous:05d}.inputs.rank{r}.pt"
                     self.progress["files"].pop(stale.name, None)
                     stale.unlink(missing_ok=True)
+        return state_file
 
     def finish(self) -> None:
         """The checkpoint is written: it records the run, and the work folder goes."""
