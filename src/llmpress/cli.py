@@ -7,7 +7,6 @@ no traceback unless ``LLMPRESS_DEBUG=1``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -288,19 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _import_library(command: str) -> None:
-    """Torch, transformers and the library modules the command runs, before it starts."""
-    modules = ["llmpress.loading.inspect"] if command == "inspect" else ["llmpress.entrypoints", "llmpress.loading", "llmpress.evaluation"]
-    for module in modules:
-        importlib.import_module(module)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks only warn
     logging.basicConfig(level=logging.INFO if args.verbose and main_rank else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    _import_library(args.command)
     try:
         return args.run(args)
     except LlmpressError as exc:

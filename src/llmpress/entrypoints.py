@@ -20,7 +20,6 @@ from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.lifecycle.state import Status, status_of
-from llmpress.loading.loader import as_dtype, model_folder, read_model_and_processor
 from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, run_plan
 from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.parallel.distributed import is_distributed, same_on_every_rank, share_of
@@ -30,10 +29,20 @@ from llmpress.pipelines.storage.resume import WorkFolder, run_fingerprint
 from llmpress.pipelines.training import TrainingOptions, run_training, stage_epochs
 from llmpress.recipe import Recipe, RecipeStage
 from llmpress.session import Session
+from llmpress.tensorfiles.dtypes import as_dtype
+from llmpress.tensorfiles.folder import model_folder
 
 __all__ = ["is_training_stage", "oneshot", "train"]
 
 logger = logging.getLogger(__name__)
+
+
+def _read_folder(folder: str | Path, dtype: torch.dtype | str | None, trust_remote_code: bool) -> tuple[nn.Module, Any]:
+    """The model of a checkpoint folder and its tokenizer. The loader (and transformers with it)
+    is imported here, when a model is read: a model-free run never needs it."""
+    from llmpress.loading.loader import read_model_and_processor
+
+    return read_model_and_processor(folder, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtype | str | None,
@@ -41,7 +50,7 @@ def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtyp
     """``model`` read from its folder in ``dtype`` (None: its config's) with its tokenizer, unless
     it is a module already (then ``dtype`` must not ask for another dtype than it has)."""
     if isinstance(model, (str, Path)):
-        model, loaded = read_model_and_processor(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        model, loaded = _read_folder(model, dtype, trust_remote_code)
         return model, processor if processor is not None else loaded
     if dtype is not None:
         wanted = as_dtype(dtype)
@@ -271,7 +280,7 @@ def train(
     options = training or TrainingOptions()
     calibration = calibration or CalibrationOptions()
     if isinstance(teacher, (str, Path)):
-        teacher, _ = read_model_and_processor(teacher, dtype=dtype, trust_remote_code=trust_remote_code)
+        teacher, _ = _read_folder(teacher, dtype, trust_remote_code)
     if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
         logger.info("distilling from a copy of the model as it was before the first stage")
         teacher = copy.deepcopy(model).eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,3 +143,16 @@ def test_builder_writes_what_save_file_writes(tmp_path):
         builder.write(tmp_path / "out.safetensors", {"format": "pt"})
         assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
         assert not (tmp_path / "scratch").exists()
+
+
+def test_a_model_free_run_never_imports_transformers(tmp_path):
+    """The command's data-free path reads and writes safetensors only: no model class, so no
+    transformers (a second of its start-up), and no DTensor module (torch.distributed.tensor)."""
+    source = bf16_llama(tmp_path / "source")
+    code = ("import sys\nfrom llmpress.cli import main\n"
+            f"assert main(['oneshot', '--model', {str(source)!r}, '--recipe', 'FP8_DYNAMIC', '--output', {str(tmp_path / 'out')!r}]) == 0\n"
+            "print(sorted(m for m in ('transformers', 'torch.distributed.tensor') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -5,6 +5,7 @@ feature). The architecture matrix covers the command line end to end (gpt2, open
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -125,6 +126,10 @@ def test_qat_on_conv1d_computes_the_linear_on_its_grid():
     on_grid = fake_quantize(conv.weight.detach(), *weight_qparams(conv.weight.detach(), args), args)
     enable_qat(conv)
     torch.testing.assert_close(conv(x), x @ on_grid + conv.bias, atol=1e-5, rtol=1e-5)
+    assert type(conv).__name__ == "QATConv1D"
+    twin = pickle.loads(pickle.dumps(conv))  # the QAT class is found by its name, made on first use
+    assert type(twin) is type(conv)
+    torch.testing.assert_close(twin(x), conv(x))
 
 
 def test_two_of_four_pruning_runs_along_conv1d_inputs(tmp_path):

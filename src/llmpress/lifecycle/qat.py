@@ -27,12 +27,13 @@ from torch import nn
 from llmpress.compat import own_buffers, own_parameters
 from llmpress.lifecycle.attach import set_weight_qparams
 from llmpress.lifecycle.state import Status, scheme_of, state_of, status_of
-from llmpress.models.linear import Conv1D, input_major
+from llmpress.models import linear
+from llmpress.models.linear import input_major
 from llmpress.parallel.fsdp import whole
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize
 
-__all__ = ["QATConv1D", "QATLinear", "disable_qat", "enable_qat", "freeze_qat", "in_qat", "qat_snapshot", "qat_weight"]
+__all__ = ["QATLinear", "disable_qat", "enable_qat", "freeze_qat", "in_qat", "qat_snapshot", "qat_weight"]
 
 
 def _qparams(module: nn.Module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -75,8 +76,7 @@ def _qat_class(cls: type) -> type:
                 return _qat_forward(self, x)
             return cls.forward(self, x)
 
-        name = "QATConv1D" if cls is Conv1D else f"QAT{cls.__name__}"
-        made = type(name, (cls,), {"forward": forward, "__module__": __name__,
+        made = type(f"QAT{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__,
                                    "__doc__": f"{cls.__name__} in quantization-aware training (``enable_qat``)."})
         _QAT_CLASSES[cls], _BASE_OF[made] = made, cls
     return made
@@ -86,7 +86,17 @@ def _qat_class(cls: type) -> type:
 _QAT_CLASSES: dict[type, type] = {}
 _BASE_OF: dict[type, type] = {}
 QATLinear = _qat_class(nn.Linear)
-QATConv1D = _qat_class(Conv1D)
+
+
+def __getattr__(name: str) -> type:
+    """A QAT class by its name, as pickle looks it up: one made already, or ``QATConv1D`` (made
+    here on first use, so that importing llmpress does not import transformers for it)."""
+    for made in _BASE_OF:
+        if made.__name__ == name:
+            return made
+    if name == "QATConv1D":
+        return _qat_class(linear.Conv1D)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def enable_qat(module: nn.Module) -> None:

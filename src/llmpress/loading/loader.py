@@ -34,6 +34,7 @@ from llmpress.memory import release_free_memory
 from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
 from llmpress.recipe import Recipe
 from llmpress.runtime.decode import prepare_decode
+from llmpress.tensorfiles.dtypes import as_dtype, named_dtype
 from llmpress.tensorfiles.folder import model_folder
 from llmpress.tensorfiles.read import (
     ShardEntry,
@@ -225,22 +226,8 @@ def _quantization_config(config, requested) -> tuple[QuantizationConfig | None, 
     return config_from_dict(requested), False
 
 
-def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``dtype`` as a torch dtype ('bfloat16', 'torch.float16' or a dtype; None stays None)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise CheckpointError("not a floating-point dtype", got=dtype, expected="e.g. 'float32', 'bfloat16', 'float16'")
-    return value
-
-
 def _checkpoint_dtype(config) -> torch.dtype:
-    stored = getattr(config, "dtype", None) or config.__dict__.get("torch_dtype")
-    try:
-        return as_dtype(stored) or torch.float32
-    except CheckpointError:
-        return torch.float32
+    return named_dtype(getattr(config, "dtype", None) or config.__dict__.get("torch_dtype"), torch.float32)
 
 
 def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:

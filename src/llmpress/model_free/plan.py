@@ -30,6 +30,7 @@ from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.recipe import Recipe
 from llmpress.targets import CLASS, EXACT, REGEX
+from llmpress.tensorfiles.dtypes import named_dtype
 from llmpress.tensorfiles.read import ShardEntry, checkpoint_shards, read_header
 
 __all__ = ["ModelFreePlan", "ModelFreeRefused", "plan_model_free"]
@@ -116,14 +117,8 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     if stored is not None:  # a Hugging Face fp8 source: its weights are read dense
         plan.fp8_block = check_fp8_source(stored)
         plan.fp8_weights = {f"{name[: -len(SCALE_NAME) - 1]}.weight": name for name in entries if name.endswith(f".{SCALE_NAME}")}
-        plan.fp8_dtype = dtype or _config_dtype(config)
+        plan.fp8_dtype = dtype or named_dtype(config.get("dtype") or config.get("torch_dtype"), torch.bfloat16)  # fp8 checkpoints are made from bf16
     return plan
-
-
-def _config_dtype(config: dict[str, Any]) -> torch.dtype:
-    """The dtype config.json names (bf16 where it names none, as fp8 checkpoints are made from bf16)."""
-    value = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"), None)
-    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16
 
 
 def _data_free_modifier(recipe: Recipe) -> QuantizationModifier:

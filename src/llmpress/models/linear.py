@@ -15,28 +15,47 @@ not. A checkpoint's config is read as compressed-tensors reads it, where ``Linea
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-__all__ = ["Conv1D", "LINEAR_TYPES", "features", "input_major", "is_linear", "linear_weight"]
+if TYPE_CHECKING:
+    from transformers.pytorch_utils import Conv1D
 
-LINEAR_TYPES = (nn.Linear, Conv1D)
+__all__ = ["Conv1D", "features", "input_major", "is_conv1d", "is_linear", "linear_weight"]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """True for transformers' ``Conv1D``. Transformers is not imported for the question: until
+    its ``pytorch_utils`` is, no module can be a Conv1D (the model-free path never imports it)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return utils is not None and isinstance(module, utils.Conv1D)
+
+
+def __getattr__(name: str) -> Any:
+    """``Conv1D`` itself, imported from transformers when first asked for."""
+    if name == "Conv1D":
+        from transformers.pytorch_utils import Conv1D
+
+        return Conv1D
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, LINEAR_TYPES)
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def input_major(module: nn.Module) -> bool:
     """True when the module stores its weight ``[in, out]``: a Conv1D, or a runtime module
     standing for one."""
-    return isinstance(module, Conv1D) or getattr(module, "input_major", False) is True
+    return is_conv1d(module) or getattr(module, "input_major", False) is True
 
 
 def features(module: nn.Module) -> tuple[int, int]:
     """``(in_features, out_features)`` of a linear module."""
-    if isinstance(module, Conv1D):
+    if is_conv1d(module):
         return module.nx, module.nf
     return module.in_features, module.out_features
 
