@@ -4,8 +4,10 @@
 
 TOOL is ``llmpress`` (the ``llmpress oneshot`` command, as a user runs it: this process runs the
 console script's own function), ``llmpress-model-class`` (the same with ``--no-model-free``),
-``llmpress-api`` (``llmpress.oneshot`` from Python) or ``llmcompressor`` (its ``oneshot`` from
-Python on the model in its own dtype: it has no command for this). Both tools read the same
+``llmpress-api`` (``llmpress.oneshot`` from Python), ``llmcompressor`` (its ``oneshot`` from
+Python on the model in its own dtype: it has no command for this) or ``llmcompressor-model-free``
+(its ``model_free_ptq`` with the recipe's one QuantizationModifier's scheme and ignore list, and
+``BENCH_WORKERS`` threads, 2 by default). Both tools read the same
 recipe file, llm-compressor's YAML format, and the same token ids (one JSON line a sample);
 TOKENS_JSONL ``-`` is no calibration data (a data-free recipe).
 
@@ -79,9 +81,25 @@ def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> 
     report()
 
 
+def run_llmcompressor_model_free(recipe: str, model_dir: str, tokens: str, output: str) -> None:
+    import os
+
+    import yaml
+    from llmcompressor import model_free_ptq
+
+    stage = next(iter(yaml.safe_load(open(recipe, encoding="utf-8")).values()))
+    modifier = next(iter(stage.values()))["QuantizationModifier"]
+    # model_free_ptq quantizes every 2-D weight but the ignored ones, the embeddings too, where the
+    # recipe's Linear target does not reach them: ignored, so that both tools write the same tensors
+    model_free_ptq(model_dir, output, scheme=modifier["scheme"], ignore=[*modifier.get("ignore", []), "re:.*embed_tokens$"],
+                   max_workers=int(os.environ.get("BENCH_WORKERS", "2")))
+    report()
+
+
 def main() -> None:
     tool, recipe, model_dir, tokens, output = sys.argv[1:6]
     runs = {"llmpress": run_llmpress_command, "llmpress-api": run_llmpress_api, "llmcompressor": run_llmcompressor,
+            "llmcompressor-model-free": run_llmcompressor_model_free,
             "llmpress-model-class": lambda *args: run_llmpress_command(*args, "--no-model-free")}
     runs[tool](recipe, model_dir, tokens, output)
 

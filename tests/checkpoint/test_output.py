@@ -26,7 +26,7 @@ def model_dir(tmp_path, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("the model was read: the output should have been refused first")
 
-    monkeypatch.setattr("llmpress.entrypoints.read_model_and_processor", no_work)
+    monkeypatch.setattr("llmpress.entrypoints._read_folder", no_work)
     return folder
 
 

@@ -16,6 +16,7 @@ from helpers import checkpoint_tensors, make_tiny_llama
 import llmpress
 from llmpress.errors import RecipeError
 from llmpress.model_free import ModelFreeRefused, quantize_model_free
+from llmpress.model_free import run as model_free_run
 
 DATA_FREE = ["FP8_DYNAMIC", "W4A16", "W8A16", "W8A8", "FP8_BLOCK", "NVFP4A16", "MXFP4A16"]
 
@@ -35,7 +36,8 @@ def quantization_config(folder):
 
 
 @pytest.mark.parametrize("preset", DATA_FREE)
-def test_the_same_file_as_the_model_class_path(preset, tmp_path):
+def test_the_same_file_as_the_model_class_path(preset, tmp_path, monkeypatch):
+    monkeypatch.setattr(model_free_run, "ROWS_BYTES", 2048)  # weights quantized in bands of 128 rows, joined
     source = bf16_llama(tmp_path / "source")
     llmpress.oneshot(source, preset, output_dir=tmp_path / "model", model_free=False)
     # the model-class path as the command line runs it: blocks compressed and held one by one

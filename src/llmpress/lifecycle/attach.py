@@ -29,6 +29,7 @@ __all__ = [
     "freeze_weight",
     "replace_weight",
     "set_weight_qparams",
+    "store_weight_qparams",
     "set_module_buffer",
     "scale_dtype_for",
     "fused_families",
@@ -115,19 +116,28 @@ def freeze_weight(module: nn.Module, scale_dtype: torch.dtype | None = None) -> 
     """Round the weight onto its quantization grid, store scale / zero point; return the
     relative L2 error of the rounding (a per-module quality figure for reports). NVFP4 uses
     the module's ``weight_global_scale`` (set first by ``share_global_scales``), else its own."""
+    weight = module.weight.data
+    scale, zero_point, global_scale = store_weight_qparams(module, scale_dtype)
+    quantized = fake_quantize(weight.float(), scale, zero_point, scheme_of(module).weights, global_scale)
+    error = float((quantized - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
+    replace_weight(module, quantized)
+    return error
+
+
+def store_weight_qparams(module: nn.Module, scale_dtype: torch.dtype | None = None) -> tuple:
+    """Store the weight's scale and zero point (``freeze_weight`` without the rounding: a
+    compressor rounds the weight as it packs it, to the same integers); returns them with the
+    global scale. The module counts as frozen."""
     args = scheme_of(module).weights
     weight = module.weight.data
     share_global_scales([module], {})  # NVFP4 without a family's scale: its own
     global_scale = getattr(module, "weight_global_scale", None)
     scale, zero_point = weight_qparams(weight, args, global_scale)
     scale = scale.to(scale_dtype or scale_dtype_for(args, weight.dtype))
-    quantized = fake_quantize(weight.float(), scale, zero_point, args, global_scale)
-    error = float((quantized - weight.float()).norm() / weight.float().norm().clamp(min=1e-12))
-    replace_weight(module, quantized)
     set_module_buffer(module, "weight_scale", scale)
     set_module_buffer(module, "weight_zero_point", zero_point)
     state_of(module).status = Status.FROZEN
-    return error
+    return scale, zero_point, global_scale
 
 
 def replace_weight(module: nn.Module, value: torch.Tensor) -> None:

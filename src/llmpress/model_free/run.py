@@ -33,7 +33,8 @@ from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file, parse_size
 from llmpress.compat import own_buffers, own_parameters
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.hf_fp8 import SCALE_NAME, dequantize_fp8, fp8_source_args
-from llmpress.lifecycle.attach import attach_scheme, freeze_weight, set_module_buffer
+from llmpress.lifecycle.attach import attach_scheme, set_module_buffer, store_weight_qparams
+from llmpress.memory import release_free_memory
 from llmpress.model_free.plan import ModelFreePlan, plan_model_free
 from llmpress.quant.observers import weight_global_scale
 from llmpress.quant.scheme import QuantizationScheme
@@ -99,6 +100,7 @@ def _quantize_shard(path: Path, entries: list[ShardEntry], plan: ModelFreePlan, 
         while len(pending) > limit:
             for name, tensor in pending.popleft().result().items():
                 output.add(name, tensor)
+            release_free_memory()  # the workers' temporaries and the written tensors go back, not kept in their heaps
             bar.update()
 
     for entry, read in stream_tensors(path, entries):
@@ -121,15 +123,51 @@ def _done(value: dict[str, torch.Tensor]) -> Future:
     return future
 
 
+#: a weight is quantized this many bytes of its rows at a time (in its own dtype), so that its
+#: float32 temporaries stay a few cache-friendly MB, not several copies of a 300 MB weight
+ROWS_BYTES = 2 << 20
+_PACKED_ROWS = 128  # a multiple of every row packing and block height of the data-free schemes
+
+
 def _quantize(name: str, weight: torch.Tensor, scheme: QuantizationScheme,
               global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """``weight`` rounded and compressed as the model-class path does it, under ``name``'s module."""
+    """``weight`` rounded and compressed as the model-class path does it, under ``name``'s
+    module, a band of rows at a time where its scheme's scales are per row, group or block (each
+    row's result is the same whichever rows it is computed with)."""
+    args = scheme.weights
+    step = _rows_per_band(weight, args)
+    if step >= weight.shape[0]:
+        return _quantize_rows(name, weight, scheme, global_scale)
+    if global_scale is None and args.strategy == "tensor_group":  # NVFP4 alone: its own, from the whole weight
+        global_scale = weight_global_scale([weight])
+    bands = [_quantize_rows(name, weight[first : first + step], scheme, global_scale) for first in range(0, weight.shape[0], step)]
+    joined = {}
+    for key, first in bands[0].items():
+        if key.endswith("weight_shape"):
+            joined[key] = torch.tensor(list(weight.shape), dtype=first.dtype)
+        elif key.endswith("weight_global_scale"):
+            joined[key] = first
+        else:
+            joined[key] = torch.cat([band[key] for band in bands])
+    return joined
+
+
+def _rows_per_band(weight: torch.Tensor, args) -> int:
+    """How many rows of ``weight`` are quantized at once: all of them for a per-tensor scale."""
+    if weight.dim() != 2 or args.strategy == "tensor":
+        return weight.shape[0]
+    height = max(_PACKED_ROWS, (args.block_structure or [1])[0]) if args.strategy == "block" else _PACKED_ROWS
+    return max(height, ROWS_BYTES // max(1, weight.shape[1] * weight.element_size()) // height * height)
+
+
+def _quantize_rows(name: str, weight: torch.Tensor, scheme: QuantizationScheme,
+                   global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
     module = nn.Module()
     module.weight = nn.Parameter(weight, requires_grad=False)
     attach_scheme(module, scheme)
     if global_scale is not None:
         set_module_buffer(module, "weight_global_scale", global_scale.clone())
-    freeze_weight(module)
+    store_weight_qparams(module)  # the compressor rounds the weight as it packs it: the integers freeze_weight gives
     local = {k: v.detach() for k, v in {**own_parameters(module), **own_buffers(module)}.items() if v is not None}
     compressed = FORMATS.get(format_for(scheme)).compress(local, scheme)
     prefix = name.rpartition(".")[0]
