@@ -171,7 +171,8 @@ class Stop(Exception):
     """Raised to stop a run as a crash would."""
 
 
-def oneshot_stopping_after(tmp_path, out, *, recipe, options, stop_after=None, resume=False, samples=None, monkeypatch=None):
+def oneshot_stopping_after(tmp_path, out, *, recipe, options, stop_after=None, resume=False, samples=None, monkeypatch=None,
+                           overwrite=False):
     """``oneshot`` of ``tmp_path/model`` into ``out``, raising ``Stop`` once layer ``stop_after`` is saved (a crash)."""
     from llmpress.pipelines.storage.resume import WorkFolder
 
@@ -186,7 +187,7 @@ def oneshot_stopping_after(tmp_path, out, *, recipe, options, stop_after=None, r
         monkeypatch.setattr(WorkFolder, "save_layer", save_then_stop)
     try:
         return llmpress.oneshot(str(tmp_path / "model"), recipe, samples or token_batches(count=6), output_dir=out,
-                                calibration=options, resume=resume)
+                                calibration=options, resume=resume, overwrite=overwrite)
     finally:
         if stop_after is not None:
             monkeypatch.setattr(WorkFolder, "save_layer", original)

@@ -34,7 +34,7 @@ def _oneshot(args: argparse.Namespace) -> int:
     with ranks_from_environment() as main_process:  # under torchrun: one rank of a process group
         oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume,
                 return_model=False, trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype),
-                model_free=args.model_free, workers=args.workers)
+                model_free=args.model_free, workers=args.workers, overwrite=args.overwrite)
     if not main_process:
         return 0
     if before is not None and _folder_stamp(args.output) == before:
@@ -70,7 +70,7 @@ def _train(args: argparse.Namespace) -> int:
     calibration = CalibrationOptions(num_samples=args.calibration_samples, seq_len=args.seq_len, seed=args.seed)
     start = time.perf_counter()
     train(args.model, args.recipe, args.dataset, output_dir=args.output, teacher=args.teacher, training=training, calibration=calibration,
-          trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype))
+          trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype), overwrite=args.overwrite)
     print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (oneshot, training, evaluate, generate, inspect):
         command.add_argument("--trust-remote-code", action="store_true",
                              help="run Python code a model folder brings (its auto_map); off by default, never asked for")
+    for command in (oneshot, training):
+        command.add_argument("--overwrite", action="store_true",
+                             help="replace the checkpoint llmpress wrote in OUTPUT (a folder of other files is never replaced)")
     inspect.set_defaults(run=_inspect)
     return parser
 

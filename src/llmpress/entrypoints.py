@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +18,14 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint import check_output, save_checkpoint
+from llmpress.checkpoint.lock import output_lock
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.lifecycle.state import Status, status_of
 from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, run_plan
 from llmpress.models import calibrating_all_experts, linearize_experts
-from llmpress.parallel.distributed import is_distributed, same_on_every_rank, share_of
+from llmpress.parallel.distributed import is_distributed, is_main_process, same_on_every_rank, share_of
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
 from llmpress.pipelines.storage.resume import WorkFolder, run_fingerprint
@@ -88,6 +91,21 @@ def _model_free_plan(model: Any, recipe: Recipe, output_dir: str | Path | None, 
     return plan
 
 
+@contextmanager
+def _output_for(output_dir: str | Path | None, model: Any, overwrite: bool) -> Iterator[None]:
+    """The run's output, checked before any work (``check_output``: an existing folder that is
+    not empty is refused unless it is a checkpoint llmpress wrote and ``overwrite``), then
+    locked against a second run while this one runs (``checkpoint/lock.py``)."""
+    if output_dir is None:
+        yield
+        return
+    source = model if isinstance(model, (str, Path)) else None
+    check_output(output_dir, source)  # the path itself: not "", ".", a file or the model's folder
+    with output_lock(output_dir, enabled=is_main_process()):  # clears what killed saves left, then
+        check_output(output_dir, source, overwrite=overwrite)  # what the folder holds
+        yield
+
+
 def _require_no_calibration(recipe: Recipe) -> None:
     for modifier in recipe.modifiers:
         if "calibration_data" in modifier.required_state():
@@ -114,6 +132,7 @@ def oneshot(
     dtype: torch.dtype | str | None = None,
     model_free: bool | None = None,
     workers: int | None = None,
+    overwrite: bool = False,
 ) -> nn.Module | None:
     """Apply ``recipe`` to ``model`` stage by stage, calibrating on ``dataset``; save to
     ``output_dir`` when given; return the compressed model.
@@ -121,7 +140,10 @@ def oneshot(
     With ``output_dir``, a recipe of one stage keeps each finished layer in a work folder beside
     it (``<output_dir>.llmpress-work``); ``resume=True`` goes on from the last finished layer of
     an interrupted run of the same model, recipe, data and options (the same checkpoint as an
-    uninterrupted run), and does nothing, with a warning, when that run already finished.
+    uninterrupted run), and does nothing, with a warning, when that run already finished. An
+    existing output folder that is not empty is refused before any work: one llmpress did not
+    write always, a checkpoint it wrote unless ``overwrite=True`` (or ``resume``); one run at a
+    time writes an output (a lock beside it, released however the process ends).
 
     ``return_model=False`` (with ``output_dir``) returns None: the finished layers, held as
     integers while calibration goes on, are written to the checkpoint as they are and never
@@ -147,40 +169,39 @@ def oneshot(
     ``datasets.Dataset``, or a list of strings or token-id lists; ``calibration`` says how many
     samples of how many tokens to take from it.
     """
-    if output_dir is not None:  # before any work: not the model's own folder, not a file, not "" or "."
-        check_output(output_dir, model if isinstance(model, (str, Path)) else None)
-    recipe = Recipe.from_any(recipe)
-    plan = _model_free_plan(model, recipe, output_dir, model_free, return_model, resume, dtype)
-    if plan is not None:
-        run_plan(plan, recipe, output_dir, workers=workers)
-        return None
-    model, processor = _read_model(model, processor, dtype, trust_remote_code)
-    options = calibration or CalibrationOptions()
-    training = [s.name for s in recipe.stages if is_training_stage(s)]
-    if training:
-        raise RecipeError(
-            f"stage {training[0]!r} trains (pruning schedule, QAT, distillation or learning rate); oneshot only calibrates",
-            expected="a recipe of one-shot stages",
-            fix="run it with llmpress.train(...) (on the command line: llmpress train)",
-        )
-    if dataset is None:
-        _require_no_calibration(recipe)
-    if is_distributed():
-        same_on_every_rank(recipe.to_yaml(), "the recipe")
-    batches = _calibration_batches(dataset, processor, options)
-    linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
-    work = _work_folder(model, recipe, batches, options, output_dir, resume)
-    if resume and work is not None and work.finished:
-        logger.warning("%s is already the finished checkpoint of this run: nothing to do", output_dir)
+    with _output_for(output_dir, model, overwrite or resume):  # before any work: checked, then locked for the run
+        recipe = Recipe.from_any(recipe)
+        plan = _model_free_plan(model, recipe, output_dir, model_free, return_model, resume, dtype)
+        if plan is not None:
+            run_plan(plan, recipe, output_dir, workers=workers)
+            return None
+        model, processor = _read_model(model, processor, dtype, trust_remote_code)
+        options = calibration or CalibrationOptions()
+        training = [s.name for s in recipe.stages if is_training_stage(s)]
+        if training:
+            raise RecipeError(
+                f"stage {training[0]!r} trains (pruning schedule, QAT, distillation or learning rate); oneshot only calibrates",
+                expected="a recipe of one-shot stages",
+                fix="run it with llmpress.train(...) (on the command line: llmpress train)",
+            )
+        if dataset is None:
+            _require_no_calibration(recipe)
+        if is_distributed():
+            same_on_every_rank(recipe.to_yaml(), "the recipe")
+        batches = _calibration_batches(dataset, processor, options)
+        linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
+        work = _work_folder(model, recipe, batches, options, output_dir, resume)
+        if resume and work is not None and work.finished:
+            logger.warning("%s is already the finished checkpoint of this run: nothing to do", output_dir)
+            return model if return_model else None
+        keep_held = output_dir is not None and not return_model
+        for number, stage in enumerate(recipe.stages):
+            _oneshot_stage(model, stage, batches, processor, options, work, keep_held=keep_held and number == len(recipe.stages) - 1)
+        if output_dir is not None:
+            save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
+        if work is not None:
+            work.finish()
         return model if return_model else None
-    keep_held = output_dir is not None and not return_model
-    for number, stage in enumerate(recipe.stages):
-        _oneshot_stage(model, stage, batches, processor, options, work, keep_held=keep_held and number == len(recipe.stages) - 1)
-    if output_dir is not None:
-        save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
-    if work is not None:
-        work.finish()
-    return model if return_model else None
 
 
 def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: CalibrationOptions, output_dir: str | Path | None,
@@ -253,6 +274,7 @@ def train(
     save_compressed: bool = True,
     trust_remote_code: bool = False,
     dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
 ) -> nn.Module:
     """Apply ``recipe`` stage by stage: one-shot stages calibrate on ``dataset``, training stages
     train on it (causal LM loss, AdamW, ``training`` options). With ``output_dir``, each stage but
@@ -260,48 +282,48 @@ def train(
 
     ``teacher`` (a model or a checkpoint folder) is what distillation learns from; when a stage
     distills and none is given, it is a copy of ``model`` as it was before the first stage.
-    ``dtype``: as in ``oneshot`` (the model's, and a teacher folder's, own by default).
+    ``dtype``: as in ``oneshot`` (the model's, and a teacher folder's, own by default);
+    ``overwrite``: as in ``oneshot``.
     """
-    if output_dir is not None:
-        check_output(output_dir, model if isinstance(model, (str, Path)) else None)
-    model, processor = _read_model(model, processor, dtype, trust_remote_code)
-    if dataset is None:
-        raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
-    recipe = Recipe.from_any(recipe)
-    if is_distributed() and any(is_training_stage(s) for s in recipe.stages):
-        raise RecipeError(
-            "llmpress.train runs its training stages in one process",
-            got=f"a training stage under torch.distributed ({torch.distributed.get_world_size()} ranks)",
-            expected="train() in a single process",
-            fix="train on several ranks with LlmpressTrainer (FSDP) or your own loop with a Session "
-            "(examples/prune_fsdp.py); oneshot() calibrates on several ranks",
-        )
-    linearize_experts(model)
-    options = training or TrainingOptions()
-    calibration = calibration or CalibrationOptions()
-    if isinstance(teacher, (str, Path)):
-        teacher, _ = _read_folder(teacher, dtype, trust_remote_code)
-    if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
-        logger.info("distilling from a copy of the model as it was before the first stage")
-        teacher = copy.deepcopy(model).eval()
-    calibration_batches = train_batches = None
-    for i, stage in enumerate(recipe.stages):
-        if is_training_stage(stage):
-            if train_batches is None:
-                sampling = CalibrationOptions(
-                    num_samples=options.num_samples, seq_len=options.seq_len, seed=options.seed, batch_size=options.batch_size
-                )
-                train_batches = _calibration_batches(dataset, processor, sampling)
-            _training_stage(model, stage, train_batches, processor, teacher, options)
-        else:
-            if calibration_batches is None:
-                calibration_batches = _calibration_batches(dataset, processor, calibration)
-            _oneshot_stage(model, stage, calibration_batches, processor, calibration)
-        if output_dir is not None and i < len(recipe.stages) - 1:
-            save_checkpoint(Path(output_dir) / stage.name, model, processor, save_compressed=save_compressed)
-    if output_dir is not None:
-        save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
-    return model
+    with _output_for(output_dir, model, overwrite):  # before any work: checked, then locked for the run
+        model, processor = _read_model(model, processor, dtype, trust_remote_code)
+        if dataset is None:
+            raise DataError("train needs a dataset to calibrate and train on", got="no dataset", expected="a text or JSON-lines file, a dataset, or a list of samples")
+        recipe = Recipe.from_any(recipe)
+        if is_distributed() and any(is_training_stage(s) for s in recipe.stages):
+            raise RecipeError(
+                "llmpress.train runs its training stages in one process",
+                got=f"a training stage under torch.distributed ({torch.distributed.get_world_size()} ranks)",
+                expected="train() in a single process",
+                fix="train on several ranks with LlmpressTrainer (FSDP) or your own loop with a Session "
+                "(examples/prune_fsdp.py); oneshot() calibrates on several ranks",
+            )
+        linearize_experts(model)
+        options = training or TrainingOptions()
+        calibration = calibration or CalibrationOptions()
+        if isinstance(teacher, (str, Path)):
+            teacher, _ = _read_folder(teacher, dtype, trust_remote_code)
+        if teacher is None and any("teacher" in m.required_state() for m in recipe.modifiers):
+            logger.info("distilling from a copy of the model as it was before the first stage")
+            teacher = copy.deepcopy(model).eval()
+        calibration_batches = train_batches = None
+        for i, stage in enumerate(recipe.stages):
+            if is_training_stage(stage):
+                if train_batches is None:
+                    sampling = CalibrationOptions(
+                        num_samples=options.num_samples, seq_len=options.seq_len, seed=options.seed, batch_size=options.batch_size
+                    )
+                    train_batches = _calibration_batches(dataset, processor, sampling)
+                _training_stage(model, stage, train_batches, processor, teacher, options)
+            else:
+                if calibration_batches is None:
+                    calibration_batches = _calibration_batches(dataset, processor, calibration)
+                _oneshot_stage(model, stage, calibration_batches, processor, calibration)
+            if output_dir is not None and i < len(recipe.stages) - 1:
+                save_checkpoint(Path(output_dir) / stage.name, model, processor, save_compressed=save_compressed)
+        if output_dir is not None:
+            save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
+        return model
 
 
 def _freeze_quantized_weights(model: nn.Module) -> None:

@@ -66,3 +66,101 @@ def test_saving_a_model_into_the_folder_it_was_read_from_is_refused(tmp_path):
     assert _digests(folder) == before
     llmpress.save_checkpoint(tmp_path / "copy", model)  # anywhere else is fine
     assert (tmp_path / "copy" / "model.safetensors").is_file()
+
+
+def _foreign_folder(folder):
+    folder.mkdir(parents=True)
+    (folder / "model_final_weights.safetensors").write_bytes(b"weights of mine")
+    (folder / "pytorch_model.bin").write_bytes(b"older weights")
+    (folder / "config.json").write_text('{"mine": true}')
+    return folder
+
+
+def test_a_folder_of_other_files_is_never_written_into(model_dir, tmp_path, capsys):
+    output = _foreign_folder(tmp_path / "out")
+    before = _digests(output)
+    for overwrite in (False, True):
+        for run in (llmpress.oneshot, llmpress.train):
+            with pytest.raises(CheckpointError, match="files llmpress did not write"):
+                run(str(model_dir), "W8A16", ["a few words"], output_dir=output, overwrite=overwrite)
+    code = main(["oneshot", "--model", str(model_dir), "--recipe", "W8A16", "--output", str(output), "--overwrite"])
+    assert code != 0 and "did not write" in capsys.readouterr().err
+    assert _digests(output) == before and sorted(p.name for p in tmp_path.iterdir()) == ["models", "out"]
+
+
+def test_a_checkpoint_is_replaced_only_when_asked(tmp_path):
+    source = tmp_path / "tiny"
+    make_tiny_llama().save_pretrained(source)
+    output = tmp_path / "out"
+    llmpress.oneshot(str(source), "W8A16", output_dir=output, return_model=False, model_free=False)
+    (output / "README.md").write_text("notes of mine")  # a file of the user's, in our checkpoint
+    before = _digests(output)
+    with pytest.raises(CheckpointError, match="holds a checkpoint already"):
+        llmpress.oneshot(str(source), "W4A16", output_dir=output, return_model=False)
+    assert _digests(output) == before
+    llmpress.oneshot(str(source), "W4A16", output_dir=output, return_model=False, overwrite=True)
+    assert (output / "README.md").read_text() == "notes of mine"
+    assert _digests(output)["model.safetensors"] != before["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny"]  # no lock, temporary or old folder left
+
+
+def test_a_second_run_on_a_locked_output_is_refused_naming_the_holder(tmp_path):
+    from llmpress.checkpoint.lock import output_lock
+
+    source = tmp_path / "tiny"
+    make_tiny_llama().save_pretrained(source)
+    with output_lock(tmp_path / "out"):
+        with pytest.raises(CheckpointError, match=r"another llmpress run.*\"pid\": \d+"):
+            llmpress.oneshot(str(source), "W8A16", output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    llmpress.oneshot(str(source), "W8A16", output_dir=tmp_path / "out", return_model=False)  # released
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_what_killed_saves_left_is_cleared_by_the_next_run(tmp_path):
+    source = tmp_path / "tiny"
+    make_tiny_llama().save_pretrained(source)
+    output = tmp_path / "out"
+    llmpress.oneshot(str(source), "W8A16", output_dir=output, return_model=False)
+    saved = _digests(output)
+    output.rename(tmp_path / ".out.old-12345678")  # killed between the two renames of a swap
+    (tmp_path / ".out.tmp-abcdef").mkdir()  # killed while writing
+    (tmp_path / ".out.tmp-abcdef" / "model.safetensors").write_bytes(b"half")
+    with pytest.raises(CheckpointError, match="holds a checkpoint already"):  # the old one is back, and kept
+        llmpress.oneshot(str(source), "W4A16", output_dir=output, return_model=False)
+    assert _digests(output) == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny"]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_replaced_checkpoint_is_swapped_whole(tmp_path, monkeypatch, exchange):
+    from llmpress.checkpoint import atomic
+
+    if not exchange:  # a system without renameat2: two renames
+        monkeypatch.setattr(atomic, "_renameat2", lambda: None)
+    target = tmp_path / "out"
+    for text in ("old", "new"):
+        with atomic.atomic_directory(target) as tmp:
+            (tmp / "model.safetensors").write_text(text)
+    assert (target / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_mount_point_inside_the_output_is_refused(tmp_path, monkeypatch):
+    import os
+
+    output = tmp_path / "out"
+    (output / "data").mkdir(parents=True)
+    (output / "data" / "big.bin").write_bytes(b"on another disk")
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: str(path) == str(output / "data") or real(path))
+    with pytest.raises(CheckpointError, match="mount point"):
+        llmpress.save_checkpoint(output, make_tiny_llama())
+    assert (output / "data" / "big.bin").read_bytes() == b"on another disk"
+
+
+def test_a_save_into_a_folder_keeps_weights_that_are_not_a_checkpoints(tmp_path):
+    output = _foreign_folder(tmp_path / "trainer-output")  # a save on its own (a Trainer's) carries them over
+    llmpress.save_checkpoint(output, make_tiny_llama())
+    assert (output / "model_final_weights.safetensors").read_bytes() == b"weights of mine"
+    assert not (output / "pytorch_model.bin").exists()  # a checkpoint's own weight file: stale beside the new one

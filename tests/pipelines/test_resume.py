@@ -38,9 +38,10 @@ quant_stage:
 OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2)
 
 
-def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=None, monkeypatch=None, options=OPTIONS):
+def run(tmp_path, out, *, stop_after=None, resume=False, recipe=RECIPE, samples=None, monkeypatch=None, options=OPTIONS,
+        overwrite=False):
     return oneshot_stopping_after(tmp_path, out, recipe=recipe, options=options, stop_after=stop_after, resume=resume,
-                                  samples=samples, monkeypatch=monkeypatch)
+                                  samples=samples, monkeypatch=monkeypatch, overwrite=overwrite)
 
 
 @pytest.fixture
@@ -132,12 +133,14 @@ def test_resume_of_a_finished_run_does_nothing(model_dir, caplog):
         run(model_dir, model_dir / "out", resume=True)
     assert "already the finished checkpoint" in caplog.text
     assert os.stat(model_dir / "out").st_ino == stamp.st_ino
-    run(model_dir, model_dir / "out")  # without --resume the same run runs again
+    with pytest.raises(CheckpointError, match="holds a checkpoint already"):  # without --resume: refused
+        run(model_dir, model_dir / "out")
+    run(model_dir, model_dir / "out", overwrite=True)  # or run again
     assert os.stat(model_dir / "out").st_ino != stamp.st_ino
-    # another save into the folder drops the record: the folder is no longer that run's
+    # another save into the folder replaces the record: the folder is no longer that run's
     llmpress.oneshot(str(model_dir / "model"), RECIPE + RECIPE.replace("quant_stage", "second_stage"), token_batches(count=6),
-                     output_dir=model_dir / "out", calibration=OPTIONS)
-    assert not (model_dir / "out" / "llmpress_run.json").exists()
+                     output_dir=model_dir / "out", calibration=OPTIONS, overwrite=True)
+    assert "fingerprint" not in json.loads((model_dir / "out" / "llmpress_run.json").read_text())
 
 
 def test_a_work_folder_of_another_run_is_refused(model_dir, monkeypatch):

@@ -3,9 +3,12 @@ a file through a temporary name and a rename, hashed as it is written (a resumab
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,6 +18,7 @@ from typing import Any
 
 import torch
 
+from llmpress.checkpoint.lock import mount_points
 from llmpress.errors import CheckpointError
 
 __all__ = ["atomic_directory", "sha256_of", "write_file"]
@@ -54,18 +58,46 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(target, old)
-        os.replace(tmp, target)
+        if _exchange(tmp, target):  # one step: the output path is never missing
+            old = tmp
+        else:  # two renames; a kill between them leaves the old checkpoint beside (lock.clear_leftovers)
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(target, old)
+            os.replace(tmp, target)
         # files another process wrote into the old folder during the swap (a Trainer's other
         # ranks saving their RNG state) are carried too; hard links share the file being written
         try:
             _carry_over(old, target, replaces)
         except OSError:
             pass  # the new checkpoint is in place; a late file could not be kept
-        shutil.rmtree(old, ignore_errors=True)
+        if not mount_points(old):  # never a tree on another filesystem (one mounted since the check)
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, target)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system
+    or filesystem cannot, and nothing was changed."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+@functools.cache
+def _renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc before glibc 2.28
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return function
 
 
 def _carry_over(old: Path, new: Path, replaces: Callable[[str], bool]) -> None:

@@ -1,24 +1,49 @@
 """Where a checkpoint may be written: refused up front, before any work, when the output is not
 a place for one.
 
-A save never deletes or changes a file it did not write (``atomic.py`` carries what else lives in
-the folder over), but some outputs are mistakes whatever is in them: an empty path (an unset
-shell variable) or the current directory, an existing file, and the model's own folder or a
-folder holding it (the source would be replaced by its compressed copy).
+Some outputs are mistakes whatever is in them: an empty path (an unset shell variable) or the
+current directory, an existing file, the model's own folder or a folder holding it (the source
+would be replaced by its compressed copy), a folder with a mount point inside. A run
+(``oneshot``, ``train``, the command line: ``overwrite`` not None) also refuses an existing
+folder that is not empty: one llmpress did not write (it has no ``llmpress_run.json`` record)
+always, one it wrote unless ``overwrite`` (or ``resume``) says to replace it. A save on its own
+(``save_checkpoint``, a Trainer's) writes into any folder and carries what else lives there over
+(``atomic.py``): it never deletes or changes a file it did not write.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from llmpress.checkpoint.lock import mount_points
 from llmpress.errors import CheckpointError
+from llmpress.version import __version__
 
-__all__ = ["check_output"]
+__all__ = ["RECORD_NAME", "check_output", "written_by_llmpress", "write_record"]
+
+#: in every checkpoint llmpress writes: its version, and for a resumable run the run's fingerprint
+RECORD_NAME = "llmpress_run.json"
 
 
-def check_output(output_dir: str | Path, source: str | Path | None = None) -> Path:
+def write_record(folder: Path, **fields: object) -> None:
+    (folder / RECORD_NAME).write_text(json.dumps({"llmpress": __version__, **fields}, indent=1), encoding="utf-8")
+
+
+def written_by_llmpress(folder: Path) -> bool:
+    """Whether ``folder`` holds llmpress's record of writing it."""
+    try:
+        record = json.loads((folder / RECORD_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "llmpress" in record
+
+
+def check_output(output_dir: str | Path, source: str | Path | None = None, overwrite: bool | None = None) -> Path:
     """``output_dir`` as an absolute path, or a ``CheckpointError`` saying why no checkpoint
-    goes there; ``source``: the folder the model was read from, when there is one."""
+    goes there; ``source``: the folder the model was read from, when there is one;
+    ``overwrite``: None for a save on its own, else whether a run may replace a checkpoint
+    llmpress wrote there."""
     if not str(output_dir).strip():
         raise CheckpointError("the output path is empty", got=repr(str(output_dir)), expected="a folder for the checkpoint",
                               fix="name the output folder (an unset shell variable gives an empty one)")
@@ -39,4 +64,25 @@ def check_output(output_dir: str | Path, source: str | Path | None = None) -> Pa
                 expected="an output folder apart from the model's",
                 fix="choose another output folder; the model stays as it is",
             )
+    if target.is_dir():
+        if overwrite is not None:
+            _check_contents(target, overwrite)
+        mounts = mount_points(target)
+        if mounts:
+            raise CheckpointError("the output folder holds a mount point", got=", ".join(str(m) for m in mounts[:3]),
+                                  expected="a folder on one filesystem", fix="choose another output folder (llmpress never writes across a mount)")
     return target
+
+
+def _check_contents(target: Path, overwrite: bool) -> None:
+    names = sorted(p.name for p in target.iterdir())
+    if not names:
+        return
+    if not written_by_llmpress(target):
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise CheckpointError("the output folder holds files llmpress did not write", got=f"{target}: {shown}",
+                              expected="a new or empty folder, or a checkpoint llmpress wrote",
+                              fix="choose another output folder (nothing in this one was touched)")
+    if not overwrite:
+        raise CheckpointError("the output folder holds a checkpoint already", got=str(target), expected="a new or empty folder",
+                              fix="--overwrite (overwrite=True) replaces it; --resume goes on with the run that wrote it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from llmpress.checkpoint.compressed_state import (
     compressed_state_dict,
     quantization_config_for,
 )
-from llmpress.checkpoint.output import check_output
+from llmpress.checkpoint.output import RECORD_NAME, check_output, write_record
 from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_config_for
 from llmpress.errors import CheckpointError
 from llmpress.lifecycle.records import applied_recipe
@@ -32,6 +33,8 @@ __all__ = ["parse_size", "save_checkpoint"]
 logger = logging.getLogger(__name__)
 
 RECIPE_NAME = "recipe.yaml"
+#: the weight files of a checkpoint, as transformers names them (``model_final.safetensors`` is not one)
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)((-\d{5}-of-\d{5})?\.(safetensors|bin)|\.(safetensors|bin)\.index\.json)")
 
 
 def save_checkpoint(
@@ -93,16 +96,13 @@ def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compre
         if recorded is not None and recorded.stages:
             (tmp / RECIPE_NAME).write_text(recorded.to_yaml(), encoding="utf-8")
         _copy_remote_code(tmp, model)
+        write_record(tmp)
 
 
 def is_checkpoint_file(name: str) -> bool:
     """Files a save writes or makes stale (old weight shards, an old recipe); everything else in
     the folder is kept."""
-    return (
-        (name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")))
-        or (name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
-        or name in (RECIPE_NAME, "config.json", "generation_config.json", "llmpress_run.json")  # the run record: resume.py
-    )
+    return bool(_WEIGHT_FILE.fullmatch(name)) or name in (RECIPE_NAME, "config.json", "generation_config.json", RECORD_NAME)
 
 
 def parse_size(size: int | str) -> int:

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from llmpress.checkpoint.atomic import atomic_directory
 from llmpress.checkpoint.compressed_state import quantization_config_of
-from llmpress.checkpoint.output import check_output
+from llmpress.checkpoint.lock import output_lock
+from llmpress.checkpoint.output import RECORD_NAME, check_output, write_record
 from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file, parse_size
 from llmpress.compat import own_buffers, own_parameters
 from llmpress.formats import FORMATS, format_for
@@ -53,18 +54,20 @@ def default_workers() -> int:
 
 
 def quantize_model_free(model: str | Path, recipe, output_dir: str | Path, *, dtype: torch.dtype | None = None,
-                        workers: int | None = None, max_shard_size: int | str = "1GB") -> Path:
+                        workers: int | None = None, max_shard_size: int | str = "1GB", overwrite: bool = False) -> Path:
     """Quantize the checkpoint ``model`` (a folder or cached Hub id) with a data-free ``recipe``
     (one QuantizationModifier whose schemes need no calibration: FP8_DYNAMIC, FP8_BLOCK, W4A16 /
     W8A16 / W8A8 dynamic, NVFP4A16, MXFP4A16) into ``output_dir``, shard by shard, without
     building the model. ``dtype``: the dtype unquantized tensors and scales are written in (by
     default the checkpoint's own). Raises ``ModelFreeRefused`` (a ``RecipeError``) where the
     recipe or checkpoint needs the model class (``plan.py``). The output's shards hold at most
-    ``max_shard_size`` each."""
+    ``max_shard_size`` each. ``overwrite``: as in ``oneshot``."""
     folder = model_folder(model)
     recipe = Recipe.from_any(recipe)
     check_output(output_dir, folder)
-    return run_plan(plan_model_free(folder, recipe, dtype), recipe, output_dir, workers=workers, max_shard_size=max_shard_size)
+    with output_lock(output_dir):
+        check_output(output_dir, folder, overwrite=overwrite)
+        return run_plan(plan_model_free(folder, recipe, dtype), recipe, output_dir, workers=workers, max_shard_size=max_shard_size)
 
 
 def run_plan(plan: ModelFreePlan, recipe: Recipe, output_dir: str | Path, *, workers: int | None = None,
@@ -87,6 +90,7 @@ def run_plan(plan: ModelFreePlan, recipe: Recipe, output_dir: str | Path, *, wor
         _write_config(tmp, plan)
         (tmp / RECIPE_NAME).write_text(recipe.to_yaml(), encoding="utf-8")
         _copy_other_files(plan.folder, tmp)
+        write_record(tmp)
     logger.info("saved compressed checkpoint to %s (model-free: %d quantized weights)", output_dir, len(plan.schemes))
     return Path(output_dir)
 
@@ -233,5 +237,5 @@ def _copy_other_files(source: Path, target: Path) -> None:
     for path in source.iterdir():
         name = path.name
         weights = name.endswith((".safetensors", ".bin", ".bin.index.json", ".pt", ".pth"))
-        if path.is_file() and not weights and name not in (INDEX_NAME, "config.json", RECIPE_NAME, "llmpress_run.json"):
+        if path.is_file() and not weights and name not in (INDEX_NAME, "config.json", RECIPE_NAME, RECORD_NAME):
             shutil.copy2(path, target / name)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from llmpress.checkpoint.atomic import sha256_of, write_file
+from llmpress.checkpoint.output import RECORD_NAME
 from llmpress.errors import CheckpointError
 from llmpress.lifecycle.attach import set_module_buffer
 from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
@@ -50,7 +51,6 @@ __all__ = ["WorkFolder", "run_fingerprint"]
 logger = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
-RUN_RECORD = "llmpress_run.json"  # in a finished checkpoint: the fingerprint of the run that wrote it
 #: the next block's inputs are written after a block once this long has gone by since they were
 #: last written: a resumed run then forwards at most this much calibration's worth of blocks
 INPUTS_EVERY_S = 300.0
@@ -134,7 +134,7 @@ class WorkFolder:
     def finished(self) -> bool:
         """Whether this run already wrote its checkpoint (which records the run's fingerprint)."""
         try:
-            return json.loads((self.output / RUN_RECORD).read_text(encoding="utf-8")).get("fingerprint") == self.fingerprint
+            return json.loads((self.output / RECORD_NAME).read_text(encoding="utf-8")).get("fingerprint") == self.fingerprint
         except (OSError, ValueError):
             return False
 
@@ -193,7 +193,7 @@ class WorkFolder:
         if not is_main_process():
             return
         record = {"fingerprint": self.fingerprint, "llmpress": __version__}
-        write_file(self.output / RUN_RECORD, json.dumps(record, indent=1).encode(), durable=True)
+        write_file(self.output / RECORD_NAME, json.dumps(record, indent=1).encode(), durable=True)
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _write_progress(self) -> None:
