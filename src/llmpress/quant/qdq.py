@@ -143,6 +143,11 @@ def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tenso
     pad = groups * args.group_size - cols
     # zero padding never changes min/max: zero is always inside the quantized range
     padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    if args.group_size <= 16 or (args.group_size <= 32 and x.dtype != torch.float32):
+        # small groups (NVFP4's 16, MX's 32) reduce 2-3x faster along the outer dimension of a
+        # transposed copy than along an inner one of 16 or 32 values (same values: min and max are exact)
+        across = padded.reshape(-1, args.group_size).t().contiguous()
+        return across.amin(dim=0).reshape(rows, groups), across.amax(dim=0).reshape(rows, groups)
     grouped = padded.reshape(rows, groups, args.group_size)
     return grouped.amin(dim=-1), grouped.amax(dim=-1)
 
