@@ -26,6 +26,7 @@ from llmpress.contract.modifier import MODIFIERS, Modifier
 from llmpress.errors import RecipeError
 from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.quant.scheme import PRESET_SCHEMES
+from llmpress.recipe.yaml_loader import MAX_RECIPE_BYTES, load_recipe_yaml
 
 __all__ = ["Recipe", "RecipeStage"]
 
@@ -114,7 +115,8 @@ class Recipe:
     def from_file(cls, path: str | Path) -> Recipe:
         path = Path(path)
         try:  # any readable file: no suffix needed, a pipe (/dev/fd/N) too
-            text = path.read_text(encoding="utf-8")
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read(MAX_RECIPE_BYTES + 1)  # never a whole large file: the bound refuses it
         except (OSError, UnicodeDecodeError) as exc:
             raise RecipeError(
                 "cannot read the recipe file",
@@ -126,10 +128,7 @@ class Recipe:
 
     @classmethod
     def from_yaml(cls, text: str, origin: str = "recipe") -> Recipe:
-        try:
-            data = yaml.load(text, Loader=_RecipeLoader)  # JSON is YAML too
-        except yaml.YAMLError as exc:
-            raise RecipeError(f"{origin} is not valid YAML or JSON", got=str(exc).splitlines()[0]) from None
+        data = load_recipe_yaml(text, origin)  # JSON is YAML too; bounded, no repeated keys
         if not isinstance(data, dict):
             hint = f"; '{text.strip()}' is not a preset either" if isinstance(data, str) else ""
             raise RecipeError(
@@ -199,24 +198,6 @@ class Recipe:
 
     def __repr__(self) -> str:
         return f"Recipe({json.dumps(self.to_dict())})"
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that also reads the ``!!python/...`` tags llm-compressor writes for
-    enum values (``!!python/object/apply:...ActivationOrdering [static]``) as their plain value.
-    Nothing is ever imported or constructed from a tag."""
-
-
-def _plain_value(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
-    if isinstance(node, yaml.ScalarNode):
-        return loader.construct_scalar(node)
-    if isinstance(node, yaml.SequenceNode):
-        values = loader.construct_sequence(node, deep=True)
-        return values[0] if len(values) == 1 else values
-    return loader.construct_mapping(node, deep=True)
-
-
-_RecipeLoader.add_multi_constructor("tag:yaml.org,2002:python/", _plain_value)
 
 
 def _parse_stage(name: str, body: Any) -> RecipeStage:
