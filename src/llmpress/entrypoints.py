@@ -188,7 +188,7 @@ def oneshot(
             _require_no_calibration(recipe)
         if is_distributed():
             same_on_every_rank(recipe.to_yaml(), "the recipe")
-        batches = _calibration_batches(dataset, processor, options)
+        batches = _calibration_batches(dataset, processor, options, model)
         linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
         work = _work_folder(model, recipe, batches, options, output_dir, resume)
         if resume and work is not None and work.finished:
@@ -222,13 +222,15 @@ def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: Calibr
     return WorkFolder.open(output_dir, run_fingerprint(model, recipe, batches, options), resume)
 
 
-def _calibration_batches(dataset: Any, processor: Any, options: CalibrationOptions) -> list[torch.Tensor] | None:
+def _calibration_batches(dataset: Any, processor: Any, options: CalibrationOptions, model: nn.Module) -> list[torch.Tensor] | None:
     """The calibration batches; under torch.distributed, this rank's share of them (every rank
     loads the same samples and batches them alike, then takes every ``world_size``-th batch: the
-    batches are those of one process, so are the statistics summed over them)."""
+    batches are those of one process, so are the statistics summed over them). Token ids must be
+    below the model's vocabulary size."""
     if dataset is None:
         return None
-    batches = batch_samples(load_calibration_samples(dataset, processor, options), options.batch_size)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    batches = batch_samples(load_calibration_samples(dataset, processor, options, vocab), options.batch_size)
     if is_distributed():
         same_on_every_rank([b.tolist() for b in batches], "the calibration samples")
         batches = share_of(batches, "calibration batches")
@@ -313,11 +315,11 @@ def train(
                     sampling = CalibrationOptions(
                         num_samples=options.num_samples, seq_len=options.seq_len, seed=options.seed, batch_size=options.batch_size
                     )
-                    train_batches = _calibration_batches(dataset, processor, sampling)
+                    train_batches = _calibration_batches(dataset, processor, sampling, model)
                 _training_stage(model, stage, train_batches, processor, teacher, options)
             else:
                 if calibration_batches is None:
-                    calibration_batches = _calibration_batches(dataset, processor, calibration)
+                    calibration_batches = _calibration_batches(dataset, processor, calibration, model)
                 _oneshot_stage(model, stage, calibration_batches, processor, calibration)
             if output_dir is not None and i < len(recipe.stages) - 1:
                 save_checkpoint(Path(output_dir) / stage.name, model, processor, save_compressed=save_compressed)

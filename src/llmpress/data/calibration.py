@@ -1,13 +1,21 @@
 """Calibration samples from whatever a user has: token-id tensors of at most ``seq_len``.
 
-Sources: a text file (tokenized whole, cut into ``seq_len``-token samples), a JSON-lines or JSON
-file of records with a ``text`` field, a local dataset folder or ``datasets.Dataset`` (``text``
-or ``input_ids`` column), a list of strings, or a list of token-id lists. Records are samples of
-their own (truncated to ``seq_len``); a text file is one long document.
+Sources: a text file (one long document, cut into ``seq_len``-token samples), a JSON-lines or
+JSON file of records with a ``text`` field, a local dataset folder or ``datasets.Dataset``
+(``text`` or ``input_ids`` column), a list of strings, or a list of token-id lists. Records are
+samples of their own (truncated to ``seq_len``).
+
+Files are read as far as the samples need, never whole: a text file 1 MB at a time (cut at a
+line end, or a space, so that no word is split) until it has given ``SPARE`` times the tokens
+the samples take, a JSON-lines file until ``SPARE`` times the records (the samples are then
+drawn from what was read; a file smaller than that is read whole, as before). A file that is
+not UTF-8 is refused with the line of the first bad byte, and token ids outside the model's
+vocabulary with the sample and the id.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 from collections.abc import Sequence
@@ -71,8 +79,26 @@ class CalibrationOptions:
                 raise DataError(f"{name} must be at least 1", got=getattr(self, name), expected=">= 1")
 
 
-def load_calibration_samples(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torch.Tensor]:
-    """A list of 1-D LongTensors, each at most ``options.seq_len`` tokens."""
+SPARE = 4  # a file is read until it gives this many times what the samples take
+_TEXT_CHUNK = 1 << 20  # bytes of a text file read and tokenized at a time
+
+
+def load_calibration_samples(source: Any, tokenizer: Any, options: CalibrationOptions,
+                             vocab_size: int | None = None) -> list[torch.Tensor]:
+    """A list of 1-D LongTensors, each at most ``options.seq_len`` tokens; ``vocab_size``: the
+    model's, which every token id must be below."""
+    samples = _load(source, tokenizer, options)
+    if vocab_size is not None:
+        for i, sample in enumerate(samples):
+            outside = sample[(sample < 0) | (sample >= vocab_size)]
+            if outside.numel():
+                raise DataError(f"calibration sample {i} has a token id outside the model's vocabulary",
+                                got=int(outside[0]), expected=f"ids from 0 to {vocab_size - 1}",
+                                fix="token ids must come from this model's tokenizer")
+    return samples
+
+
+def _load(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torch.Tensor]:
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.exists():
@@ -84,8 +110,8 @@ def load_calibration_samples(source: Any, tokenizer: Any, options: CalibrationOp
         if path.is_dir():
             return _from_records(_dataset_records(path), tokenizer, options, str(path))
         if path.suffix in (".jsonl", ".json"):
-            return _from_records(_json_records(path), tokenizer, options, str(path))
-        return _from_text(path.read_text(encoding="utf-8"), tokenizer, options, str(path))
+            return _from_records(_json_records(path, options), tokenizer, options, str(path))
+        return _from_ids(_text_tokens(path, tokenizer, options), options, str(path))
     if _is_hf_dataset(source):
         return _from_records(list(source), tokenizer, options, "dataset")
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)) and len(source) > 0:
@@ -120,8 +146,35 @@ def _tokenize(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _from_text(text: str, tokenizer: Any, options: CalibrationOptions, origin: str) -> list[torch.Tensor]:
-    ids = torch.tensor(_tokenize(tokenizer, text), dtype=torch.long)
+def _text_tokens(path: Path, tokenizer: Any, options: CalibrationOptions) -> torch.Tensor:
+    """The token ids of ``path``, read a chunk at a time until there are ``SPARE`` times the
+    tokens the samples take (all of them for ``num_samples=None``)."""
+    wanted = SPARE * options.num_samples * options.seq_len if options.num_samples else None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    ids: list[int] = []
+    carry, offset, lines = "", 0, 1
+    with open(path, "rb") as handle:
+        while wanted is None or len(ids) < wanted:
+            data = handle.read(_TEXT_CHUNK)
+            try:
+                text = carry + decoder.decode(data, final=not data)
+            except UnicodeDecodeError as exc:
+                line = lines + data[: max(exc.start, 0)].count(b"\n")
+                raise DataError(f"{path} is not UTF-8 text", got=f"byte {offset + max(exc.start, 0)} (line {line}) cannot be decoded",
+                                expected="a UTF-8 text file", fix="convert it (iconv -t UTF-8) or remove the bad bytes") from None
+            offset, lines = offset + len(data), lines + data.count(b"\n")
+            if not data or not handle.peek(1):  # the end: what is left, whole (a small file in one call, as always)
+                text += decoder.decode(b"", final=True) if data else ""
+                ids.extend(_tokenize(tokenizer, text) if text else [])
+                break
+            # a chunk ends after its last line, or before its last space (the next word keeps it)
+            cut = text.rfind("\n") + 1 or max(text.rfind(" "), 0) or len(text)
+            ids.extend(_tokenize(tokenizer, text[:cut]))
+            carry = text[cut:]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _from_ids(ids: torch.Tensor, options: CalibrationOptions, origin: str) -> list[torch.Tensor]:
     available = ids.numel() // options.seq_len
     if available < (options.num_samples or 1):
         raise DataError(
@@ -165,15 +218,30 @@ def _choose(samples: list[torch.Tensor], options: CalibrationOptions) -> list[to
     return samples[: options.num_samples]
 
 
-def _json_records(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
+def _json_records(path: Path, options: CalibrationOptions) -> list[Any]:
+    """The records of a JSON file, or of a JSON-lines file read line by line until there are
+    ``SPARE`` times the records the samples take."""
     try:
         if path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(path.read_text(encoding="utf-8"))
             return data if isinstance(data, list) else data.get("data", [data])
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        wanted = SPARE * options.num_samples if options.num_samples else None
+        records = []
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if wanted is not None and len(records) >= wanted:
+                    break
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise DataError(f"{path} is not valid JSON lines", got=f"line {number}: {exc.msg}",
+                                        expected="one JSON object per line with a 'text' field") from None
+        return records
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON", got=str(exc), expected="one JSON object per line with a 'text' field") from None
+        raise DataError(f"{path} is not valid JSON", got=str(exc), expected="a JSON list of records with a 'text' field") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text", got=str(exc), expected="a UTF-8 JSON file") from None
 
 
 def _is_hf_dataset(source: Any) -> bool:
