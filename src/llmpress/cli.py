@@ -167,10 +167,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from llmpress.loading.inspect import describe_checkpoint
 
-    info = describe_checkpoint(args.path, trust_remote_code=args.trust_remote_code)
+    info = describe_checkpoint(args.path, trust_remote_code=args.trust_remote_code, verify=args.verify)
+    status = 1 if info["problems"] else 0
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
+        return status
     print(f"{info['path']}")
     print(f"  model:   {info['architecture']} ({info['model_type']}), {info['parameters']:,} parameters")
     print(f"  format:  {info['format']} ({info['quantization_status']})")
@@ -187,7 +188,11 @@ def _inspect(args: argparse.Namespace) -> int:
         print("  recipe:")
         for line in info["recipe"].rstrip().splitlines():
             print(f"    {line}")
-    return 0
+    checked = "every tensor read" if args.verify else "headers, index and config (--verify reads every tensor)"
+    print(f"  checked: {checked}: {len(info['problems']) or 'no'} problem(s)")
+    for problem in info["problems"]:
+        print(f"    {problem}")
+    return status
 
 
 def _at_least(minimum: int):
@@ -280,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe a checkpoint: format, schemes, sizes, recipe")
     inspect.add_argument("path", help="checkpoint folder")
     inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("--verify", action="store_true",
+                         help="read every tensor: truncated, zeroed or non-finite data; exit status 1 when something is wrong")
     for command in (oneshot, training, evaluate, generate, inspect):
         command.add_argument("--trust-remote-code", action="store_true",
                              help="run Python code a model folder brings (its auto_map); off by default, never asked for")

@@ -19,6 +19,7 @@ from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.runtime.decode import path_name
 from llmpress.targets import assign_by_targets
+from llmpress.tensorfiles.verify import structural_problems, verify_checkpoint
 
 __all__ = ["describe_args", "describe_checkpoint"]
 
@@ -38,9 +39,10 @@ def describe_args(args: QuantizationArgs | None, what: str) -> str:
     return f"{kind} {mode} {strategy} {what}"
 
 
-def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> dict[str, Any]:
-    """What a checkpoint folder holds, from its files (its weights are not read). A folder that
-    brings its own Python code is refused unless ``trust_remote_code``."""
+def describe_checkpoint(path: str | Path, trust_remote_code: bool = False, verify: bool = False) -> dict[str, Any]:
+    """What a checkpoint folder holds, from its files, and what is wrong with them
+    (``problems``: headers, index and config against the weights; with ``verify``, every tensor
+    read too). A folder that brings its own Python code is refused unless ``trust_remote_code``."""
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -49,7 +51,9 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
     qcfg = config.get("quantization_config") or {}
     files = sorted(folder.glob("*.safetensors"))
     require_trust_for_remote_code(folder, trust_remote_code)
-    skeleton = _skeleton(folder, trust_remote_code)
+    problems = verify_checkpoint(folder) if verify else structural_problems(folder)[0]
+    # a config the weights contradict (a million layers over two) is not built
+    skeleton = None if problems else _skeleton(folder, trust_remote_code)
     schemes = {name: QuantizationScheme(**group) for name, group in (qcfg.get("config_groups") or {}).items()}
     # the same assignment the loaders make: each module to its most specific group
     assigned = (
@@ -82,6 +86,7 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
         "size_mb": sum(f.stat().st_size for f in files) / 1e6,
         "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
         "sparsity": _describe_sparsity(qcfg.get("sparsity_config") or config.get(SPARSITY_KEY)),
+        "problems": [str(problem) for problem in problems],
     }
 
 

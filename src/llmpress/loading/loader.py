@@ -38,10 +38,9 @@ from llmpress.tensorfiles.dtypes import as_dtype, named_dtype
 from llmpress.tensorfiles.folder import model_folder
 from llmpress.tensorfiles.read import (
     ShardEntry,
-    checkpoint_shards,
-    read_header,
     stream_tensors,
 )
+from llmpress.tensorfiles.verify import sound_shards
 
 __all__ = ["as_dtype", "load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor", "read_tokenizer"]
 
@@ -116,8 +115,8 @@ def read_checkpoint(
         max_memory = quantizer.adjust_max_memory(max_memory)
     dtype = as_dtype(dtype) or _checkpoint_dtype(config)
 
+    shards = sound_shards(folder)  # headers, index and config against the weights, before the model is built
     model = _skeleton(config, dtype, trust_remote_code)
-    shards = {file: read_header(file) for file in checkpoint_shards(folder)}
     shards = _model_names(model, shards)
     keys = {entry.name for entries in shards.values() for entry in entries}
     if quantizer is not None:

@@ -31,7 +31,8 @@ from llmpress.quant.scheme import QuantizationScheme
 from llmpress.recipe import Recipe
 from llmpress.targets import CLASS, EXACT, REGEX
 from llmpress.tensorfiles.dtypes import named_dtype
-from llmpress.tensorfiles.read import ShardEntry, checkpoint_shards, read_header
+from llmpress.tensorfiles.read import ShardEntry
+from llmpress.tensorfiles.verify import sound_shards
 
 __all__ = ["ModelFreePlan", "ModelFreeRefused", "plan_model_free"]
 
@@ -84,7 +85,7 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     if config.get("model_type") in RENAMED_MODEL_TYPES or "text_config" in config:
         raise ModelFreeRefused("the checkpoint's tensor names are not the model's module names (a multimodal or renamed layout)",
                                got=config.get("model_type"))
-    shards = {path: read_header(path) for path in checkpoint_shards(folder)}
+    shards = sound_shards(folder)  # headers, index and config against the weights
     entries = {e.name: e for es in shards.values() for e in es}
     linear = _linear_modules(entries)
     _refuse_fused_experts(entries)

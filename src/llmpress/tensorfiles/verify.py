@@ -1,0 +1,179 @@
+"""What is wrong with a checkpoint's files, each problem with the file it is in.
+
+``structural_problems`` reads headers and the config only (cheap: run at the start of every
+load): weights present, shards the index names present, every header valid (``read_header``:
+offsets, sizes, truncation), tensors where the index says, the layer count of ``config.json``
+against the layers the weights hold, a head that is neither tied nor present, packed integer
+weights against the bits their config group names. ``verify_checkpoint`` adds what needs the
+data (``llmpress inspect --verify``): every tensor read, a shard whose tensors are all zero (a
+file filled with zeros), non-finite values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmpress.errors import CheckpointError
+from llmpress.tensorfiles.read import ShardEntry, checkpoint_shards, read_header, stream_tensors
+
+__all__ = ["Problem", "config_layer_count", "sound_shards", "structural_problems", "verify_checkpoint", "weight_layer_counts"]
+
+_LAYER = re.compile(r"^(.*?)(?:^|\.)(layers|h|blocks|layer)\.(\d+)\.")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what}"
+
+
+def structural_problems(folder: Path) -> tuple[list[Problem], dict[Path, list[ShardEntry]]]:
+    """The problems headers and config show, and the shards' entries that could be read."""
+    problems: list[Problem] = []
+    try:
+        files = checkpoint_shards(folder)
+    except CheckpointError as exc:
+        return [Problem(folder.name, str(exc))], {}
+    shards: dict[Path, list[ShardEntry]] = {}
+    for path in files:
+        try:
+            shards[path] = read_header(path)
+        except CheckpointError as exc:
+            problems.append(Problem(path.name, str(exc)))
+    problems += _index_problems(folder, shards)
+    config = _config(folder)
+    if config is not None:
+        names = {e.name for entries in shards.values() for e in entries}
+        problems += _config_problems(config, names, shards)
+    return problems, shards
+
+
+def sound_shards(folder: Path) -> dict[Path, list[ShardEntry]]:
+    """The shards' entries, once ``structural_problems`` finds none; else a CheckpointError that
+    names the first ones (a load starts here, before it builds the model the config describes)."""
+    problems, shards = structural_problems(folder)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(
+            "the checkpoint's files do not hold together", got="; ".join(map(str, problems[:3])) + more,
+            expected="config.json, the index and the weight files of one checkpoint",
+            fix=f"llmpress inspect --verify {folder} lists every problem",
+        )
+    return shards
+
+
+def verify_checkpoint(folder: str | Path) -> list[Problem]:
+    """Every problem of the folder's weight files, reading all of their data."""
+    folder = Path(folder)
+    problems, shards = structural_problems(folder)
+    for path, entries in shards.items():
+        zero = nonempty = 0
+        try:
+            for entry, read in stream_tensors(path, entries):
+                tensor = read()
+                if tensor.numel() == 0:
+                    continue
+                nonempty += 1
+                raw = tensor.reshape(-1).view(torch.uint8)
+                zero += int(not raw.any())
+                if tensor.is_floating_point() and tensor.element_size() > 1 and not torch.isfinite(tensor).all():
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    problems.append(Problem(path.name, f"tensor {entry.name!r} holds {bad} non-finite value(s) (NaN or inf)"))
+        except CheckpointError as exc:
+            problems.append(Problem(path.name, str(exc)))
+            continue
+        if nonempty > 1 and zero == nonempty:
+            problems.append(Problem(path.name, "every tensor in it is zero (a file filled with zeros?)"))
+    return problems
+
+
+def config_layer_count(config: dict[str, Any]) -> int | None:
+    for scope in (config, config.get("text_config") or {}):
+        for key in _LAYER_KEYS:
+            if isinstance(scope.get(key), int):
+                return scope[key]
+    return None
+
+
+def weight_layer_counts(names: set[str]) -> dict[str, int]:
+    """The numbered layers the tensor names hold, per container (``model.layers``, a vision
+    tower's ``encoder.layers``): the largest index plus one."""
+    indices: dict[str, int] = {}
+    for name in names:
+        found = _LAYER.match(name)
+        if found:
+            prefix = f"{found.group(1)}.{found.group(2)}".lstrip(".")
+            indices[prefix] = max(indices.get(prefix, 0), int(found.group(3)) + 1)
+    return indices
+
+
+def _config(folder: Path) -> dict[str, Any] | None:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _index_problems(folder: Path, shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
+    index = folder / "model.safetensors.index.json"
+    names = Counter(e.name for entries in shards.values() for e in entries)
+    problems = [Problem(folder.name, f"tensor {n!r} is in {c} weight files") for n, c in names.items() if c > 1]
+    if not index.is_file():
+        return problems
+    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
+    held = {e.name: path.name for path, entries in shards.items() for e in entries}
+    for name, file in weight_map.items():
+        if file in {p.name for p in shards} and held.get(name) != file:
+            problems.append(Problem(file, f"tensor {name!r}, which the index places here, is not in it"))
+    return problems
+
+
+def _config_problems(config: dict[str, Any], names: set[str], shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
+    problems = []
+    said, held = config_layer_count(config), weight_layer_counts(names)
+    extra = config.get("num_nextn_predict_layers") or 0  # DeepSeek-V3's multi-token prediction layers follow the model's
+    if said is not None and held and not any(count in (said, said + extra) for count in held.values()):
+        prefix, count = max(held.items(), key=lambda item: item[1])
+        problems.append(Problem("config.json", f"it says {said} layers; the weights hold {count} ({prefix}.0 to .{count - 1})"))
+    if config.get("tie_word_embeddings") is False and names and "lm_head.weight" not in names \
+            and not any(n.endswith("lm_head.weight") for n in names) and any(n.endswith("embed_tokens.weight") for n in names):
+        problems.append(Problem("config.json", "its head is not tied to the embeddings, and the weights have no lm_head.weight"))
+    problems += _packing_problems(config, shards)
+    return problems
+
+
+def _packing_problems(config: dict[str, Any], shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
+    """Packed integer weights (``weight_packed`` int32 beside ``weight_shape``) whose width is not
+    what their config group's bits give: eight 4-bit values or four 8-bit ones to a word."""
+    qcfg = config.get("quantization_config") or {}
+    bits = {(g.get("weights") or {}).get("num_bits") for g in (qcfg.get("config_groups") or {}).values()
+            if (g.get("weights") or {}).get("type", "int") == "int"}
+    bits.discard(None)
+    if not bits or qcfg.get("format") != "pack-quantized":
+        return []
+    problems = []
+    for path, entries in shards.items():
+        packed = {e.name[: -len(".weight_packed")]: e for e in entries
+                  if e.name.endswith(".weight_packed") and e.dtype == torch.int32 and len(e.shape) == 2}
+        shapes = [e for e in entries if e.name.endswith(".weight_shape") and e.name[: -len(".weight_shape")] in packed]
+        columns_of = {e.name[: -len(".weight_shape")]: int(read().reshape(-1)[-1]) for e, read in stream_tensors(path, shapes)}
+        for module, columns in columns_of.items():
+            entry = packed[module]
+            widths = {b: math.ceil(columns * b / 32) for b in bits}
+            if entry.shape[1] not in widths.values():
+                problems.append(Problem(path.name, f"{entry.name} is {entry.shape[1]} words wide for {columns} columns: "
+                                        f"not {' or '.join(f'{b}-bit ({w} words)' for b, w in widths.items())} as config.json says"))
+    return problems
