@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from llmpress.errors import LlmpressError
+from llmpress.errors import LlmpressError, os_failure
 
 __all__ = ["main", "run"]
 
@@ -304,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
-    except LlmpressError as exc:
+    except (LlmpressError, OSError) as exc:
         if os.environ.get("LLMPRESS_DEBUG"):
             raise
+        if isinstance(exc, OSError):
+            exc = os_failure(exc, f"llmpress {args.command} could not read or write a file")
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ from llmpress.checkpoint import check_output, save_checkpoint
 from llmpress.checkpoint.lock import output_lock
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
-from llmpress.errors import DataError, MissingStateError, RecipeError
+from llmpress.errors import DataError, MissingStateError, RecipeError, os_failure
 from llmpress.lifecycle.state import Status, status_of
 from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, run_plan
 from llmpress.models import calibrating_all_experts, linearize_experts
@@ -95,15 +95,19 @@ def _model_free_plan(model: Any, recipe: Recipe, output_dir: str | Path | None, 
 def _output_for(output_dir: str | Path | None, model: Any, overwrite: bool) -> Iterator[None]:
     """The run's output, checked before any work (``check_output``: an existing folder that is
     not empty is refused unless it is a checkpoint llmpress wrote and ``overwrite``), then
-    locked against a second run while this one runs (``checkpoint/lock.py``)."""
-    if output_dir is None:
-        yield
-        return
-    source = model if isinstance(model, (str, Path)) else None
-    check_output(output_dir, source)  # the path itself: not "", ".", a file or the model's folder
-    with output_lock(output_dir, enabled=is_main_process()):  # clears what killed saves left, then
-        check_output(output_dir, source, overwrite=overwrite)  # what the folder holds
-        yield
+    locked against a second run while this one runs (``checkpoint/lock.py``). The system's
+    refusals (a full disk under the spill files) come out named (``errors.os_failure``)."""
+    try:
+        if output_dir is None:
+            yield
+            return
+        source = model if isinstance(model, (str, Path)) else None
+        check_output(output_dir, source)  # the path itself: not "", ".", a file or the model's folder
+        with output_lock(output_dir, enabled=is_main_process()):  # clears what killed saves left, then
+            check_output(output_dir, source, overwrite=overwrite)  # what the folder holds
+            yield
+    except OSError as exc:  # a full disk or a read-only folder under the work or spill files
+        raise os_failure(exc, "the run could not read or write its files") from exc
 
 
 def _require_no_calibration(recipe: Recipe) -> None:

@@ -6,7 +6,11 @@ never has to read a traceback from deep inside torch to know what to do next.
 
 from __future__ import annotations
 
+import errno
+import re
+
 __all__ = [
+    "os_failure",
     "LlmpressError",
     "RecipeError",
     "SessionError",
@@ -91,3 +95,29 @@ class DataError(LlmpressError):
 
 class RegistryError(LlmpressError):
     """A name is unknown to a registry, or registered twice."""
+
+
+#: what an operating system's refusal means to the user, by errno, and what to do
+_OS_REASONS = {
+    errno.ENOSPC: ("the disk is full", "free space on it, or write to another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free space in your quota, or write elsewhere"),
+    errno.EFBIG: ("a file grew past what this system or its limits allow", "write to another filesystem, or raise the file size limit (ulimit -f)"),
+    errno.EROFS: ("the filesystem is read-only", "write to a writable folder"),
+    errno.EACCES: ("permission denied", "write to a folder you own, or fix its permissions"),
+    errno.EPERM: ("the operation is not permitted", "write to a folder you own, or fix its permissions"),
+    errno.EIO: ("the disk reported an input/output error", "check the disk (dmesg), then run again"),
+}
+
+
+def os_failure(exc: BaseException, doing: str) -> CheckpointError:
+    """An operating system's refusal while ``doing`` something, as a CheckpointError that names
+    it (disk full, read-only, permission) and the file. Also reads the ``(os error N)`` that
+    Rust libraries (tokenizers, safetensors) put in their messages. Raise it ``from exc``."""
+    code = getattr(exc, "errno", None)
+    if code is None:
+        found = re.search(r"os error (\d+)", str(exc))
+        code = int(found.group(1)) if found else None
+    what, fix = _OS_REASONS.get(code, ("the system refused a file operation", "check free space and permissions"))
+    where = getattr(exc, "filename", None)
+    detail = getattr(exc, "strerror", None) or str(exc)
+    return CheckpointError(f"{doing}: {what}", got=f"{detail}{f' ({where})' if where else ''}", fix=fix)

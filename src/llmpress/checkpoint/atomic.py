@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from llmpress.checkpoint.lock import mount_points
-from llmpress.errors import CheckpointError
+from llmpress.errors import os_failure
 
 __all__ = ["atomic_directory", "sha256_of", "write_file"]
 
@@ -49,11 +49,12 @@ def atomic_directory(output_dir: str | Path, replaces: Callable[[str], bool] = l
             _carry_over(target, tmp, replaces)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            "could not write the checkpoint folder (nothing in it was changed)",
-            got=f"{type(exc).__name__}: {exc}",
-            fix="check free disk space and permissions of the output folder",
-        ) from exc
+        raise os_failure(exc, "could not write the checkpoint folder (nothing in it was changed)") from exc
+    except Exception as exc:  # a Rust library's write (a tokenizer's): its message carries the errno
+        shutil.rmtree(tmp, ignore_errors=True)
+        if "os error" in str(exc):
+            raise os_failure(exc, "could not write the checkpoint folder (nothing in it was changed)") from exc
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
