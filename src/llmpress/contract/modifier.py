@@ -124,7 +124,7 @@ class WindowFields(BaseModel):
     @field_validator("end", mode="before")
     @classmethod
     def _minus_one_is_open(cls, value: Any) -> Any:
-        return None if value is not None and float(value) == -1 else value
+        return None if isinstance(value, (int, float, str)) and value in (-1, -1.0, "-1") else value
 
     @model_validator(mode="after")
     def _check_window(self) -> WindowFields:
@@ -227,6 +227,9 @@ class Modifier:
             self.config = self.Config(**kwargs)
         except ValidationError as exc:
             raise _recipe_error(type(self).__name__, self.Config, exc) from None
+        except (TypeError, KeyError, IndexError, AttributeError) as exc:  # a field of the wrong shape, met in a validator
+            raise RecipeError(f"{type(self).__name__} has a field of a shape it cannot read", got=f"{type(exc).__name__}: {exc}",
+                              expected=f"the fields of {type(self).__name__} (docs/recipes.md)") from None
         self.window = Window.of(self.config)
         self.initialized = False
         self.finalized = False

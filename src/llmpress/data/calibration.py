@@ -156,15 +156,15 @@ def _text_tokens(path: Path, tokenizer: Any, options: CalibrationOptions) -> tor
     with open(path, "rb") as handle:
         while wanted is None or len(ids) < wanted:
             data = handle.read(_TEXT_CHUNK)
+            last = not data or not handle.peek(1)  # the end: what is left, whole (a small file in one call, as always)
             try:
-                text = carry + decoder.decode(data, final=not data)
+                text = carry + decoder.decode(data, final=last)
             except UnicodeDecodeError as exc:
                 line = lines + data[: max(exc.start, 0)].count(b"\n")
                 raise DataError(f"{path} is not UTF-8 text", got=f"byte {offset + max(exc.start, 0)} (line {line}) cannot be decoded",
                                 expected="a UTF-8 text file", fix="convert it (iconv -t UTF-8) or remove the bad bytes") from None
             offset, lines = offset + len(data), lines + data.count(b"\n")
-            if not data or not handle.peek(1):  # the end: what is left, whole (a small file in one call, as always)
-                text += decoder.decode(b"", final=True) if data else ""
+            if last:
                 ids.extend(_tokenize(tokenizer, text) if text else [])
                 break
             # a chunk ends after its last line, or before its last space (the next word keeps it)
@@ -196,8 +196,8 @@ def _from_records(records: list[Any], tokenizer: Any, options: CalibrationOption
             ids = _tokenize(tokenizer, record)
         elif isinstance(record, torch.Tensor):
             ids = record.reshape(-1).tolist()
-        elif isinstance(record, Sequence) and all(isinstance(t, int) for t in record):
-            ids = list(record)
+        elif isinstance(record, Sequence) and all(isinstance(t, int) and -(2**63) <= t < 2**63 for t in record):
+            ids = list(record)  # (ids outside the vocabulary are refused once the samples are drawn)
         else:
             raise DataError(
                 f"calibration record {i} of {origin} has no text or token ids",
@@ -224,7 +224,7 @@ def _json_records(path: Path, options: CalibrationOptions) -> list[Any]:
     try:
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
-            return data if isinstance(data, list) else data.get("data", [data])
+            return data if isinstance(data, list) else data.get("data", [data]) if isinstance(data, dict) else [data]
         wanted = SPARE * options.num_samples if options.num_samples else None
         records = []
         with open(path, encoding="utf-8") as handle:

@@ -197,12 +197,12 @@ def _read_config(folder: Path, trust_remote_code: bool = False):
     require_trust_for_remote_code(folder, trust_remote_code)
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # a user's file at the boundary of another library: whatever it raises is about the file
         raise UnsupportedModelError(
             "transformers cannot read this model's config",
-            got=f"{folder}: {str(exc).splitlines()[0]}",
-            expected="a config.json of an architecture transformers knows",
-        ) from None
+            got=f"{folder}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
+            expected="a config.json of an architecture transformers knows, with values it accepts",
+        ) from exc
 
 
 def _quantization_config(config, requested) -> tuple[QuantizationConfig | None, bool]:
@@ -240,12 +240,13 @@ def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False) -> nn
     try:
         with init_empty_weights(include_buffers=False), _no_weight_init():
             return build(cls, config, dtype=dtype, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
+    except (ValueError, TypeError, ArithmeticError, RuntimeError, AttributeError, KeyError, IndexError) as exc:
+        # a config transformers read but cannot build (a negative size, zero heads): about the file
         raise UnsupportedModelError(
             f"transformers cannot build {cls.__name__} from this config",
-            got=f"{getattr(config, 'model_type', '?')}: {str(exc).splitlines()[0]}",
-            expected="a config.json of an architecture transformers knows",
-        ) from None
+            got=f"{getattr(config, 'model_type', '?')}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
+            expected="a config.json of an architecture transformers knows, with sizes it accepts",
+        ) from exc
 
 
 def _model_names(model: nn.Module, shards: dict[Path, list[ShardEntry]]) -> dict[Path, list[ShardEntry]]:

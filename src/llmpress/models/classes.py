@@ -19,8 +19,9 @@ def model_class(config: Any):
     """A class with ``from_config``/``_from_config`` for ``config``."""
     import transformers
 
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
+    names = getattr(config, "architectures", None) or []
+    for name in names if isinstance(names, (list, tuple)) else []:  # a config may hold anything there
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if isinstance(cls, type) and hasattr(cls, "_from_config"):
             return cls
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):

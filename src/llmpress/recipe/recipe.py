@@ -142,7 +142,7 @@ class Recipe:
     def from_dict(cls, data: dict[str, Any]) -> Recipe:
         stages: list[RecipeStage] = []
         loose: dict[str, Any] = {}
-        for key, value in data.items():
+        for key, value in _named(data, "the recipe").items():
             if key == "version":
                 continue
             if key.endswith("_stage"):
@@ -205,7 +205,7 @@ def _parse_stage(name: str, body: Any) -> RecipeStage:
         raise RecipeError(f"stage {name!r} must be a mapping of modifier groups", got=type(body).__name__)
     stage = RecipeStage(name)
     loose: list[Modifier] = []
-    for key, value in body.items():
+    for key, value in _named(body, f"stage {name!r}").items():
         if key == "run_type":
             stage.run_type = str(value)
         elif key.endswith("_modifiers"):
@@ -264,11 +264,20 @@ def _parse_group(where: str, body: Any) -> list[Modifier]:
         raise RecipeError(f"{where} must map modifier names to their fields", got=type(body).__name__)
     modifiers = []
     for modifier_name, args in items:
+        _named({modifier_name: None}, where)
         cls = MODIFIERS.get(modifier_name)  # unknown names list the known ones
         if args is not None and not isinstance(args, dict):
             raise RecipeError(f"{where}.{modifier_name} must be a mapping of fields", got=repr(args))
-        modifiers.extend(cls.from_recipe(args or {}))
+        modifiers.extend(cls.from_recipe(_named(args or {}, f"{where}.{modifier_name}")))
     return modifiers
+
+
+def _named(mapping: dict, where: str) -> dict:
+    """``mapping``, whose keys must be names (YAML lets a key be a number, a list or nothing)."""
+    odd = [key for key in mapping if not isinstance(key, str)]
+    if odd:
+        raise RecipeError(f"the keys of {where} must be names", got=repr(odd[0]), expected="a text key, e.g. quant_stage")
+    return mapping
 
 
 def _preset_names() -> list[str]:

@@ -27,7 +27,10 @@ def load_recipe_yaml(text: str, origin: str = "recipe") -> Any:
     if len(text) > MAX_RECIPE_BYTES:
         raise RecipeError(f"{origin} is too large for a recipe", got=f"{len(text)} characters",
                           expected=f"at most {MAX_RECIPE_BYTES} (recipes are a few kilobytes)")
-    loader = _RecipeLoader(text)
+    try:
+        loader = _RecipeLoader(text)
+    except yaml.YAMLError as exc:  # the reader refuses control characters at once
+        raise RecipeError(f"{origin} is not valid YAML or JSON", got=" ".join(str(exc).split())[:300]) from None
     try:
         node = loader.get_single_node()
         if node is None:

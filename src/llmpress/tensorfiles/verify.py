@@ -100,9 +100,9 @@ def verify_checkpoint(folder: str | Path) -> list[Problem]:
 
 
 def config_layer_count(config: dict[str, Any]) -> int | None:
-    for scope in (config, config.get("text_config") or {}):
+    for scope in (config, _mapping(config.get("text_config"))):
         for key in _LAYER_KEYS:
-            if isinstance(scope.get(key), int):
+            if type(scope.get(key)) is int:
                 return scope[key]
     return None
 
@@ -117,6 +117,10 @@ def weight_layer_counts(names: set[str]) -> dict[str, int]:
             prefix = f"{found.group(1)}.{found.group(2)}".lstrip(".")
             indices[prefix] = max(indices.get(prefix, 0), int(found.group(3)) + 1)
     return indices
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _config(folder: Path) -> dict[str, Any] | None:
@@ -144,7 +148,8 @@ def _index_problems(folder: Path, shards: dict[Path, list[ShardEntry]]) -> list[
 def _config_problems(config: dict[str, Any], names: set[str], shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
     problems = []
     said, held = config_layer_count(config), weight_layer_counts(names)
-    extra = config.get("num_nextn_predict_layers") or 0  # DeepSeek-V3's multi-token prediction layers follow the model's
+    extra = config.get("num_nextn_predict_layers")  # DeepSeek-V3's multi-token prediction layers follow the model's
+    extra = extra if type(extra) is int else 0
     if said is not None and held and not any(count in (said, said + extra) for count in held.values()):
         prefix, count = max(held.items(), key=lambda item: item[1])
         problems.append(Problem("config.json", f"it says {said} layers; the weights hold {count} ({prefix}.0 to .{count - 1})"))
@@ -158,10 +163,10 @@ def _config_problems(config: dict[str, Any], names: set[str], shards: dict[Path,
 def _packing_problems(config: dict[str, Any], shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
     """Packed integer weights (``weight_packed`` int32 beside ``weight_shape``) whose width is not
     what their config group's bits give: eight 4-bit values or four 8-bit ones to a word."""
-    qcfg = config.get("quantization_config") or {}
-    bits = {(g.get("weights") or {}).get("num_bits") for g in (qcfg.get("config_groups") or {}).values()
-            if (g.get("weights") or {}).get("type", "int") == "int"}
-    bits.discard(None)
+    qcfg = _mapping(config.get("quantization_config"))
+    weights = [_mapping(_mapping(g).get("weights")) for g in _mapping(qcfg.get("config_groups")).values()]
+    bits = {w.get("num_bits") for w in weights if w.get("type", "int") == "int"}
+    bits = {b for b in bits if type(b) is int and 0 < b <= 32}
     if not bits or qcfg.get("format") != "pack-quantized":
         return []
     problems = []

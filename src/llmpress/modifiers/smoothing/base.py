@@ -35,7 +35,14 @@ class SmoothingConfig(ModifierConfig, OneShotFields):
     def _awq_form(cls, value):
         if not isinstance(value, list):
             return value
-        return [(item["balance_layers"], item["smooth_layer"]) if isinstance(item, dict) else item for item in value]
+        forms = []
+        for item in value:
+            if isinstance(item, dict):
+                if "balance_layers" not in item or "smooth_layer" not in item:
+                    raise ValueError(f"a mapping needs balance_layers and smooth_layer, got {sorted(map(str, item))}")
+                item = (item["balance_layers"], item["smooth_layer"])
+            forms.append(item)
+        return forms
 
     @field_validator("ignore", mode="before")
     @classmethod
