@@ -3,9 +3,11 @@ uninterrupted run writes, bit for bit; the work folder is checked before it is t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,3 +221,48 @@ def test_finished_layers_wait_in_their_work_files_not_in_memory(model_dir, tmp_p
                      return_model=False)
     assert checkpoint_tensors(tmp_path / "paged").keys() == checkpoint_tensors(tmp_path / "held").keys()
     assert (tmp_path / "paged" / "model.safetensors").read_bytes() == (tmp_path / "held" / "model.safetensors").read_bytes()
+
+
+def test_kill_9_at_random_points_over_an_old_checkpoint(model_dir, tmp_path):
+    """A run replacing an older checkpoint (--overwrite), killed with SIGKILL at seeded random
+    points from start to finish: each time the output is the old checkpoint byte for byte or the
+    new one complete, and --resume then writes the uninterrupted run's checkpoint bit for bit,
+    leaving nothing of the killed saves beside it."""
+    import random
+
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join('{"input_ids": %s}' % s for s in token_batches(count=6)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+    def command(out, *extra, recipe=recipe):
+        return [sys.executable, "-m", "llmpress", "oneshot", "--model", str(model_dir / "model"), "--recipe", str(recipe),
+                "--dataset", str(data), "--output", str(out), "--seq-len", "32", "--num-samples", "6", *extra]
+
+    def digests(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.is_file()}
+
+    start = time.monotonic()
+    subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True, timeout=300)
+    whole = time.monotonic() - start
+    reference = checkpoint_tensors(tmp_path / "whole")
+    subprocess.run(command(tmp_path / "old", recipe="W8A16"), env=env, check=True, capture_output=True, timeout=300)
+    old = digests(tmp_path / "old")
+    for attempt, delay in enumerate(sorted(random.Random(7).uniform(0.2, 1.1) * whole for _ in range(3))):
+        out = tmp_path / f"out{attempt}"
+        shutil.copytree(tmp_path / "old", out)
+        process = subprocess.Popen(command(out, "--overwrite"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+        if digests(out) != old:  # the new checkpoint, whole
+            got = checkpoint_tensors(out)
+            assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
+        done = subprocess.run(command(out, "--resume"), env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = checkpoint_tensors(out)
+        assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got), f"kill after {delay:.2f} s"
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")], "a killed save's folder was left"
