@@ -14,6 +14,7 @@ always, one it wrote unless ``overwrite`` (or ``resume``) says to replace it. A 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from llmpress.checkpoint.lock import mount_points
@@ -48,6 +49,9 @@ def check_output(output_dir: str | Path, source: str | Path | None = None, overw
         raise CheckpointError("the output path is empty", got=repr(str(output_dir)), expected="a folder for the checkpoint",
                               fix="name the output folder (an unset shell variable gives an empty one)")
     target = Path(output_dir).absolute()
+    if target.is_symlink():
+        raise CheckpointError("the output is a symbolic link", got=f"{target} -> {os.readlink(target)}",
+                              expected="a folder named by its own path", fix="name the folder the link points to, or another folder")
     where = target.resolve()
     if where == Path.cwd().resolve():
         raise CheckpointError("the output is the current directory", got=str(output_dir), expected="a folder for the checkpoint",

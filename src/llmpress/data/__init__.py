@@ -1,3 +1,3 @@
-from llmpress.data.calibration import CalibrationOptions, batch_samples, load_calibration_samples
+from llmpress.data.calibration import CalibrationOptions, batch_samples, load_calibration_samples, load_records
 
-__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples"]
+__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records"]

@@ -27,7 +27,7 @@ import torch
 
 from llmpress.errors import DataError, MissingDependencyError
 
-__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples"]
+__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records"]
 
 
 @dataclass
@@ -191,6 +191,9 @@ def _from_records(records: list[Any], tokenizer: Any, options: CalibrationOption
     samples = []
     for i, record in enumerate(records):
         if isinstance(record, dict):
+            if "input_ids" in record and isinstance(record["input_ids"], str):
+                raise DataError(f"calibration record {i} of {origin} gives input_ids as text", got=repr(record["input_ids"])[:80],
+                                expected="a list of token ids (or the text under 'text')")
             record = record.get("input_ids", record.get("text"))
         if isinstance(record, str):
             ids = _tokenize(tokenizer, record)
@@ -221,11 +224,16 @@ def _choose(samples: list[torch.Tensor], options: CalibrationOptions) -> list[to
 def _json_records(path: Path, options: CalibrationOptions) -> list[Any]:
     """The records of a JSON file, or of a JSON-lines file read line by line until there are
     ``SPARE`` times the records the samples take."""
+    return load_records(path, SPARE * options.num_samples if options.num_samples else None)
+
+
+def load_records(path: Path, wanted: int | None = None) -> list[Any]:
+    """The records of a JSON file (a list, or ``{"data": [...]}``), or the first ``wanted`` of a
+    JSON-lines file (all for None), read line by line; a DataError names a bad line."""
     try:
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             return data if isinstance(data, list) else data.get("data", [data]) if isinstance(data, dict) else [data]
-        wanted = SPARE * options.num_samples if options.num_samples else None
         records = []
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, start=1):

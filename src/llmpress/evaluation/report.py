@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from llmpress.data import load_records
 from llmpress.errors import DataError, MissingDependencyError
 from llmpress.evaluation.perplexity import evaluation_windows, perplexity
 from llmpress.loading.inspect import describe_args
@@ -49,10 +50,7 @@ def evaluate_models(
 ) -> list[dict[str, Any]]:
     """One row per checkpoint: its perplexity (computed in ``dtype``), what it holds and the
     size of its weight files."""
-    text_path = Path(dataset)
-    if not text_path.is_file():
-        raise DataError("evaluation text not found", got=str(text_path), expected="a text file")
-    text = text_path.read_text(encoding="utf-8")
+    text = evaluation_text(Path(dataset), seq_len * max_windows)
     rows, windows = [], None
     for path in models:
         model, tokenizer = read_model_and_processor(path, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -64,6 +62,25 @@ def evaluate_models(
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
         rows.append({"model": path, "scheme": scheme_label(folder), "weights_mb": size, **result.to_dict()})
     return rows
+
+
+def evaluation_text(path: Path, tokens: int) -> str:
+    """The text to score: a text file, or the ``text`` fields of a JSON-lines / JSON file's
+    records (not the raw JSON), read as far as ``tokens`` tokens can need (16 characters each)."""
+    if not path.is_file():
+        raise DataError("evaluation text not found", got=str(path), expected="a text, JSON-lines or JSON file")
+    limit = 16 * tokens
+    try:
+        if path.suffix in (".jsonl", ".json"):
+            records = load_records(path, None)
+            texts = [r.get("text") if isinstance(r, dict) else r for r in records]
+            if not all(isinstance(t, str) for t in texts):
+                raise DataError(f"{path} has records without text", expected="records with a 'text' field")
+            return "\n\n".join(texts)[:limit]
+        with open(path, encoding="utf-8") as handle:
+            return handle.read(limit)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text", got=str(exc)[:200], expected="a UTF-8 text file") from None
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,7 @@ class Recipe:
     def from_dict(cls, data: dict[str, Any]) -> Recipe:
         stages: list[RecipeStage] = []
         loose: dict[str, Any] = {}
+        _check_patterns(data)
         for key, value in _named(data, "the recipe").items():
             if key == "version":
                 continue
@@ -214,6 +216,9 @@ def _parse_stage(name: str, body: Any) -> RecipeStage:
             loose.extend(_parse_group(name, {key: value}))
     if loose:
         stage.groups = {DEFAULT_GROUP: loose, **stage.groups}
+    if not stage.modifiers:
+        raise RecipeError(f"stage {name!r} has no modifiers: it would save an unchanged copy of the model",
+                          got=repr(body)[:120], expected="<group>_modifiers: {XModifier: {...}}")
     return _schemes_from_stage(stage)
 
 
@@ -270,6 +275,21 @@ def _parse_group(where: str, body: Any) -> list[Modifier]:
             raise RecipeError(f"{where}.{modifier_name} must be a mapping of fields", got=repr(args))
         modifiers.extend(cls.from_recipe(_named(args or {}, f"{where}.{modifier_name}")))
     return modifiers
+
+
+def _check_patterns(value: Any) -> None:
+    """Every ``re:`` pattern of the recipe compiles (a bad one is refused before any work)."""
+    if isinstance(value, str) and value.startswith("re:"):
+        try:
+            re.compile(value[3:])
+        except re.error as exc:
+            raise RecipeError(f"{value!r} is not a valid regular expression", got=str(exc), fix="fix the pattern after 're:'") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_patterns(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_patterns(item)
 
 
 def _named(mapping: dict, where: str) -> dict:

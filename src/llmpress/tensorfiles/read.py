@@ -57,9 +57,13 @@ def checkpoint_shards(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError("the shard index is not readable", got=f"{index}: {exc}", expected="a weight_map") from None
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+            if not names or not all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in names):
+                raise ValueError(f"its files must be names in the folder, got {names[:3]}")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError("the shard index is not readable", got=f"{index.name}: {type(exc).__name__}: {exc}"[:300],
+                                  expected='{"weight_map": {tensor: file}}') from None
         files = [folder / n for n in names]
         lost = [str(f.name) for f in files if not f.is_file()]
         if lost:

@@ -157,7 +157,27 @@ def _config_problems(config: dict[str, Any], names: set[str], shards: dict[Path,
             and not any(n.endswith("lm_head.weight") for n in names) and any(n.endswith("embed_tokens.weight") for n in names):
         problems.append(Problem("config.json", "its head is not tied to the embeddings, and the weights have no lm_head.weight"))
     problems += _packing_problems(config, shards)
+    problems += _tied_head_problems(config, shards)
     return problems
+
+
+def _tied_head_problems(config: dict[str, Any], shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
+    """A config that ties the head to the embeddings over a checkpoint with a head of its own
+    that differs: loading would discard the trained head (a copy of the embeddings is fine)."""
+    if config.get("tie_word_embeddings") is not True:
+        return []
+    where = {e.name: (path, e) for path, entries in shards.items() for e in entries}
+    embedding = next((n for n in where if n.endswith("embed_tokens.weight")), None)
+    if "lm_head.weight" not in where or embedding is None:
+        return []
+    values = []
+    for name in ("lm_head.weight", embedding):
+        path, entry = where[name]
+        values += [read() for _, read in stream_tensors(path, [entry])]
+    if values[0].shape == values[1].shape and values[0].dtype == values[1].dtype and torch.equal(values[0], values[1]):
+        return []
+    return [Problem("config.json", "it ties the head to the embeddings, but the weights hold an lm_head.weight of its own "
+                                   "that differs: loading would discard it (set tie_word_embeddings to false)")]
 
 
 def _packing_problems(config: dict[str, Any], shards: dict[Path, list[ShardEntry]]) -> list[Problem]:
