@@ -153,9 +153,9 @@ def _config_problems(config: dict[str, Any], names: set[str], shards: dict[Path,
     if said is not None and held and not any(count in (said, said + extra) for count in held.values()):
         prefix, count = max(held.items(), key=lambda item: item[1])
         problems.append(Problem("config.json", f"it says {said} layers; the weights hold {count} ({prefix}.0 to .{count - 1})"))
-    if config.get("tie_word_embeddings") is False and names and "lm_head.weight" not in names \
-            and not any(n.endswith("lm_head.weight") for n in names) and any(n.endswith("embed_tokens.weight") for n in names):
-        problems.append(Problem("config.json", "its head is not tied to the embeddings, and the weights have no lm_head.weight"))
+    head = any(n.startswith("lm_head.") or ".lm_head." in n for n in names)  # lm_head.weight, or packed: weight_packed, ...
+    if config.get("tie_word_embeddings") is False and names and not head and any(n.endswith("embed_tokens.weight") for n in names):
+        problems.append(Problem("config.json", "its head is not tied to the embeddings, and the weights have no lm_head"))
     problems += _packing_problems(config, shards)
     problems += _tied_head_problems(config, shards)
     return problems
