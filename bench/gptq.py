@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def gptq_recipe(path: Path, bits: int) -> Path:
 def run_worker(python: Path, tool: str, recipe: Path, model: Path, tokens: Path, output: Path) -> dict:
     """One compression in a child process: wall time (imports and loading included), the time
     from the tool's first import to saved checkpoint, and the process's peak RSS in MB."""
+    shutil.rmtree(output, ignore_errors=True)  # a fresh compression (llmpress refuses to replace what it is not asked to)
     start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") if tool.startswith("llmpress") else "", "TQDM_DISABLE": "1"}
     result = subprocess.run([str(python), str(REPO / "bench" / "gptq_worker.py"), tool, str(recipe), str(model), str(tokens), str(output)],
