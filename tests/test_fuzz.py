@@ -100,6 +100,16 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
+def _changed_copy(source, folder, changes):
+    """``source``'s checkpoint in ``folder`` (its weights linked) with ``changes`` in its config."""
+    folder.mkdir(exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}, allow_nan=True))
+    if not (folder / "model.safetensors").exists():
+        (folder / "model.safetensors").symlink_to(source / "model.safetensors")
+    return folder
+
+
 _CONFIG_CHANGES = st.dictionaries(
     st.sampled_from(["num_hidden_layers", "hidden_size", "vocab_size", "tie_word_embeddings", "num_attention_heads",
                      "quantization_config", "model_type", "architectures", "dtype", "num_key_value_heads", "text_config"]),
@@ -109,13 +119,7 @@ _CONFIG_CHANGES = st.dictionaries(
 @settings(FAST, max_examples=300)
 @given(changes=_CONFIG_CHANGES)
 def test_generated_configs_are_checked_or_raise_a_checkpoint_error(tiny_folder, tmp_path_factory, changes):
-    folder = tmp_path_factory.getbasetemp() / "fuzz-config"
-    folder.mkdir(exist_ok=True)
-    config = json.loads((tiny_folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **changes}, allow_nan=True))
-    target = folder / "model.safetensors"
-    if not target.exists():
-        target.symlink_to(tiny_folder / "model.safetensors")
+    folder = _changed_copy(tiny_folder, tmp_path_factory.getbasetemp() / "fuzz-config", changes)
     try:
         structural_problems(folder)
     except LlmpressError:
@@ -163,13 +167,7 @@ def test_a_real_shard_still_reads(tmp_path):
 def test_generated_configs_load_or_raise_an_llmpress_error(tiny_folder, tmp_path_factory, changes):
     import llmpress
 
-    folder = tmp_path_factory.getbasetemp() / "fuzz-load"
-    folder.mkdir(exist_ok=True)
-    config = json.loads((tiny_folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **changes}, allow_nan=True))
-    target = folder / "model.safetensors"
-    if not target.exists():
-        target.symlink_to(tiny_folder / "model.safetensors")
+    folder = _changed_copy(tiny_folder, tmp_path_factory.getbasetemp() / "fuzz-load", changes)
     try:
         llmpress.read_checkpoint(folder)
     except LlmpressError:
