@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,11 @@ from llmpress.checkpoint import check_output, save_checkpoint
 from llmpress.checkpoint.lock import output_lock
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
-from llmpress.errors import DataError, MissingStateError, RecipeError, os_failure
+from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError, os_failure
 from llmpress.lifecycle.state import Status, status_of
 from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, run_plan
 from llmpress.models import calibrating_all_experts, linearize_experts
-from llmpress.parallel.distributed import is_distributed, is_main_process, same_on_every_rank, share_of
+from llmpress.parallel.distributed import broadcast_object, is_distributed, is_main_process, same_on_every_rank, share_of
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.layerwise import run_layerwise_calibration
 from llmpress.pipelines.storage.resume import WorkFolder, run_fingerprint
@@ -103,8 +103,18 @@ def _output_for(output_dir: str | Path | None, model: Any, overwrite: bool) -> I
             return
         source = model if isinstance(model, (str, Path)) else None
         check_output(output_dir, source)  # the path itself: not "", ".", a file or the model's folder
-        with output_lock(output_dir, enabled=is_main_process()):  # clears what killed saves left, then
-            check_output(output_dir, source, overwrite=overwrite)  # what the folder holds
+        with ExitStack() as held:
+            refusal = None
+            if is_main_process():  # the rank that writes locks (clearing what killed saves left), then
+                try:  # checks what the folder holds
+                    held.enter_context(output_lock(output_dir))
+                    check_output(output_dir, source, overwrite=overwrite)
+                except CheckpointError as exc:
+                    refusal = exc
+            if is_distributed():  # every rank stops with the main one's refusal, none waits for it
+                refusal = broadcast_object(refusal, src=0)
+            if refusal is not None:
+                raise refusal
             yield
     except OSError as exc:  # a full disk or a read-only folder under the work or spill files
         raise os_failure(exc, "the run could not read or write its files") from exc

@@ -164,3 +164,42 @@ def test_a_save_into_a_folder_keeps_weights_that_are_not_a_checkpoints(tmp_path)
     llmpress.save_checkpoint(output, make_tiny_llama())
     assert (output / "model_final_weights.safetensors").read_bytes() == b"weights of mine"
     assert not (output / "pytorch_model.bin").exists()  # a checkpoint's own weight file: stale beside the new one
+
+
+def test_a_refused_run_leaves_the_holders_lock_in_place(tmp_path):
+    from llmpress.checkpoint.lock import lock_path, output_lock
+
+    with output_lock(tmp_path / "out"):
+        for _ in range(2):  # the second refusal proves the first did not remove the holder's lock
+            with pytest.raises(CheckpointError, match="another llmpress run"):
+                with output_lock(tmp_path / "out"):
+                    pass
+        assert lock_path(tmp_path / "out").exists()
+    assert not lock_path(tmp_path / "out").exists()
+
+
+def test_leftovers_are_matched_by_the_outputs_own_name(tmp_path):
+    from llmpress.checkpoint.lock import clear_leftovers
+
+    (tmp_path / ".run1.tmp-abc").mkdir()  # another output's save in progress
+    (tmp_path / ".run[12].tmp-abc").mkdir()
+    assert clear_leftovers(tmp_path / "run[12]") == ["removed .run[12].tmp-abc, left by an interrupted save"]
+    assert (tmp_path / ".run1.tmp-abc").is_dir()
+
+
+def test_a_train_output_killed_after_a_stage_can_be_overwritten(tmp_path):
+    output = tmp_path / "out"
+    llmpress.save_checkpoint(output / "stage_one", make_tiny_llama())  # what a killed train() leaves
+    with pytest.raises(CheckpointError, match="holds a checkpoint already"):
+        llmpress.oneshot(make_tiny_llama(), "W8A16", output_dir=output)
+    llmpress.oneshot(make_tiny_llama(), "W8A16", output_dir=output, overwrite=True, return_model=False)
+    assert (output / "model.safetensors").is_file()
+
+
+def test_an_output_that_is_a_mount_point_is_refused(tmp_path, monkeypatch):
+    import os
+
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: str(path) == str(tmp_path / "volume") or real(path))
+    with pytest.raises(CheckpointError, match="output is a mount point"):
+        llmpress.oneshot(make_tiny_llama(), "W8A16", output_dir=tmp_path / "volume")

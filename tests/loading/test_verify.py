@@ -118,3 +118,18 @@ def test_a_tensor_the_index_places_in_the_wrong_shard_is_named(folder):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     problems = describe_checkpoint(folder)["problems"]
     assert any(f"tensor {second[0]!r}, which the index places here, is not in it" in p for p in problems)
+
+
+def test_a_base_model_or_classifier_without_lm_head_loads(folder):
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(folder, architectures=["LlamaModel"])
+    assert describe_checkpoint(folder)["problems"] == []
+
+
+def test_nan_weights_are_refused_when_packed_to_fp4():
+    from llmpress.formats.fp4_packed import pack_fp4
+
+    with pytest.raises(CheckpointError, match="NaN or inf"):
+        pack_fp4(torch.tensor([[0.5, float("nan")]]))

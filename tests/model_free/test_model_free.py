@@ -158,3 +158,15 @@ def test_a_model_free_run_never_imports_transformers(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_an_mse_observer_quantizes_the_whole_weight_at_once():
+    """MSE's search stops on the whole tensor's units: bands would stop it elsewhere."""
+    from llmpress.quant import QuantizationArgs
+
+    weight = torch.zeros(4096, 512, dtype=torch.bfloat16)
+    mse = QuantizationArgs(num_bits=4, strategy="group", group_size=128, observer="mse")
+    assert model_free_run._rows_per_band(weight, mse) == 4096
+    assert model_free_run._rows_per_band(weight, QuantizationArgs(num_bits=4, strategy="group", group_size=128)) < 4096
+    block = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[96, 128])
+    assert model_free_run._rows_per_band(weight, block) % 96 == 0

@@ -64,3 +64,17 @@ def test_a_model_folder_whose_recipe_laughs_loads_without_it(tmp_path, caplog):
     llmpress.oneshot(str(folder), "W8A16", output_dir=tmp_path / "out", model_free=False, return_model=False)
     assert "YAML aliases" in caplog.text
     assert "laughs" not in (tmp_path / "out" / "recipe.yaml").read_text()
+
+
+def test_merge_keys_still_read_and_may_be_overridden():
+    text = ("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      config_groups:\n"
+            "        group_0:\n          targets: [Linear]\n"
+            "          weights: &w {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 128}\n"
+            "        group_1:\n          targets: ['re:.*down_proj']\n          weights: {<<: *w, group_size: 64}\n")
+    written = Recipe.from_yaml(text).to_yaml()
+    assert "group_size: 64" in written and "group_size: 128" in written
+
+
+def test_deep_nesting_is_a_recipe_error():
+    with pytest.raises(RecipeError, match="nests too deeply|not valid YAML"):
+        Recipe.from_yaml("a_stage: " + "[" * 3000 + "]" * 3000)

@@ -15,6 +15,8 @@ the second back where the output is missing.
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import logging
 import os
@@ -52,19 +54,12 @@ def output_lock(output_dir: str | Path, enabled: bool = True) -> Iterator[None]:
         return
     path = lock_path(output_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+", encoding="utf-8")
+    handle = _acquire(path, fcntl, output_dir)
+    if handle is None:  # a filesystem without locks (NFS without lockd): the run goes on unlocked
+        clear_leftovers(output_dir)
+        yield
+        return
     try:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise CheckpointError(
-                "another llmpress run is writing this output",
-                got=f"{Path(output_dir).absolute()} is locked by {holder}",
-                expected="one run per output folder",
-                fix=f"wait for that run to end, or choose another output (the lock is {path.name}, released when its process ends)",
-            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -74,9 +69,38 @@ def output_lock(output_dir: str | Path, enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         try:
-            path.unlink(missing_ok=True)  # while still held: a run that opened it meanwhile finds it locked
+            path.unlink(missing_ok=True)  # while still held: who opened it meanwhile finds it gone (_acquire retries)
         finally:
             handle.close()
+
+
+def _acquire(path: Path, fcntl, output_dir: str | Path):
+    """The lock file, open and locked; None where the filesystem cannot lock. A file unlinked by
+    its last holder between our open and our lock is not the lock any more: open it again."""
+    while True:
+        handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                logger.warning("cannot lock %s (%s): running without a lock on the output", path, exc.strerror or exc)
+                return None
+            raise CheckpointError(
+                "another llmpress run is writing this output",
+                got=f"{Path(output_dir).absolute()} is locked by {holder}",
+                expected="one run per output folder",
+                fix=f"wait for that run to end, or choose another output (the lock is {path.name}, released when its process ends)",
+            ) from None
+        try:
+            same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        handle.close()
 
 
 def clear_leftovers(output_dir: str | Path) -> list[str]:
@@ -87,11 +111,12 @@ def clear_leftovers(output_dir: str | Path) -> list[str]:
     if not target.parent.is_dir():
         return []
     done = []
-    olds = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    name = glob.escape(target.name)  # a name with [ or * matches only itself
+    olds = sorted(target.parent.glob(f".{name}.old-*"), key=lambda p: p.stat().st_mtime)
     if olds and not target.exists():
         os.replace(olds.pop(), target)
         done.append(f"put back {target.name}, the checkpoint an interrupted save had moved aside")
-    for leftover in [*target.parent.glob(f".{target.name}.tmp-*"), *olds]:
+    for leftover in [*target.parent.glob(f".{name}.tmp-*"), *olds]:
         if leftover.is_dir() and not leftover.is_symlink() and not mount_points(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
             done.append(f"removed {leftover.name}, left by an interrupted save")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from llmpress.checkpoint.lock import mount_points
@@ -32,7 +33,22 @@ def write_record(folder: Path, **fields: object) -> None:
 
 
 def written_by_llmpress(folder: Path) -> bool:
-    """Whether ``folder`` holds llmpress's record of writing it."""
+    """Whether ``folder`` holds llmpress's record of writing it, or holds only checkpoints that
+    do (what a ``train`` run killed after its earlier stages left: ``OUT/<stage>``) and the
+    temporary folders of killed saves."""
+    if _has_record(folder):
+        return True
+    entries = list(folder.iterdir())
+    return bool(entries) and all(
+        entry.is_dir() and not entry.is_symlink() and (_has_record(entry) or _KILLED_SAVE.fullmatch(entry.name) is not None)
+        for entry in entries
+    )
+
+
+_KILLED_SAVE = re.compile(r"\..+\.tmp-[A-Za-z0-9_]+")
+
+
+def _has_record(folder: Path) -> bool:
     try:
         record = json.loads((folder / RECORD_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -56,6 +72,9 @@ def check_output(output_dir: str | Path, source: str | Path | None = None, overw
     if where == Path.cwd().resolve():
         raise CheckpointError("the output is the current directory", got=str(output_dir), expected="a folder for the checkpoint",
                               fix="name a folder for it, e.g. --output ./compressed")
+    if os.path.ismount(target):
+        raise CheckpointError("the output is a mount point", got=str(target), expected="a folder inside a filesystem",
+                              fix="name a folder inside it: the checkpoint is built beside its output and swapped in, which a mount point cannot be")
     if target.exists() and not target.is_dir():
         raise CheckpointError("the output path exists and is not a folder", got=str(target),
                               expected="a folder (new or an earlier checkpoint)", fix="choose another output path")

@@ -157,11 +157,13 @@ def _text_tokens(path: Path, tokenizer: Any, options: CalibrationOptions) -> tor
         while wanted is None or len(ids) < wanted:
             data = handle.read(_TEXT_CHUNK)
             last = not data or not handle.peek(1)  # the end: what is left, whole (a small file in one call, as always)
+            pending = len(decoder.getstate()[0])  # bytes of a character the last chunk cut, decoded with this one
             try:
                 text = carry + decoder.decode(data, final=last)
             except UnicodeDecodeError as exc:
-                line = lines + data[: max(exc.start, 0)].count(b"\n")
-                raise DataError(f"{path} is not UTF-8 text", got=f"byte {offset + max(exc.start, 0)} (line {line}) cannot be decoded",
+                at = max(exc.start - pending, 0)
+                line = lines + data[:at].count(b"\n")
+                raise DataError(f"{path} is not UTF-8 text", got=f"byte {offset + at} (line {line}) cannot be decoded",
                                 expected="a UTF-8 text file", fix="convert it (iconv -t UTF-8) or remove the bad bytes") from None
             offset, lines = offset + len(data), lines + data.count(b"\n")
             if last:
@@ -169,6 +171,8 @@ def _text_tokens(path: Path, tokenizer: Any, options: CalibrationOptions) -> tor
                 break
             # a chunk ends after its last line, or before its last space (the next word keeps it)
             cut = text.rfind("\n") + 1 or max(text.rfind(" "), 0) or len(text)
+            if len(text) - cut > _TEXT_CHUNK:  # no break near the end (text without spaces): cut anywhere, never carry more
+                cut = len(text)
             ids.extend(_tokenize(tokenizer, text[:cut]))
             carry = text[cut:]
     return torch.tensor(ids, dtype=torch.long)

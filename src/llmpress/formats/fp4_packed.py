@@ -33,6 +33,9 @@ def pack_fp4(values: torch.Tensor) -> torch.Tensor:
     if cols % 2:
         raise CheckpointError("fp4 weights pack two values to a byte", got=f"{cols} columns",
                               expected="an even number of columns", fix="ignore this module, or pad its input features")
+    if not torch.isfinite(values).all():
+        raise CheckpointError("fp4 weights to pack hold NaN or inf", got=f"{int((~torch.isfinite(values)).sum())} value(s)",
+                              expected="finite weights", fix="check the model's weights (llmpress inspect --verify on its folder)")
     twice = values.abs().to(torch.float32).mul_(2).to(torch.int32).reshape(-1)
     index = _INDEX_OF_TWICE.to(values.device).index_select(0, twice).reshape(rows, cols)
     codes = (index | (torch.signbit(values).to(torch.uint8) << 3)).reshape(rows, cols // 2, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from collections import deque
@@ -158,9 +159,9 @@ def _quantize(name: str, weight: torch.Tensor, scheme: QuantizationScheme,
 
 def _rows_per_band(weight: torch.Tensor, args) -> int:
     """How many rows of ``weight`` are quantized at once: all of them for a per-tensor scale."""
-    if weight.dim() != 2 or args.strategy == "tensor":
+    if weight.dim() != 2 or args.strategy == "tensor" or args.uses_mse:  # MSE stops its search on the whole tensor's units
         return weight.shape[0]
-    height = max(_PACKED_ROWS, (args.block_structure or [1])[0]) if args.strategy == "block" else _PACKED_ROWS
+    height = math.lcm(_PACKED_ROWS, (args.block_structure or [1])[0]) if args.strategy == "block" else _PACKED_ROWS
     return max(height, ROWS_BYTES // max(1, weight.shape[1] * weight.element_size()) // height * height)
 
 

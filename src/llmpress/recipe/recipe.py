@@ -143,7 +143,10 @@ class Recipe:
     def from_dict(cls, data: dict[str, Any]) -> Recipe:
         stages: list[RecipeStage] = []
         loose: dict[str, Any] = {}
-        _check_patterns(data)
+        try:
+            _check_patterns(data)
+        except RecursionError:
+            raise RecipeError("the recipe nests too deeply", expected="a recipe a few levels deep") from None
         for key, value in _named(data, "the recipe").items():
             if key == "version":
                 continue

@@ -42,6 +42,8 @@ def load_recipe_yaml(text: str, origin: str = "recipe") -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise RecipeError(f"{origin} is not valid YAML or JSON", got=" ".join(str(exc).split())[:300]) from None
+    except RecursionError:
+        raise RecipeError(f"{origin} nests too deeply", expected="a recipe a few levels deep") from None
     finally:
         loader.dispose()
 
@@ -65,6 +67,8 @@ class _RecipeLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, (str, int, float, bool)) or key is None:
                 if key in seen:

@@ -139,8 +139,9 @@ def _index_problems(folder: Path, shards: dict[Path, list[ShardEntry]]) -> list[
         return problems
     weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
     held = {e.name: path.name for path, entries in shards.items() for e in entries}
+    read = {path.name for path in shards}
     for name, file in weight_map.items():
-        if file in {p.name for p in shards} and held.get(name) != file:
+        if file in read and held.get(name) != file:
             problems.append(Problem(file, f"tensor {name!r}, which the index places here, is not in it"))
     return problems
 
@@ -154,7 +155,10 @@ def _config_problems(config: dict[str, Any], names: set[str], shards: dict[Path,
         prefix, count = max(held.items(), key=lambda item: item[1])
         problems.append(Problem("config.json", f"it says {said} layers; the weights hold {count} ({prefix}.0 to .{count - 1})"))
     head = any(n.startswith("lm_head.") or ".lm_head." in n for n in names)  # lm_head.weight, or packed: weight_packed, ...
-    if config.get("tie_word_embeddings") is False and names and not head and any(n.endswith("embed_tokens.weight") for n in names):
+    architectures = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    causal = any(isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures)  # not a classifier, not a base model
+    if causal and config.get("tie_word_embeddings") is False and names and not head \
+            and any(n.endswith("embed_tokens.weight") for n in names):
         problems.append(Problem("config.json", "its head is not tied to the embeddings, and the weights have no lm_head"))
     problems += _packing_problems(config, shards)
     problems += _tied_head_problems(config, shards)
@@ -167,8 +171,11 @@ def _tied_head_problems(config: dict[str, Any], shards: dict[Path, list[ShardEnt
     if config.get("tie_word_embeddings") is not True:
         return []
     where = {e.name: (path, e) for path, entries in shards.items() for e in entries}
-    embedding = next((n for n in where if n.endswith("embed_tokens.weight")), None)
-    if "lm_head.weight" not in where or embedding is None:
+    if "lm_head.weight" not in where:
+        return []
+    shape = where["lm_head.weight"][1].shape  # the embedding the head would be tied to has its shape
+    embedding = next((n for n, (_, e) in where.items() if n.endswith("embed_tokens.weight") and e.shape == shape), None)
+    if embedding is None:
         return []
     values = []
     for name in ("lm_head.weight", embedding):
