@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import traceback
@@ -102,6 +103,7 @@ def matrix(tool: str, names: list[str], work: Path) -> dict[str, dict[str, str]]
             recipe = work / f"{modifier}.yaml"
             recipe.write_text(RECIPE.format(modifier=modifier))
             output = work / tool / name / modifier
+            shutil.rmtree(output, ignore_errors=True)  # a fresh compression for each tool and run
             try:
                 run(source, recipe, output, modifier)
                 share = f"{100 * packed_share(output):.0f}%"

@@ -49,7 +49,7 @@ def main() -> None:
     for name in args.only:
         out = work / name
         llmpress.oneshot(str(args.model), eval(RECIPES[name]), str(fixture('text', 'calibration.txt')),
-                         output_dir=out, calibration=options, return_model=False)
+                         output_dir=out, calibration=options, return_model=False, overwrite=True)
         for file in sorted(p for p in out.iterdir() if p.is_file()):
             print(f"{name}/{file.name} {hashlib.sha256(file.read_bytes()).hexdigest()}")
 

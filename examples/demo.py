@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def main() -> None:
     for scheme in args.schemes:
         print(f"compressing with {scheme} ...", flush=True)
         start = time.perf_counter()
+        shutil.rmtree(out / scheme, ignore_errors=True)  # the demo's own checkpoint of an earlier run (llmpress never replaces unasked)
         llmpress.oneshot(MODEL, scheme, CALIBRATION, output_dir=out / scheme, calibration=CalibrationOptions(num_samples=64, seq_len=256))
         compress_s = time.perf_counter() - start
         reloaded = llmpress.load_checkpoint(out / scheme)
