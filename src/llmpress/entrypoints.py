@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.checkpoint import check_output, save_checkpoint
-from llmpress.checkpoint.lock import output_lock
+from llmpress.checkpoint import claimed_output, save_checkpoint
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError, os_failure
@@ -93,22 +92,19 @@ def _model_free_plan(model: Any, recipe: Recipe, output_dir: str | Path | None, 
 
 @contextmanager
 def _output_for(output_dir: str | Path | None, model: Any, overwrite: bool) -> Iterator[None]:
-    """The run's output, checked before any work (``check_output``: an existing folder that is
-    not empty is refused unless it is a checkpoint llmpress wrote and ``overwrite``), then
-    locked against a second run while this one runs (``checkpoint/lock.py``). The system's
+    """The run's output, claimed before any work (``claimed_output``: checked, locked against a
+    second run; an existing folder that is not empty is refused unless it is a checkpoint
+    llmpress wrote and ``overwrite``). The system's
     refusals (a full disk under the spill files) come out named (``errors.os_failure``)."""
     try:
         if output_dir is None:
             yield
             return
-        source = model if isinstance(model, (str, Path)) else None
-        check_output(output_dir, source)  # the path itself: not "", ".", a file or the model's folder
         with ExitStack() as held:
             refusal = None
-            if is_main_process():  # the rank that writes locks (clearing what killed saves left), then
-                try:  # checks what the folder holds
-                    held.enter_context(output_lock(output_dir))
-                    check_output(output_dir, source, overwrite=overwrite)
+            if is_main_process():  # the rank that writes claims the output
+                try:
+                    held.enter_context(claimed_output(output_dir, model if isinstance(model, (str, Path)) else None, overwrite))
                 except CheckpointError as exc:
                     refusal = exc
             if is_distributed():  # every rank stops with the main one's refusal, none waits for it

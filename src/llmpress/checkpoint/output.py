@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from llmpress.checkpoint.lock import mount_points
+from llmpress.checkpoint.lock import mount_points, output_lock
 from llmpress.errors import CheckpointError
 from llmpress.version import __version__
 
-__all__ = ["RECORD_NAME", "check_output", "written_by_llmpress", "write_record"]
+__all__ = ["RECORD_NAME", "check_output", "claimed_output", "written_by_llmpress", "write_record"]
 
 #: in every checkpoint llmpress writes: its version, and for a resumable run the run's fingerprint
 RECORD_NAME = "llmpress_run.json"
@@ -95,6 +97,17 @@ def check_output(output_dir: str | Path, source: str | Path | None = None, overw
             raise CheckpointError("the output folder holds a mount point", got=", ".join(str(m) for m in mounts[:3]),
                                   expected="a folder on one filesystem", fix="choose another output folder (llmpress never writes across a mount)")
     return target
+
+
+@contextmanager
+def claimed_output(output_dir: str | Path, source: str | Path | None, overwrite: bool) -> Iterator[None]:
+    """A run's output while the block runs: the path checked (not "", ".", a file, the model's
+    folder), then locked against a second run (``lock.py``, which clears what killed saves left),
+    then what the folder holds checked against ``overwrite``."""
+    check_output(output_dir, source)
+    with output_lock(output_dir):
+        check_output(output_dir, source, overwrite=overwrite)
+        yield
 
 
 def _check_contents(target: Path, overwrite: bool) -> None:

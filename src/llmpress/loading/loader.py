@@ -200,9 +200,14 @@ def _read_config(folder: Path, trust_remote_code: bool = False):
     except Exception as exc:  # a user's file at the boundary of another library: whatever it raises is about the file
         raise UnsupportedModelError(
             "transformers cannot read this model's config",
-            got=f"{folder}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
+            got=f"{folder}: {_first_line(exc)}",
             expected="a config.json of an architecture transformers knows, with values it accepts",
         ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """A foreign library's exception in one line: its type and the start of its message."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
 def _quantization_config(config, requested) -> tuple[QuantizationConfig | None, bool]:
@@ -244,7 +249,7 @@ def _skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False) -> nn
         # a config transformers read but cannot build (a negative size, zero heads): about the file
         raise UnsupportedModelError(
             f"transformers cannot build {cls.__name__} from this config",
-            got=f"{getattr(config, 'model_type', '?')}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
+            got=f"{getattr(config, 'model_type', '?')}: {_first_line(exc)}",
             expected="a config.json of an architecture transformers knows, with sizes it accepts",
         ) from exc
 

@@ -2,7 +2,7 @@
 
 The source's tensors are read shard by shard in file order (memory-mapped where their dtype is
 kept); each quantized weight is rounded and compressed by the same functions the model-class
-path uses (``attach.freeze_weight``, the format codecs), so the two paths write the same tensors
+path uses (``attach.store_weight_qparams``, the format codecs), so the two paths write the same tensors
 (the same file, where the output is one shard). Weights are processed by a pool of worker
 threads (torch releases the interpreter lock in its kernels), a bounded number ahead of the
 writer, and the results go to ``ShardedWriter`` (``tensorfiles/write.py``), which keeps a few of
@@ -29,8 +29,7 @@ from tqdm.auto import tqdm
 
 from llmpress.checkpoint.atomic import atomic_directory
 from llmpress.checkpoint.compressed_state import quantization_config_of
-from llmpress.checkpoint.lock import output_lock
-from llmpress.checkpoint.output import RECORD_NAME, check_output, write_record
+from llmpress.checkpoint.output import RECORD_NAME, claimed_output, write_record
 from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file, parse_size
 from llmpress.compat import own_buffers, own_parameters
 from llmpress.formats import FORMATS, format_for
@@ -65,9 +64,7 @@ def quantize_model_free(model: str | Path, recipe, output_dir: str | Path, *, dt
     ``max_shard_size`` each. ``overwrite``: as in ``oneshot``."""
     folder = model_folder(model)
     recipe = Recipe.from_any(recipe)
-    check_output(output_dir, folder)
-    with output_lock(output_dir):
-        check_output(output_dir, folder, overwrite=overwrite)
+    with claimed_output(output_dir, folder, overwrite):
         return run_plan(plan_model_free(folder, recipe, dtype), recipe, output_dir, workers=workers, max_shard_size=max_shard_size)
 
 

@@ -265,14 +265,13 @@ def _parse_group(where: str, body: Any) -> list[Modifier]:
                     got=repr(entry),
                     expected="- XModifier: {field: value}",
                 )
-        items = [item for entry in body for item in entry.items()]
+        items = [item for entry in body for item in _named(entry, where).items()]
     elif isinstance(body, dict):
-        items = list(body.items())
+        items = list(_named(body, where).items())
     else:
         raise RecipeError(f"{where} must map modifier names to their fields", got=type(body).__name__)
     modifiers = []
     for modifier_name, args in items:
-        _named({modifier_name: None}, where)
         cls = MODIFIERS.get(modifier_name)  # unknown names list the known ones
         if args is not None and not isinstance(args, dict):
             raise RecipeError(f"{where}.{modifier_name} must be a mapping of fields", got=repr(args))
