@@ -56,43 +56,27 @@ def tensor_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_checkpoint(folder: Path, hidden: int, layers: int) -> Path:
-    """The sharded bf16 checkpoint, written once (a finished one has its index). Shards are
-    written as ``part-N`` while their count is unknown, then renamed."""
+    """The sharded bf16 checkpoint, written once (its config.json is written last), each shard
+    gathered in memory and written as transformers lays them out (``ShardedWriter``)."""
     import torch
-    from safetensors.torch import save_file
 
-    if (folder / "model.safetensors.index.json").exists():
+    from llmpress.tensorfiles.write import ShardedWriter
+
+    if (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     config = llama_config(hidden, layers)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator().manual_seed(0)
     bases: dict[tuple[int, ...], torch.Tensor] = {}
-    names: list[list[str]] = []
-    shard: dict[str, torch.Tensor] = {}
-
-    def flush() -> None:
-        save_file(shard, str(folder / f"part-{len(names) + 1}.safetensors"), metadata={"format": "pt"})
-        names.append(list(shard))
-        shard.clear()
-
+    writer = ShardedWriter(folder, SHARD_BYTES, hold=SHARD_BYTES)
     for name, shape in tensor_shapes(config):
         if shape not in bases:
             bases[shape] = ((torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16) if len(shape) == 2
                             else torch.ones(shape, dtype=torch.bfloat16))
         layer = int(name.split(".")[2]) if ".layers." in name else 0
-        tensor = bases[shape] * (1 + 0.01 * layer)
-        if shard and sum(t.numel() * 2 for t in shard.values()) + tensor.numel() * 2 > SHARD_BYTES:
-            flush()
-        shard[name] = tensor
-    flush()
-    weight_map = {}
-    for number, held in enumerate(names, start=1):
-        final = f"model-{number:05d}-of-{len(names):05d}.safetensors"
-        (folder / f"part-{number}.safetensors").rename(folder / final)
-        weight_map.update(dict.fromkeys(held, final))
-    size = sum(f.stat().st_size for f in folder.glob("model-*.safetensors"))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=2))
+        writer.add(name, bases[shape] * (1 + 0.01 * layer))
+    writer.finish()
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
