@@ -4,7 +4,8 @@
 ``int4_dequantize``, ``int8_linear`` and ``int8_linear_bf16``, the runtime's products for 4-bit
 and 8-bit weights. ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's
 per-column update and the MSE observer's scoring, each one call where PyTorch takes hundreds of
-small ones.
+small ones. ``gram.cpp``: ``gram_bf16_add_``, the Hessians' ``X^T X`` of bf16 inputs on the
+CPU's bf16 units, summed in float32 (PyTorch's bf16 product rounds it to bf16).
 
 They are compiled once per source, compiler flags and PyTorch version by
 ``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): seconds,
@@ -32,13 +33,13 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "available", "bf16_native", "candidate_errors", "cpu_flags", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
+    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
     "int8_linear_bf16", "transposed",
 ]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp", "gram.cpp")]
 HEADERS = [Path(__file__).with_name("blocks64.h")]
 # no contraction into fused multiply-adds: gptq.cpp repeats PyTorch's arithmetic step by step
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
@@ -185,3 +186,16 @@ def add_float32_(acc: torch.Tensor, x: torch.Tensor) -> None:
         torch.ops.llmpress.add_float32_(acc, x)
     else:
         acc.add_(x)
+
+
+def add_gram_bf16_(blocks: list[torch.Tensor], starts: list[int], x: torch.Tensor) -> bool:
+    """``blocks[k] += x[s, :, start_k:start_k + rows_k]^T @ x[s, :, start_k:]`` for each
+    sequence ``s`` of a bf16 ``x`` ``[sequences, tokens, columns]`` in turn, each product summed
+    in float32 and added to the float64 ``blocks``: the very sums of the float32 product of the
+    converted inputs, up to the order of the float32 additions. Returns False (and adds nothing)
+    where the CPU has no AVX-512 BF16 or the kernels are off; the caller multiplies instead."""
+    if not ({"avx512_bf16", "avx512bw"} <= cpu_flags() and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.dim() == 3 and all(b.dtype == torch.float64 and b.device.type == "cpu" for b in blocks) and available()):
+        return False
+    torch.ops.llmpress.gram_bf16_add_(blocks, starts, x.contiguous())
+    return True

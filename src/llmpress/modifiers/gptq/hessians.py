@@ -41,7 +41,9 @@ class HessianAccumulator:
     which samples share a batch: SmoothQuant + GPTQ W8A8 on the tiny trained model read
     63.675-63.684 over 8 shuffles of its calibration samples, against 63.6754 for every shuffle
     and batch size with a product per sample (which costs ~10% more in this step). Inputs
-    without a sample dimension (an MoE expert's routed tokens) take one product per batch."""
+    without a sample dimension (an MoE expert's routed tokens) take one product per batch.
+    bf16 inputs on a CPU with AVX-512 BF16 take ``native.add_gram_bf16_``: the same float32
+    sums per sequence from the bf16 values, in half the time and without a float32 copy."""
 
     def __init__(self, columns: int, device: torch.device) -> None:
         self.columns, self.device = columns, device
@@ -61,9 +63,13 @@ class HessianAccumulator:
             raise SessionError("a Hessian took inputs after they were rescaled", expected="scale_inputs after the last add")
         if x.numel() == 0:  # an expert no token of this batch reached
             return
-        x = x.detach().to(device=self.device, dtype=torch.float32)
+        x = x.detach().to(device=self.device)
         sequences = x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() > 2 else x[None]
         self.samples += sequences.shape[0] * sequences.shape[1]
+        # bf16 inputs on a CPU with bf16 units: exact products summed in float32, at twice the rate
+        if native.add_gram_bf16_([rows for _, _, rows in self._rows], [start for start, _, _ in self._rows], sequences):
+            return
+        sequences = sequences.to(torch.float32)
         for start, end, rows in self._rows:
             # a batched product of several sequences at once (each its own float32 product, the
             # very bits of one product per sequence) runs ~25% faster than one call per sequence

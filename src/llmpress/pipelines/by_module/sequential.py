@@ -48,7 +48,6 @@ from llmpress.contract.block import CalibrationBlock, tokens_per_batch
 from llmpress.contract.observation import Observation, primary_input
 from llmpress.errors import UnsupportedModelError
 from llmpress.lifecycle.kv_cache import KVCacheQuantizer
-from llmpress.memory import release_free_memory
 from llmpress.models.experts import LinearExperts, routed_experts_only
 from llmpress.pipelines.blocks import hand_on
 from llmpress.pipelines.by_module.plan import BlockPlan
@@ -84,10 +83,8 @@ def calibrate_block_by_module(block: CalibrationBlock, plan: BlockPlan, session:
             with observation.only(()):  # the group's stand-ins hand their inputs over themselves
                 _run(block, stage)
             kept = stage.kept
-            release_free_memory()  # this stage's batch temporaries, before the solver's
-        session.modules_calibrated(block, group)
+        session.modules_calibrated(block, group)  # the solver reuses the stage's freed temporaries
         done |= set(group)
-        release_free_memory()
     session.layer_calibrated(block)
     if not outputs_needed:
         return None
