@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from llmpress import native
 from llmpress.errors import CheckpointError
 from llmpress.formats.base import FORMATS, StateDict, dequantize_unpacked, drop_symmetric_zero_points
-from llmpress.quant.qdq import quantize
+from llmpress.quant.qdq import effective_scale, quantize
 from llmpress.quant.scheme import QuantizationScheme
 
-__all__ = ["E2M1_VALUES", "pack_fp4", "unpack_fp4"]
+__all__ = ["E2M1_VALUES", "pack_fp4", "quantize_and_pack", "unpack_fp4"]
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 #: twice a grid magnitude (0, 1, 2, 3, 4, 6, 8, 12) -> its index: one lookup, 6x faster than bucketize
@@ -34,12 +35,28 @@ def pack_fp4(values: torch.Tensor) -> torch.Tensor:
         raise CheckpointError("fp4 weights pack two values to a byte", got=f"{cols} columns",
                               expected="an even number of columns", fix="ignore this module, or pad its input features")
     if not torch.isfinite(values).all():
-        raise CheckpointError("fp4 weights to pack hold NaN or inf", got=f"{int((~torch.isfinite(values)).sum())} value(s)",
-                              expected="finite weights", fix="check the model's weights (llmpress inspect --verify on its folder)")
+        _refuse_nonfinite(int((~torch.isfinite(values)).sum()))
     twice = values.abs().to(torch.float32).mul_(2).to(torch.int32).reshape(-1)
     index = _INDEX_OF_TWICE.to(values.device).index_select(0, twice).reshape(rows, cols)
     codes = (index | (torch.signbit(values).to(torch.uint8) << 3)).reshape(rows, cols // 2, 2)
     return codes[..., 0] | (codes[..., 1] << 4)
+
+
+def _refuse_nonfinite(count: int) -> None:
+    raise CheckpointError("fp4 weights to pack hold NaN or inf", got=f"{count} value(s)",
+                          expected="finite weights", fix="check the model's weights (llmpress inspect --verify on its folder)")
+
+
+def quantize_and_pack(weight: torch.Tensor, scale: torch.Tensor, args, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """``weight`` rounded onto the fp4 grid by its group scales and packed: in one pass by
+    ``native.fp4_quantize_pack`` where it runs (the same bytes), else ``quantize`` then ``pack_fp4``."""
+    fast = native.fp4_quantize_pack(weight, effective_scale(scale, args, global_scale), args.group_size) if args.group_size else None
+    if fast is None:
+        return pack_fp4(quantize(weight, scale, None, args, global_scale))
+    packed, nans = fast
+    if nans:
+        _refuse_nonfinite(nans)
+    return packed
 
 
 _CODES = torch.cat([E2M1_VALUES, -E2M1_VALUES])  # code -> value (code 8 is -0.0)
@@ -69,8 +86,7 @@ class _Fp4Packed:
         args = scheme.weights
         out = drop_symmetric_zero_points(state, scheme)
         weight = out.pop("weight")
-        q = quantize(weight, out["weight_scale"], None, args, out.get("weight_global_scale"))
-        out["weight_packed"] = pack_fp4(q)
+        out["weight_packed"] = quantize_and_pack(weight, out["weight_scale"], args, out.get("weight_global_scale"))
         scale = out["weight_scale"]
         out["weight_scale"] = _encode_mx_scale(scale) if args.is_mx else scale.to(torch.float8_e4m3fn)
         if "weight_global_scale" in out:

@@ -5,7 +5,8 @@
 and 8-bit weights. ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ's
 per-column update and the MSE observer's scoring, each one call where PyTorch takes hundreds of
 small ones. ``gram.cpp``: ``gram_bf16_add_``, the Hessians' ``X^T X`` of bf16 inputs on the
-CPU's bf16 units, summed in float32 (PyTorch's bf16 product rounds it to bf16).
+CPU's bf16 units, summed in float32 (PyTorch's bf16 product rounds it to bf16). ``fp4.cpp``:
+``fp4_quantize_pack``, NVFP4 / MXFP4 rounding and packing in one pass.
 
 They are compiled once per source, compiler flags and PyTorch version by
 ``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): seconds,
@@ -33,13 +34,13 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
+    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
     "int8_linear_bf16", "transposed",
 ]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp", "gram.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp", "gram.cpp", "fp4.cpp")]
 HEADERS = [Path(__file__).with_name("blocks64.h")]
 # no contraction into fused multiply-adds: gptq.cpp repeats PyTorch's arithmetic step by step
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
@@ -199,3 +200,16 @@ def add_gram_bf16_(blocks: list[torch.Tensor], starts: list[int], x: torch.Tenso
         return False
     torch.ops.llmpress.gram_bf16_add_(blocks, starts, x.contiguous())
     return True
+
+
+def fp4_quantize_pack(weight: torch.Tensor, scale: torch.Tensor, group: int) -> tuple[torch.Tensor, int] | None:
+    """``weight`` ``[rows, cols]`` (float32 or bf16) divided by its float32 group scales
+    ``[rows, groups]``, rounded onto the fp4 e2m1 grid and packed two to a byte
+    (``formats/fp4_packed.pack_fp4``'s bytes), with the count of NaN values met; None where the
+    kernel does not take it (no AVX-512, another dtype, columns or groups not multiples of 16)."""
+    if not ({"avx512f", "avx512bw", "avx512dq"} <= cpu_flags() and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0 and group % 16 == 0
+            and scale.dim() == 2 and scale.shape[0] == weight.shape[0] and available()):
+        return None
+    packed, nans = torch.ops.llmpress.fp4_quantize_pack(weight.contiguous(), scale.to(torch.float32).contiguous(), group)
+    return packed, int(nans)
