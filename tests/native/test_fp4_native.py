@@ -64,3 +64,18 @@ def test_declines_what_it_does_not_take():
     assert native.fp4_quantize_pack(torch.randn(4, 32, dtype=torch.float16), torch.ones(4, 2), 16) is None
     weight, scale, args, global_scale = _case("NVFP4A16", torch.float32, cols=40)
     assert torch.equal(quantize_and_pack(weight, scale, args, global_scale), pack_fp4(quantize(weight, scale, None, args, global_scale)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group", [16, 32])
+def test_group_ranges_are_amin_amax(dtype, group):
+    """Exact, in the weight's dtype, NaN and infinities as amin / amax give them."""
+    torch.manual_seed(3)
+    x = torch.randn(40, 128).to(dtype)
+    x[3, 40], x[7, 0], x[8, 5], x[9, 127] = float("nan"), float("inf"), -float("inf"), -0.0
+    low, high = native.group_min_max(x, group)
+    grouped = x.reshape(40, -1, group)
+    assert low.dtype == high.dtype == dtype
+    torch.testing.assert_close(low, grouped.amin(-1), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(high, grouped.amax(-1), rtol=0, atol=0, equal_nan=True)
+    assert native.group_min_max(x[:, :120], group) is None  # a shorter last group: PyTorch's route

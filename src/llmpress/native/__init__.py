@@ -6,7 +6,8 @@ and 8-bit weights. ``gptq.cpp``: ``gptq_columns`` and ``candidate_errors``, GPTQ
 per-column update and the MSE observer's scoring, each one call where PyTorch takes hundreds of
 small ones. ``gram.cpp``: ``gram_bf16_add_``, the Hessians' ``X^T X`` of bf16 inputs on the
 CPU's bf16 units, summed in float32 (PyTorch's bf16 product rounds it to bf16). ``fp4.cpp``:
-``fp4_quantize_pack``, NVFP4 / MXFP4 rounding and packing in one pass.
+``fp4_quantize_pack``, NVFP4 / MXFP4 rounding and packing in one pass, and ``group_min_max``,
+the ranges of small groups.
 
 They are compiled once per source, compiler flags and PyTorch version by
 ``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): seconds,
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
+    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
     "int8_linear_bf16", "transposed",
 ]
 
@@ -213,3 +214,13 @@ def fp4_quantize_pack(weight: torch.Tensor, scale: torch.Tensor, group: int) -> 
         return None
     packed, nans = torch.ops.llmpress.fp4_quantize_pack(weight.contiguous(), scale.to(torch.float32).contiguous(), group)
     return packed, int(nans)
+
+
+def group_min_max(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Min and max of each ``group`` values along the rows of ``x`` ``[rows, cols]`` (float32 or
+    bf16; cols a multiple of ``group``, itself of 16), ``[rows, cols / group]`` in ``x``'s dtype,
+    NaN propagated as ``amin`` / ``amax`` do; None where the kernel does not take it."""
+    if not ({"avx512f", "avx512bw", "avx512dq"} <= cpu_flags() and x.dim() == 2 and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16) and group % 16 == 0 and x.shape[1] % group == 0 and available()):
+        return None
+    return torch.ops.llmpress.group_min_max(x.contiguous(), group)

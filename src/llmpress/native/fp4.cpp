@@ -10,6 +10,10 @@
  *
  * out[r][j] = code(2j) | code(2j + 1) << 4, code = sign << 3 | index of the magnitude in
  * 0, 0.5, 1, 1.5, 2, 3, 4, 6. Returns the number of NaN values met (the caller refuses them).
+ *
+ * group_min_max: the min and max of each group of 16 or 32 values along a row, in the weight's
+ * dtype (exact: they are among its values; NaN where the group holds one, as amin / amax give
+ * it), the ranges fp4 group scales come from, without PyTorch's transposed copy.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +24,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <cmath>
 #include <tuple>
 
 namespace {
@@ -73,7 +78,45 @@ int64_t quantize_rows(const T *x, const float *scale, int64_t rows, int64_t cols
     return nans;
 }
 
+template <typename T>
+void min_max_rows(const T *x, int64_t rows, int64_t cols, int64_t group, float *lo, float *hi) {
+    const int64_t groups = cols / group;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const T *p = x + r * cols + g * group;
+            __m512 v = load16(p), vmin = v, vmax = v;
+            __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            for (int64_t k = 16; k < group; k += 16) {
+                v = load16(p + k);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                vmin = _mm512_min_ps(vmin, v), vmax = _mm512_max_ps(vmax, v);
+            }
+            const int64_t at = r * groups + g;
+            lo[at] = nan ? NAN : _mm512_reduce_min_ps(vmin);
+            hi[at] = nan ? NAN : _mm512_reduce_max_ps(vmax);
+        }
+}
+
 #pragma GCC pop_options
+
+std::tuple<at::Tensor, at::Tensor> group_min_max(const at::Tensor &x, int64_t group) {
+    TORCH_CHECK(avx512_units(), "llmpress group_min_max: this CPU has no AVX-512");
+    TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous() &&
+                    group > 0 && group % 16 == 0 && x.size(1) % group == 0,
+                "llmpress group_min_max: a contiguous float32 or bf16 [rows, cols], cols a multiple of the group, the group of 16");
+    const int64_t rows = x.size(0), cols = x.size(1), groups = cols / group;
+    at::Tensor lo = at::empty({rows, groups}, x.options().dtype(at::kFloat)), hi = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+    float *l = lo.data_ptr<float>(), *h = hi.data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
+        if (x.scalar_type() == at::kFloat)
+            min_max_rows(x.data_ptr<float>() + r0 * cols, r1 - r0, cols, group, l + r0 * groups, h + r0 * groups);
+        else
+            min_max_rows(reinterpret_cast<const uint16_t *>(x.data_ptr<at::BFloat16>()) + r0 * cols, r1 - r0, cols, group, l + r0 * groups,
+                         h + r0 * groups);
+    });
+    if (x.scalar_type() == at::kFloat) return {lo, hi};
+    return {lo.to(at::kBFloat16), hi.to(at::kBFloat16)}; /* exact: bf16 values */
+}
 
 std::tuple<at::Tensor, int64_t> fp4_quantize_pack(const at::Tensor &x, const at::Tensor &scale, int64_t group) {
     TORCH_CHECK(avx512_units(), "llmpress fp4_quantize_pack: this CPU has no AVX-512");
@@ -103,6 +146,12 @@ std::tuple<at::Tensor, int64_t> fp4_quantize_pack(const at::Tensor &x, const at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(llmpress, m) { m.def("fp4_quantize_pack(Tensor x, Tensor scale, int group) -> (Tensor, int)"); }
+TORCH_LIBRARY_FRAGMENT(llmpress, m) {
+    m.def("fp4_quantize_pack(Tensor x, Tensor scale, int group) -> (Tensor, int)");
+    m.def("group_min_max(Tensor x, int group) -> (Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(llmpress, CPU, m) { m.impl("fp4_quantize_pack", &fp4_quantize_pack); }
+TORCH_LIBRARY_IMPL(llmpress, CPU, m) {
+    m.impl("fp4_quantize_pack", &fp4_quantize_pack);
+    m.impl("group_min_max", &group_min_max);
+}

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from llmpress import native
 from llmpress.errors import SchemeError
 from llmpress.quant.scheme import FP4_E2M1_MAX, FP8_E4M3_MAX, QuantizationArgs, QuantizationStrategy
 
@@ -139,6 +140,8 @@ def reduce_min_max(x: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tenso
         tiles = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r)).reshape((rows + pad_r) // size_r, size_r, -1, size_c)
         return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
     rows, cols = x.shape
+    if args.group_size <= 32 and (ranges := native.group_min_max(x, args.group_size)) is not None:
+        return ranges  # small groups of whole vectors: one pass, no transposed copy
     groups = num_groups(cols, args.group_size)
     pad = groups * args.group_size - cols
     # zero padding never changes min/max: zero is always inside the quantized range
