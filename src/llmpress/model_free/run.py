@@ -105,7 +105,7 @@ def _quantize_shard(path: Path, entries: list[ShardEntry], plan: ModelFreePlan, 
             release_free_memory()  # the workers' temporaries and the written tensors go back, not kept in their heaps
             bar.update()
 
-    for entry, read in stream_tensors(path, entries):
+    for entry, read in stream_tensors(path, entries, prefetch=True):  # read ahead while the workers round
         if plan.skipped(entry.name):
             bar.update()
             continue

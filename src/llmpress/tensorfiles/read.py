@@ -170,9 +170,10 @@ def _released() -> None:
     _live_maps[0] -= 1
 
 
-def _mapped(fileno: int, entry: ShardEntry) -> torch.Tensor | None:
+def _mapped(fileno: int, entry: ShardEntry, prefetch: bool = False) -> torch.Tensor | None:
     """``entry`` as a tensor over a private mapping of its own pages (writable, copy on write),
-    or None where that is not possible (misaligned data, too many mappings alive, no mmap)."""
+    or None where that is not possible (misaligned data, too many mappings alive, no mmap).
+    ``prefetch``: the kernel starts reading all its pages now, in the background."""
     size = entry.stop - entry.start
     first_page = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
     if (entry.start - first_page) % max(entry.dtype.itemsize, 1) or _live_maps[0] >= _MAP_BUDGET:
@@ -183,14 +184,19 @@ def _mapped(fileno: int, entry: ShardEntry) -> torch.Tensor | None:
         return None
     _live_maps[0] += 1
     weakref.finalize(region, _released)
+    if prefetch and hasattr(mmap, "MADV_WILLNEED"):
+        region.madvise(mmap.MADV_WILLNEED)
     data = torch.frombuffer(region, dtype=torch.uint8, count=size, offset=entry.start - first_page)
     return data.view(entry.dtype).reshape(entry.shape)  # the tensor keeps the mapping alive
 
 
-def stream_tensors(path: Path, entries: list[ShardEntry]) -> Iterator[tuple[ShardEntry, Callable[..., torch.Tensor]]]:
+def stream_tensors(path: Path, entries: list[ShardEntry], prefetch: bool = False) -> Iterator[tuple[ShardEntry, Callable[..., torch.Tensor]]]:
     """For each tensor of ``entries`` in file order, a reader ``read(dtype=None)`` that returns it
     in its own writable CPU memory. A read into another floating dtype converts chunk by chunk,
-    so an fp32 embedding loaded as bf16 never exists in fp32 in full."""
+    so an fp32 embedding loaded as bf16 never exists in fp32 in full. ``prefetch``: a tensor
+    mapped from the file is read ahead in the background as soon as it is mapped, for a caller
+    that uses each one at once (the model-free stream: its workers no longer wait on each page
+    fault; a lazy load must not, it would pull every weight into the page cache up front)."""
     with open(path, "rb", buffering=0) as f:
 
         def read_bytes(start: int, size: int, into: torch.Tensor, name: str) -> None:
@@ -208,7 +214,7 @@ def stream_tensors(path: Path, entries: list[ShardEntry]) -> Iterator[tuple[Shar
             def read(dtype: torch.dtype | None = None, entry: ShardEntry = entry) -> torch.Tensor:
                 size = entry.stop - entry.start
                 if dtype is None or dtype == entry.dtype or not (dtype.is_floating_point and entry.dtype.is_floating_point):
-                    mapped = _mapped(f.fileno(), entry) if size >= MAP_MIN_BYTES else None
+                    mapped = _mapped(f.fileno(), entry, prefetch) if size >= MAP_MIN_BYTES else None
                     if mapped is not None:
                         return mapped
                     buffer = torch.empty(size, dtype=torch.uint8)
