@@ -180,6 +180,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"  size:    {info['size_mb']:.2f} MB in {info['files']} safetensors file(s)")
     for group in info["groups"]:
         print(f"  {group['name']}: {group['summary']} -> {group['modules']} module(s), targets {group['targets']}")
+        if group.get("vllm"):
+            print(f"    vLLM / transformers: {group['vllm']}")
         if group.get("cpu_paths"):
             print(f"    on this CPU (llmpress.load): {', '.join(f'{k} x{n}' for k, n in sorted(group['cpu_paths'].items()))}")
     if info["ignore"]:

@@ -105,8 +105,8 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
             local = FORMATS.get(format_for(scheme)).compress(local, scheme)
             release_free_memory()  # packing temporaries: give them back before the next module
         put(prefix, local)
-    if uneven:
-        logger.warning(
+    if uneven:  # (said before any work too: quant/groups.py)
+        logger.info(
             "%d module(s) have a column count that is not a multiple of their (weight or input) group size (%s): "
             "llmpress reads them, but compressed-tensors (transformers, vLLM) may refuse to load them",
             len(uneven), ", ".join(uneven[:4]) + (" ..." if len(uneven) > 4 else ""),

@@ -14,7 +14,8 @@ from llmpress.errors import CheckpointError, UnsupportedModelError
 from llmpress.formats import format_for
 from llmpress.loading.remote_code import require_trust_for_remote_code
 from llmpress.models import build, model_class
-from llmpress.models.linear import is_linear
+from llmpress.models.linear import input_major, is_linear
+from llmpress.quant.groups import whole_groups
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.runtime.decode import path_name
@@ -65,13 +66,14 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False, verif
     for name, group in (qcfg.get("config_groups") or {}).items():
         scheme = schemes[name]
         parts = [describe_args(scheme.weights, "weights"), describe_args(scheme.input_activations, "inputs")]
-        count, paths = None, None
+        count, paths, deploys = None, None, None
         fmt = group.get("format") or qcfg.get("format")
         if assigned is not None:
-            members = [m for m, g in assigned.values() if is_linear(m) and g == name]
-            count, paths = len(members), _cpu_paths(members, scheme, fmt)
+            members = {n: m for n, (m, g) in assigned.items() if is_linear(m) and g == name}
+            count, paths = len(members), _cpu_paths(list(members.values()), scheme, fmt)
+            deploys = _deploys(members, scheme)
         groups.append({"name": name, "summary": ", ".join(p for p in parts if p), "targets": scheme.targets, "modules": count,
-                       "format": fmt, "cpu_paths": paths})
+                       "format": fmt, "cpu_paths": paths, "vllm": deploys})
     recipe_path = folder / "recipe.yaml"
     return {
         "path": str(folder),
@@ -106,6 +108,20 @@ def _cpu_paths(modules: list[nn.Module], scheme: QuantizationScheme, fmt: str | 
         kernel = path_name(QuantizedLinear.like(module, scheme).choose_kernel(fmt or format_for(scheme)))
         paths[kernel] = paths.get(kernel, 0) + 1
     return paths
+
+
+def _deploys(members: dict[str, nn.Module], scheme: QuantizationScheme) -> str:
+    """Whether vLLM (and transformers with compressed-tensors) take this group's shapes: its
+    groups whole over every member's input features (``quant/groups.py``)."""
+    columns = {n: m.weight.shape[0 if input_major(m) else -1] for n, m in members.items()}
+    split = {n: c for n, c in columns.items() if not whole_groups(scheme, c)}
+    if not split:
+        return "loads (every group whole)"
+    name, width = next(iter(split.items()))
+    weights = scheme.weights
+    group = weights.group_size if weights is not None and weights.is_grouped and width % weights.group_size else scheme.input_activations.group_size
+    return (f"refused: {len(split)} module(s) with input features not a multiple of the group size {group} "
+            f"(e.g. {name}: {width}); llmpress reads them")
 
 
 def _describe_sparsity(config: dict[str, Any] | None) -> str | None:

@@ -27,6 +27,7 @@ from llmpress.errors import RecipeError
 from llmpress.formats.hf_fp8 import DROPPED_NAMES, SCALE_NAME, check_fp8_source
 from llmpress.lifecycle.attach import FUSED_NAMES
 from llmpress.modifiers.quantization import QuantizationModifier
+from llmpress.quant.groups import dividing_groups
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.recipe import Recipe
 from llmpress.targets import CLASS, EXACT, REGEX
@@ -106,6 +107,8 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
         raise ModelFreeRefused("the recipe matches none of the checkpoint's linear weights by name",
                                got=f"targets {[t for s in schemes_of for t in s.targets]}",
                                expected=f"targets that match weights such as {sorted(linear)[:3]}")
+    fitted = dividing_groups({n.removesuffix(".weight"): (s, entries[n].shape[-1]) for n, s in chosen.items()}, type(modifier).__name__)
+    chosen = {f"{module}.weight": scheme for module, scheme in fitted.items()}  # as assign_schemes fits them
     heads = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in config.get("architectures") or [])
     tied_head = heads and "lm_head" not in linear and config.get("tie_word_embeddings", True)
     dense = [m for m in linear if f"{m}.weight" not in chosen]

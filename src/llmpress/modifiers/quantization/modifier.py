@@ -41,10 +41,11 @@ from llmpress.lifecycle.attach import (
 )
 from llmpress.lifecycle.qat import enable_qat, freeze_qat, in_qat
 from llmpress.lifecycle.state import Status, scheme_of, state_of
-from llmpress.models.linear import is_linear
+from llmpress.models.linear import input_major, is_linear
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
+from llmpress.quant.groups import dividing_groups
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets, matches, name_conv1d_targets
 
@@ -65,7 +66,8 @@ def assign_schemes(
     scheme with ``Conv1D`` added to its targets, so the saved config names it as
     compressed-tensors matches it. Matched modules that are not linear are skipped and reported
     once; a module whose weight is shared with another (tied embeddings) is untied first, so
-    quantizing it leaves the other module intact. Raises ``UnsupportedModelError`` when nothing
+    quantizing it leaves the other module intact. A group size that does not divide a module's
+    inputs is made to (``quant/groups.py``). Raises ``UnsupportedModelError`` when nothing
     matches."""
     chosen = assign_by_targets(model, [(s.targets, s) for s in schemes], ignore, linear_alias=True)
     skipped = [f"{n} ({type(m).__name__})" for n, (m, _) in chosen.items() if not is_linear(m)]
@@ -84,6 +86,9 @@ def assign_schemes(
             fix="use targets: [Linear] or module-name patterns like 're:.*proj$'",
         )
     chosen = name_conv1d_targets(chosen)
+    # groups that divide each module's inputs, before any work: what vLLM and transformers load
+    fitted = dividing_groups({n: (s, m.weight.shape[0 if input_major(m) else -1]) for n, (m, s) in chosen.items()}, modifier)
+    chosen = {n: (m, fitted[n]) for n, (m, _) in chosen.items()}
     if any("Linear" in s.targets for s in schemes):
         _warn_uncovered_weights(model, chosen, ignore, modifier)
     untie_shared_weights(model, [m for m, _ in chosen.values()])
