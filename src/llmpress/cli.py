@@ -27,7 +27,8 @@ def _oneshot(args: argparse.Namespace) -> int:
     recipe = Recipe.from_any(args.recipe)
     options = CalibrationOptions(
         num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
-        calibrate_all_experts=args.calibrate_all_experts, device=args.device,
+        calibrate_all_experts=args.calibrate_all_experts, device=args.device, split=args.split,
+        dataset_config=args.dataset_config, text_column=args.text_column,
     )
     start = time.perf_counter()
     before = _folder_stamp(args.output)
@@ -219,7 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--model", required=True, help="model folder")
     oneshot.add_argument("--recipe", required=True, help="preset (W4A16, W8A8, FP8, ...) or a YAML/JSON recipe file")
     oneshot.add_argument("--output", required=True, help="folder to write the compressed checkpoint to")
-    oneshot.add_argument("--dataset", help="calibration data: text, JSON-lines file or dataset folder")
+    oneshot.add_argument("--dataset", help="calibration data: text, JSON-lines file, dataset folder, a Hugging Face Hub dataset "
+                         "id or llm-compressor's name for one (ultrachat_200k, open_platypus, gsm8k, ...; the local cache first)")
+    oneshot.add_argument("--split", help="a Hub dataset's split, sliced as datasets slices it (train_sft[:512])")
+    oneshot.add_argument("--dataset-config", help="a Hub dataset's configuration (main, wikitext-2-raw-v1)")
+    oneshot.add_argument("--text-column", help="the field holding the text or chat messages (default: text, then messages)")
     oneshot.add_argument("--num-samples", type=_at_least(1), default=64)
     oneshot.add_argument("--seq-len", type=_at_least(1), default=256)
     oneshot.add_argument("--seed", type=int, default=0)

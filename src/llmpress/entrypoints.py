@@ -20,6 +20,7 @@ from torch import nn
 from llmpress.checkpoint import claimed_output, save_checkpoint
 from llmpress.contract.modifier import TRAINING_EVENTS
 from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
+from llmpress.data.keywords import from_llmcompressor_keywords
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError, os_failure
 from llmpress.lifecycle.state import Status, status_of
 from llmpress.model_free import ModelFreePlan, ModelFreeRefused, plan_model_free, run_plan
@@ -50,7 +51,8 @@ def _read_folder(folder: str | Path, dtype: torch.dtype | str | None, trust_remo
 def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtype | str | None,
                 trust_remote_code: bool) -> tuple[nn.Module, Any]:
     """``model`` read from its folder in ``dtype`` (None: its config's) with its tokenizer, unless
-    it is a module already (then ``dtype`` must not ask for another dtype than it has)."""
+    it is a module already (then ``dtype`` must not ask for another dtype than it has, and the
+    tokenizer is the one in the folder it was read from, as transformers records it)."""
     if isinstance(model, (str, Path)):
         model, loaded = _read_folder(model, dtype, trust_remote_code)
         return model, processor if processor is not None else loaded
@@ -64,6 +66,11 @@ def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtyp
                 expected="dtype=None with a module",
                 fix=f"convert it yourself first (model.to({wanted})), or pass the checkpoint folder",
             )
+    folder = getattr(model, "name_or_path", None)
+    if processor is None and isinstance(folder, str) and folder and Path(folder).is_dir():
+        from llmpress.loading.loader import read_tokenizer  # a transformers model: the tokenizer beside its weights
+
+        processor = read_tokenizer(Path(folder), trust_remote_code)
     return model, processor
 
 
@@ -143,6 +150,7 @@ def oneshot(
     model_free: bool | None = None,
     workers: int | None = None,
     overwrite: bool = False,
+    **llmcompressor_keywords: Any,
 ) -> nn.Module | None:
     """Apply ``recipe`` to ``model`` stage by stage, calibrating on ``dataset``; save to
     ``output_dir`` when given; return the compressed model.
@@ -177,8 +185,17 @@ def oneshot(
     asked back (``return_model=False``, as on the command line) and the recipe allows it; False
     never. ``dataset`` is a text or JSON-lines file, a dataset folder, a
     ``datasets.Dataset``, or a list of strings or token-id lists; ``calibration`` says how many
-    samples of how many tokens to take from it.
+    samples of how many tokens to take from it. ``dataset`` may also be a Hugging Face Hub
+    dataset id or one of llm-compressor's names for one (``ultrachat_200k``, ``open_platypus``...;
+    read from the local cache first), a ``DatasetDict`` or a ``DataLoader``.
+
+    llm-compressor's keyword names are read too (``num_calibration_samples``,
+    ``max_seq_length``, ``splits``, ``text_column``, ``preprocessing_func``, ``tokenizer``, ...:
+    ``llmpress.data.keywords``), so its scripts run with their imports changed.
     """
+    calibration, given = from_llmcompressor_keywords(calibration, llmcompressor_keywords, {
+        "processor": processor, "dtype": dtype, "trust_remote_code": trust_remote_code, "dataset": dataset})
+    processor, dtype, trust_remote_code, dataset = given["processor"], given["dtype"], given["trust_remote_code"], given["dataset"]
     with _output_for(output_dir, model, overwrite or resume):  # before any work: checked, then locked for the run
         recipe = Recipe.from_any(recipe)
         plan = _model_free_plan(model, recipe, output_dir, model_free, return_model, resume, dtype)

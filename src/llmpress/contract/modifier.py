@@ -236,9 +236,14 @@ class Modifier:
 
     @classmethod
     def from_recipe(cls, fields: dict[str, Any]) -> list[Modifier]:
-        """The modifiers a recipe entry of this class stands for: itself, unless an older form
-        of the entry means several (AWQ with its own scheme)."""
-        return [cls(**fields)]
+        """The modifiers a recipe entry of this class stands for: itself and its companions."""
+        modifier = cls(**fields)
+        return [modifier, *modifier.companions()]
+
+    def companions(self) -> list[Modifier]:
+        """Modifiers that run right after this one because of how it was written (AWQ given its
+        own scheme brings the quantizer of that scheme): a recipe lists them after it."""
+        return []
 
     # -- what the session and the pipelines read ------------------------------------------------
     def required_state(self) -> tuple[str, ...]:

@@ -1,9 +1,13 @@
 """Calibration samples from whatever a user has: token-id tensors of at most ``seq_len``.
 
 Sources: a text file (one long document, cut into ``seq_len``-token samples), a JSON-lines or
-JSON file of records with a ``text`` field, a local dataset folder or ``datasets.Dataset``
-(``text`` or ``input_ids`` column), a list of strings, or a list of token-id lists. Records are
-samples of their own (truncated to ``seq_len``).
+JSON file of records with a ``text`` field, a local dataset folder, ``datasets.Dataset`` or
+``DatasetDict``, a Hugging Face Hub dataset id or one of llm-compressor's shortcut names
+(``hub.py``: from the local cache first, with ``split`` and ``dataset_config``), a
+``torch.utils.data.DataLoader``, a list of strings, or a list of token-id lists. Records are
+samples of their own (truncated to ``seq_len``): ``input_ids``, text under ``text_column``,
+or chat ``messages`` through the tokenizer's chat template (``records.py``), after
+``preprocess`` where one is given.
 
 Files are read as far as the samples need, never whole: a text file 1 MB at a time (cut at a
 line end, or a space, so that no word is split) until it has given ``SPARE`` times the tokens
@@ -18,13 +22,16 @@ from __future__ import annotations
 import codecs
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
+from llmpress.data.hub import SHORTCUTS, is_hub_name, load_hub_dataset
+from llmpress.data.records import dataset_rows, loader_records, record_text_or_ids
 from llmpress.errors import DataError, MissingDependencyError
 
 __all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records"]
@@ -65,6 +72,15 @@ class CalibrationOptions:
     #: are on the device (a model larger than the GPU calibrates on it). None: a CUDA GPU when
     #: there is one and the model is in host memory, else where the model is
     device: str | None = None
+    #: a Hub dataset's split, sliced as ``datasets`` slices it ("train_sft[:512]"); for a
+    #: ``DatasetDict``, which split to read (default "calibration", "train", then the first)
+    split: str | None = None
+    #: a Hub dataset's configuration ("main", "wikitext-2-raw-v1")
+    dataset_config: str | None = None
+    #: the record field that holds the text or the chat messages (default: "text", then "messages")
+    text_column: str | None = None
+    #: called on each record first: returns the record, its text or its token ids
+    preprocess: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline not in ("layerwise", "basic"):
@@ -99,6 +115,13 @@ def load_calibration_samples(source: Any, tokenizer: Any, options: CalibrationOp
 
 
 def _load(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torch.Tensor]:
+    wanted = SPARE * options.num_samples if options.num_samples else None
+    if isinstance(source, str) and is_hub_name(source):
+        dataset, shortcut = load_hub_dataset(source, options.dataset_config, options.split)
+        render = options.preprocess or shortcut.render
+        column = options.text_column or (None if render else shortcut.column)
+        records = dataset_rows(dataset, wanted, options.shuffle, options.seed)
+        return _from_records(records, tokenizer, options, source, column, render)
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.exists():
@@ -108,19 +131,34 @@ def _load(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torc
                 expected="a .txt, .jsonl or .json file, or a dataset folder",
             )
         if path.is_dir():
-            return _from_records(_dataset_records(path), tokenizer, options, str(path))
+            return _from_records(_dataset_records(path, options, wanted), tokenizer, options, str(path))
         if path.suffix in (".jsonl", ".json"):
             return _from_records(_json_records(path, options), tokenizer, options, str(path))
         return _from_ids(_text_tokens(path, tokenizer, options), options, str(path))
+    if _is_hf_dataset(source) and hasattr(source, "keys"):  # a DatasetDict: one of its splits
+        source = source[_split_of(source, options.split)]
     if _is_hf_dataset(source):
-        return _from_records(list(source), tokenizer, options, "dataset")
+        return _from_records(dataset_rows(source, wanted, options.shuffle, options.seed), tokenizer, options, "dataset")
+    if isinstance(source, DataLoader):
+        return _from_records(loader_records(source, wanted), tokenizer, options, "DataLoader")
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)) and len(source) > 0:
         return _from_records(list(source), tokenizer, options, "list")
     raise DataError(
         "cannot read calibration data from this object",
         got=type(source).__name__ if source is not None else "nothing",
-        expected="a text/JSON-lines file or dataset folder, a datasets.Dataset, a list of strings or of token-id lists",
+        expected="a text/JSON-lines file or dataset folder, a Hub dataset id or one of "
+                 f"{', '.join(SHORTCUTS)}, a datasets.Dataset, a DataLoader, a list of strings or of token-id lists",
     )
+
+
+def _split_of(splits: Any, wanted: str | None) -> str:
+    names = list(splits.keys())
+    if wanted is not None:
+        base = wanted.split("[")[0]
+        if base not in names:
+            raise DataError("the calibration dataset has no such split", got=wanted, expected=names)
+        return base
+    return next((n for n in ("calibration", "train") if n in names), names[0])
 
 
 def batch_samples(samples: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
@@ -191,14 +229,12 @@ def _from_ids(ids: torch.Tensor, options: CalibrationOptions, origin: str) -> li
     return _choose(windows, options)
 
 
-def _from_records(records: list[Any], tokenizer: Any, options: CalibrationOptions, origin: str) -> list[torch.Tensor]:
+def _from_records(records: list[Any], tokenizer: Any, options: CalibrationOptions, origin: str, column: str | None = None,
+                  preprocess: Callable[[Any], Any] | None = None) -> list[torch.Tensor]:
     samples = []
+    column, preprocess = options.text_column or column, options.preprocess or preprocess
     for i, record in enumerate(records):
-        if isinstance(record, dict):
-            if "input_ids" in record and isinstance(record["input_ids"], str):
-                raise DataError(f"calibration record {i} of {origin} gives input_ids as text", got=repr(record["input_ids"])[:80],
-                                expected="a list of token ids (or the text under 'text')")
-            record = record.get("input_ids", record.get("text"))
+        record = record_text_or_ids(record, i, origin, tokenizer, column, preprocess)
         if isinstance(record, str):
             ids = _tokenize(tokenizer, record)
         elif isinstance(record, torch.Tensor):
@@ -209,7 +245,7 @@ def _from_records(records: list[Any], tokenizer: Any, options: CalibrationOption
             raise DataError(
                 f"calibration record {i} of {origin} has no text or token ids",
                 got=type(record).__name__,
-                expected="a string, a list of token ids, or a record with a 'text' or 'input_ids' field",
+                expected="a string, a list of token ids, or a record with a 'text', 'messages' or 'input_ids' field",
             )
         if ids:
             samples.append(torch.tensor(ids[: options.seq_len], dtype=torch.long))
@@ -260,7 +296,7 @@ def _is_hf_dataset(source: Any) -> bool:
     return type(source).__module__.startswith("datasets.") and hasattr(source, "column_names")
 
 
-def _dataset_records(path: Path) -> list[Any]:
+def _dataset_records(path: Path, options: CalibrationOptions, wanted: int | None) -> list[Any]:
     try:
         import datasets
     except ImportError:
@@ -270,5 +306,5 @@ def _dataset_records(path: Path) -> list[Any]:
         ) from None
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
-        loaded = loaded[next(iter(loaded))]
-    return list(loaded)
+        loaded = loaded[_split_of(loaded, options.split)]
+    return dataset_rows(loaded, wanted, options.shuffle, options.seed)

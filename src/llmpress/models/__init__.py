@@ -3,6 +3,7 @@
 expert (``experts``)."""
 
 from llmpress.models.classes import build, model_class, model_dtype
+from llmpress.models.dispatch import dispatch_for_generation
 from llmpress.models.experts import (
     ExpertMLP,
     LinearExperts,
@@ -19,6 +20,7 @@ __all__ = [
     "LinearExperts",
     "build",
     "calibrating_all_experts",
+    "dispatch_for_generation",
     "fused_experts",
     "linearize_experts",
     "model_class",

@@ -104,7 +104,8 @@ class Recipe:
 
     @classmethod
     def from_modifiers(cls, modifiers: list[Modifier], stage: str = DEFAULT_STAGE) -> Recipe:
-        return cls([_schemes_from_stage(RecipeStage(stage, {DEFAULT_GROUP: list(modifiers)}))])
+        expanded = [c for m in modifiers for c in (m, *m.companions())]  # AWQModifier(scheme=...) brings its quantizer
+        return cls([_schemes_from_stage(RecipeStage(stage, {DEFAULT_GROUP: expanded}))])
 
     @classmethod
     def from_preset(cls, name: str, ignore: list[str] | None = None) -> Recipe:

@@ -291,20 +291,19 @@ class AWQModifier(SmoothingModifier):
     Config = AWQModifierConfig
     linear_sources = True
 
-    @classmethod
-    def from_recipe(cls, fields: dict[str, Any]) -> list:
-        """llm-compressor's older single ``AWQModifier`` with its own ``scheme`` / ``config_groups``
-        / ``targets``: the transform, then a ``QuantizationModifier`` with that scheme (and AWQ's
-        ``ignore``), as recipes write it since llm-compressor 0.11."""
-        own = {key: fields[key] for key in SCHEME_FIELDS if key in fields}
-        if not own:
-            return [cls(**fields)]
+    def __init__(self, **fields: Any) -> None:
+        """``AWQModifier(scheme=..., targets=...)``, as llm-compressor writes it in Python and in
+        its older recipes: the transform, then a ``QuantizationModifier`` with that scheme (and
+        AWQ's ``ignore``), its companion."""
+        own = {key: fields.pop(key) for key in SCHEME_FIELDS if key in fields}
+        super().__init__(**fields)
+        self.quantizer = QuantizationModifier(**own, **({"ignore": fields["ignore"]} if "ignore" in fields else {})) if own else None
+        if own:
+            logger.info("AWQModifier with its own scheme: AWQModifier followed by QuantizationModifier(%s)",
+                        ", ".join(f"{k}={v!r}" for k, v in own.items()))
 
-        logger.info("AWQModifier with its own scheme (llm-compressor's older form): read as AWQModifier followed by "
-                    "QuantizationModifier(%s)", ", ".join(f"{k}={v!r}" for k, v in own.items()))
-        rest = {key: value for key, value in fields.items() if key not in SCHEME_FIELDS}
-        quantizer = QuantizationModifier(**own, **({"ignore": fields["ignore"]} if "ignore" in fields else {}))
-        return [cls(**rest), quantizer]
+    def companions(self) -> list:
+        return [] if self.quantizer is None else [self.quantizer]
 
     def on_initialize(self, state) -> None:
         super().on_initialize(state)
