@@ -24,6 +24,7 @@ from llmpress.lifecycle.state import Status, quantized_modules, status_of
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
+from llmpress.targets import matches
 
 __all__ = ["compressed_state_dict", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
 
@@ -137,7 +138,16 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> d
         return None
     quantized = {id(m) for _, m, _ in modules}
     ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
-    return quantization_config_of([s for _, _, s in modules], ignore, kv_cache, save_compressed)
+    return quantization_config_of([_reached_targets(s, modules) for _, _, s in modules], ignore, kv_cache, save_compressed)
+
+
+def _reached_targets(scheme: QuantizationScheme, modules: list[tuple[str, nn.Module, QuantizationScheme]]) -> QuantizationScheme:
+    """``scheme`` naming only the targets that reach one of its modules: a recipe's ``Embedding``
+    target, which llmpress leaves dense (it quantizes linear weights), must not tell
+    compressed-tensors to look for a packed embedding (transformers then fails on
+    "'Embedding' object has no attribute 'weight'")."""
+    reached = [t for t in scheme.targets if any(s is scheme and matches(n, m, [t]) for n, m, s in modules)]
+    return scheme if reached == list(scheme.targets) or not reached else scheme.model_copy(update={"targets": reached})
 
 
 def quantization_config_of(schemes: list[QuantizationScheme], ignore: list[str], kv_cache: Any = None,

@@ -73,7 +73,9 @@ def assign_schemes(
     skipped = [f"{n} ({type(m).__name__})" for n, (m, _) in chosen.items() if not is_linear(m)]
     chosen = {n: (m, s) for n, (m, s) in chosen.items() if is_linear(m)}
     if skipped:
-        logger.warning("%s: skipped %d non-linear module(s): %s", modifier, len(skipped), ", ".join(skipped[:8]))
+        logger.warning("%s: %d non-linear module(s) stay in full precision: %s (llmpress quantizes linear weights; "
+                       "transformers + compressed-tensors cannot run a quantized Embedding either)", modifier, len(skipped),
+                       ", ".join(skipped[:8]))
     unused = [s for s in schemes if not any(s is used for _, used in chosen.values())]
     if unused and chosen:
         logger.warning("%s: %d scheme(s) matched no module: targets %s", modifier, len(unused), [s.targets for s in unused])
