@@ -91,8 +91,10 @@ def _eval(args: argparse.Namespace) -> int:
 
     from llmpress.evaluation.report import evaluate_models, format_table
 
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     results = evaluate_models(args.model, args.dataset, seq_len=args.seq_len, max_windows=args.max_windows, batch_size=args.batch_size,
-                              dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code)
+                              dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code, tasks=tasks,
+                              include_path=args.include_path, limit=args.limit)
     if args.plot:
         from llmpress.evaluation.report import plot_results
 
@@ -100,7 +102,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         payload = results[0] if len(results) == 1 else results
         print(json.dumps(payload))
-    elif len(results) == 1:
+    elif len(results) == 1 and "perplexity" in results[0] and not tasks:
         row = results[0]
         print(f"{row['model']} ({row['scheme']}): perplexity {row['perplexity']:.3f} over {row['tokens']} tokens ({row['seconds']:.1f}s)")
     else:
@@ -265,9 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the dtype the model is read, calibrated and saved in (default auto: the one its config "
                              "names); statistics accumulate in float32 whatever it is")
 
-    evaluate = commands.add_parser("eval", help="perplexity of one or more checkpoints on a text file")
+    evaluate = commands.add_parser("eval", help="perplexity and lm-eval task scores of one or more checkpoints")
     evaluate.add_argument("--model", required=True, action="append", help="checkpoint folder (repeat to compare)")
-    evaluate.add_argument("--dataset", required=True, help="text file to evaluate on")
+    evaluate.add_argument("--dataset", help="text file to measure perplexity on")
+    evaluate.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (arc_easy,hellaswag), run on the model "
+                          "llmpress.load gives (needs lm-eval: pip install 'llmpress[eval]')")
+    evaluate.add_argument("--include-path", help="a folder of your own lm-eval task YAML files")
+    evaluate.add_argument("--limit", type=_at_least(1), help="at most this many documents per task")
     evaluate.add_argument("--seq-len", type=_at_least(2), default=256)
     evaluate.add_argument("--max-windows", type=_at_least(1), default=200)
     evaluate.add_argument("--batch-size", type=_at_least(1), default=8)

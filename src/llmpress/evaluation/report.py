@@ -1,4 +1,5 @@
-"""Perplexity of several checkpoints on one text, as rows; and a bar chart of them."""
+"""Perplexity of several checkpoints on one text and their lm-eval task scores, as rows; and a bar
+chart of them."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import torch
 from llmpress.data import load_records
 from llmpress.errors import DataError, MissingDependencyError
 from llmpress.evaluation.perplexity import evaluation_windows, perplexity
+from llmpress.evaluation.tasks import task_scores
 from llmpress.loading.inspect import describe_args
-from llmpress.loading.loader import model_folder, read_model_and_processor
+from llmpress.loading.loader import load, model_folder, read_model_and_processor, read_tokenizer
 from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, preset_scheme
 
-__all__ = ["evaluate_models", "format_table", "plot_results", "scheme_label"]
+__all__ = ["evaluate_models", "format_table", "plot_results", "scheme_label", "task_columns"]
 
 _NOT_THE_GRID = {"observer", "observer_kwargs", "actorder", "zp_dtype"}  # how a grid was chosen, not which
 
@@ -45,23 +47,39 @@ def scheme_label(folder: str | Path) -> str:
 
 
 def evaluate_models(
-    models: list[str], dataset: str, *, seq_len: int = 256, max_windows: int = 200, batch_size: int = 8,
-    dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+    models: list[str], dataset: str | None, *, seq_len: int = 256, max_windows: int = 200, batch_size: int = 8,
+    dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, tasks: list[str] | None = None,
+    include_path: str | None = None, limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per checkpoint: its perplexity (computed in ``dtype``), what it holds and the
-    size of its weight files."""
-    text = evaluation_text(Path(dataset), seq_len * max_windows)
+    """One row per checkpoint: its perplexity on ``dataset`` (computed in ``dtype``), its scores
+    on lm-eval ``tasks`` (the model ``llmpress.load`` gives: the CPU kernels), what it holds and
+    the size of its weight files."""
+    if dataset is None and not tasks:
+        raise DataError("nothing to evaluate", got="no dataset and no tasks", expected="a text file (perplexity), lm-eval tasks, or both")
+    text = evaluation_text(Path(dataset), seq_len * max_windows) if dataset is not None else None
     rows, windows = [], None
     for path in models:
-        model, tokenizer = read_model_and_processor(path, dtype=dtype, trust_remote_code=trust_remote_code)
-        if tokenizer is None:
-            raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
-        windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)
-        result = perplexity(model, windows, batch_size=batch_size)
         folder = model_folder(path)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
-        rows.append({"model": path, "scheme": scheme_label(folder), "weights_mb": size, **result.to_dict()})
+        row: dict[str, Any] = {"model": path, "scheme": scheme_label(folder), "weights_mb": size}
+        if text is not None:
+            model, tokenizer = read_model_and_processor(path, dtype=dtype, trust_remote_code=trust_remote_code)
+            if tokenizer is None:
+                raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
+            windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)
+            row.update(perplexity(model, windows, batch_size=batch_size).to_dict())
+            del model
+        if tasks:
+            runtime = load(path, trust_remote_code=trust_remote_code)
+            row["tasks"] = task_scores(runtime, read_tokenizer(folder, trust_remote_code), tasks, include_path=include_path,
+                                       limit=limit, batch_size=batch_size)
+        rows.append(row)
     return rows
+
+
+def task_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(task, metric) pairs the rows hold, in order."""
+    return list(dict.fromkeys((t, m) for r in rows for t, metrics in (r.get("tasks") or {}).items() for m in metrics))
 
 
 def evaluation_text(path: Path, tokens: int) -> str:
@@ -84,15 +102,28 @@ def evaluation_text(path: Path, tokens: int) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as an aligned table, each perplexity also against the first row's."""
+    """The rows as an aligned table: each perplexity also against the first row's, then each
+    task's metrics."""
     names = [Path(r["model"]).name or r["model"] for r in rows]
     width, scheme_width = max(5, *map(len, names)), max(6, *(len(r["scheme"]) for r in rows))
-    lines = [f"{'model':<{width}}  {'scheme':<{scheme_width}}  {'weights MB':>10}  {'perplexity':>10}  {'vs first':>8}"]
+    columns = task_columns(rows)
+    labels = [f"{t} {m}" for t, m in columns]
+    has_ppl = "perplexity" in rows[0]
+    head = f"{'model':<{width}}  {'scheme':<{scheme_width}}  {'weights MB':>10}"
+    head += f"  {'perplexity':>10}  {'vs first':>8}" if has_ppl else ""
+    lines = [head + "".join(f"  {label:>{max(8, len(label))}}" for label in labels)]
     for name, row in zip(names, rows):
-        change = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
-        lines.append(f"{name:<{width}}  {row['scheme']:<{scheme_width}}  {row['weights_mb']:>10.1f}  {row['perplexity']:>10.3f}  {change:>+7.2f}%")
+        line = f"{name:<{width}}  {row['scheme']:<{scheme_width}}  {row['weights_mb']:>10.1f}"
+        if has_ppl:
+            change = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
+            line += f"  {row['perplexity']:>10.3f}  {change:>+7.2f}%"
+        for (task, metric), label in zip(columns, labels):
+            value = (row.get("tasks") or {}).get(task, {}).get(metric)
+            line += f"  {'-' if value is None else f'{value:.4f}':>{max(8, len(label))}}"
+        lines.append(line)
     first = rows[0]
-    lines.append(f"({first['windows']} windows of {first['seq_len']} tokens, {first['tokens']} tokens predicted)")
+    if has_ppl:
+        lines.append(f"({first['windows']} windows of {first['seq_len']} tokens, {first['tokens']} tokens predicted)")
     return "\n".join(lines)
 
 
@@ -105,16 +136,24 @@ def plot_results(rows: list[dict[str, Any]], png: str | Path) -> Path:
     except ImportError:
         raise MissingDependencyError("--plot needs matplotlib", fix="pip install matplotlib  (or 'llmpress[plot]')") from None
     labels = [f"{Path(r['model']).name}\n{r['scheme']}" if "scheme" in r else Path(r["model"]).name for r in rows]
-    values = [r["perplexity"] for r in rows]
-    # horizontal bars, first model on top: long checkpoint names stay readable
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(rows)))
+    panels = ([("perplexity", "perplexity (lower is better)", [r["perplexity"] for r in rows])] if "perplexity" in rows[0] else [])
+    panels += [(f"{t} {m}", f"{t} {m} (higher is better)", [(r.get("tasks") or {}).get(t, {}).get(m, float("nan")) for r in rows])
+               for t, m in task_columns(rows)]
+    # horizontal bars, first model on top: long checkpoint names stay readable; one panel per measure
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, (1.2 + 0.6 * len(rows)) * len(panels)), squeeze=False)
     positions = range(len(rows))  # positions, not the labels themselves: two folders may share a name
-    bars = ax.barh(positions, values[::-1], color="#4C72B0")
-    ax.set_yticks(positions, labels[::-1])
-    ax.bar_label(bars, fmt="%.3f", padding=3)
-    ax.set_xlim(min(values) * 0.98, max(values) * 1.01)
-    ax.set_xlabel("perplexity (lower is better)")
-    ax.set_title(f"Perplexity, {rows[0]['windows']} windows of {rows[0]['seq_len']} tokens")
+    for ax, (name, axis_label, values) in zip(axes[:, 0], panels):
+        bars = ax.barh(positions, values[::-1], color="#4C72B0")
+        ax.set_yticks(positions, labels[::-1])
+        ax.bar_label(bars, fmt="%.3f", padding=3)
+        finite = [v for v in values if v == v]
+        if name == "perplexity" and finite:
+            ax.set_xlim(min(finite) * 0.98, max(finite) * 1.01)
+            ax.set_title(f"Perplexity, {rows[0]['windows']} windows of {rows[0]['seq_len']} tokens")
+        else:
+            ax.set_xlim(0, max([1.0, *finite]) * 1.1)
+            ax.set_title(name)
+        ax.set_xlabel(axis_label)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
