@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--model", required=True, help="model folder")
     oneshot.add_argument("--recipe", required=True, help="preset (W4A16, W8A8, FP8, ...) or a YAML/JSON recipe file")
     oneshot.add_argument("--output", required=True, help="folder to write the compressed checkpoint to")
-    oneshot.add_argument("--dataset", help="calibration data: text, JSON-lines file, dataset folder, a Hugging Face Hub dataset "
+    oneshot.add_argument("--dataset", "--data", help="calibration data: text, JSON-lines file, dataset folder, a Hugging Face Hub dataset "
                          "id or llm-compressor's name for one (ultrachat_200k, open_platypus, gsm8k, ...; the local cache first)")
     oneshot.add_argument("--split", help="a Hub dataset's split, sliced as datasets slices it (train_sft[:512])")
     oneshot.add_argument("--dataset-config", help="a Hub dataset's configuration (main, wikitext-2-raw-v1)")
