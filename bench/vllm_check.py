@@ -38,7 +38,7 @@ def _quant(modifier: str, body: str) -> str:
 RECIPES = {
     "w4a16": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: W4A16\n      targets: [Linear]\n"),
     "gptq-actorder": _quant("GPTQModifier", f"      ignore: [lm_head]\n      config_groups:\n        group_0:\n          targets: [Linear]\n"
-                                            f"          {_W4}, actorder: group}}\n"),
+                                            f"          {_W4}, actorder: static}}\n"),
     "awq": _quant("AWQModifier", "      ignore: [lm_head]\n      scheme: W4A16_ASYM\n      targets: [Linear]\n"),
     "smoothquant-w8a8": ("quant_stage:\n  quant_modifiers:\n    SmoothQuantModifier: {smoothing_strength: 0.8}\n"
                          "    GPTQModifier: {ignore: [lm_head], scheme: W8A8, targets: [Linear]}\n"),
@@ -136,7 +136,7 @@ def vllm_row(folder: Path, dtype: str, prompt_file: Path, serve: bool, follow: l
     row = json.loads(lines[-1]) if lines else {"loads": False, "reason": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
     if not row.get("loads") or not row.get("served", True):
         # the engine runs in child processes: their own error, not the parent's "initialization failed"
-        causes = [m.group(1) for m in re.finditer(r"((?:\w+Error|\w+Exception|NotImplementedError): .+)", done.stderr)
+        causes = [m.group(1) for m in re.finditer(r"((?:\w+Error|\w+Exception): .+)", done.stderr + "\n" + done.stdout)
                   if "initialization failed" not in m.group(1)]
         if causes:
             row["reason"] = causes[-1][:300]

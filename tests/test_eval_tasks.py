@@ -1,7 +1,11 @@
 """``llmpress eval --tasks``: lm-evaluation-harness on the model ``llmpress.load`` gives, with a
 local task of our own (a multiple-choice continuation task over the fixture's evaluation text:
 the true next words against words from elsewhere), gives the accuracy ``lm_eval`` gives run
-directly on the dequantized model, beside perplexity in one table."""
+directly on the dequantized model, beside perplexity in one table.
+
+It runs where ``llmpress[eval]`` is installed. The dev environment leaves lm-eval out: it brings
+scipy (through scikit-learn), which transformers then imports with every model class (its
+object-detection losses), 40 MB more in every process, benchmarks included."""
 
 from __future__ import annotations
 

@@ -131,14 +131,26 @@ def _scheme_key(scheme: QuantizationScheme) -> str:
 
 
 def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> dict[str, Any] | None:
-    """The compressed-tensors ``quantization_config`` of a quantized model, else ``None``."""
+    """The compressed-tensors ``quantization_config`` of a quantized model, else ``None``. Its
+    ``ignore`` lists the linear layers left dense, and the MoE routers (``ROUTER_NAMES``)."""
     modules = quantized_modules(model)
     kv_cache = kv_cache_scheme_of(model)
     if not modules and kv_cache is None:
         return None
     quantized = {id(m) for _, m, _ in modules}
-    ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
+    routers = {f"{n}.{leaf}" if n else leaf for n, m in model.named_modules() if hasattr(m, "experts") for leaf in ROUTER_NAMES}
+    ignore = [n for n, m in model.named_modules() if (is_linear(m) or (n in routers and _has_matrix(m))) and id(m) not in quantized]
     return quantization_config_of([_reached_targets(s, modules) for _, _, s in modules], ignore, kv_cache, save_compressed)
+
+
+#: the names of an MoE block's router beside its ``experts``: dense, and listed in ``ignore``, since
+#: vLLM builds the router as a linear layer and would look for it quantized under a ``Linear`` target
+ROUTER_NAMES = ("gate", "router")
+
+
+def _has_matrix(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
 def _reached_targets(scheme: QuantizationScheme, modules: list[tuple[str, nn.Module, QuantizationScheme]]) -> QuantizationScheme:

@@ -89,7 +89,7 @@ def _write(output_dir: str | Path, model: nn.Module, processor: Any, save_compre
     names = KeyMap(model)  # the names transformers' save_pretrained would write
     with atomic_directory(output_dir, replaces=is_checkpoint_file) as tmp:
         _write_shards(tmp, model, save_compressed, names, limit)
-        _write_config(tmp, model, *_compression_config(model, save_compressed, sparsity))
+        _write_config(tmp, model, *_compression_config(model, save_compressed, sparsity, names))
         if processor is not None:
             processor.save_pretrained(str(tmp))
         recorded = recipe if recipe is not None else applied_recipe(model)
@@ -132,13 +132,22 @@ def _write_shards(folder: Path, model: nn.Module, save_compressed: bool, names: 
         raise
 
 
-def _compression_config(model: nn.Module, save_compressed: bool,
-                        sparsity: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _compression_config(model: nn.Module, save_compressed: bool, sparsity: dict[str, Any] | None,
+                        names: KeyMap | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it; for a
     pruned model that is not quantized, no ``quantization_config`` at all (a plain checkpoint,
     as llm-compressor writes it: transformers + compressed-tensors refuse one without config
-    groups) and the sparsity record under llmpress's own config key."""
+    groups) and the sparsity record under llmpress's own config key. Module names in ``ignore``
+    and in name targets are the checkpoint's (``names``: Mixtral's ``block_sparse_moe``, not
+    transformers 5's ``mlp``), as vLLM reads them."""
     config = quantization_config_for(model, save_compressed)
+    if config is not None and names is not None:
+        def named(module: str) -> str:
+            return names.to_checkpoint(f"{module}.weight").removesuffix(".weight")
+
+        config["ignore"] = [named(n) for n in config["ignore"]]
+        for group in config["config_groups"].values():
+            group["targets"] = [t if t.startswith("re:") or "." not in t else named(t) for t in group["targets"]]
     if sparsity is None or config is None:
         return config, sparsity
     config["sparsity_config"] = sparsity

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from llmpress.checkpoint.compressed_state import ROUTER_NAMES
 from llmpress.errors import RecipeError
 from llmpress.formats.hf_fp8 import DROPPED_NAMES, SCALE_NAME, check_fp8_source
 from llmpress.lifecycle.attach import FUSED_NAMES
@@ -111,7 +112,7 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     chosen = {f"{module}.weight": scheme for module, scheme in fitted.items()}  # as assign_schemes fits them
     heads = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in config.get("architectures") or [])
     tied_head = heads and "lm_head" not in linear and config.get("tie_word_embeddings", True)
-    dense = [m for m in linear if f"{m}.weight" not in chosen]
+    dense = [m for m in linear if f"{m}.weight" not in chosen] + _routers(entries)  # as the model-class path lists them
     if tied_head and "lm_head" not in dense:
         if _priority("lm_head", ignore) is None and any(_priority("lm_head", s.targets) is not None for s in schemes_of):
             raise ModelFreeRefused("the recipe quantizes a head tied to the embeddings: it is untied in the model first",
@@ -157,6 +158,13 @@ def _linear_modules(entries: dict[str, ShardEntry]) -> list[str]:
             continue
         found.append(module)
     return found
+
+
+def _routers(entries: dict[str, ShardEntry]) -> list[str]:
+    """The MoE routers with a 2-D weight beside their ``experts`` (``checkpoint.ROUTER_NAMES``)."""
+    blocks = {name.rpartition(".experts.")[0] for name in entries if ".experts." in name}
+    return [f"{b}.{leaf}" for b in sorted(blocks) for leaf in ROUTER_NAMES
+            if (e := entries.get(f"{b}.{leaf}.weight")) is not None and len(e.shape) == 2]
 
 
 def _refuse_fused_experts(entries: dict[str, ShardEntry]) -> None:
