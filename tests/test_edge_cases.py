@@ -66,10 +66,11 @@ def test_asymmetric_int4_loads_in_transformers(tmp_path):
     torch.testing.assert_close(logits(theirs, IDS), logits(model, IDS), rtol=1e-4, atol=1e-4)
 
 
-def test_uneven_groups_are_reported_at_save(tmp_path, caplog):
+def test_uneven_groups_are_reported_before_any_work(tmp_path, caplog):
+    """Groups of 128 over down_proj's 200 inputs: no group vLLM takes divides them (quant/groups.py)."""
     with caplog.at_level(logging.WARNING):
         llmpress.oneshot(make_tiny_llama(intermediate=200), "W4A16", output_dir=tmp_path / "out")
-    assert "not a multiple of their (weight or input) group size" in caplog.text and "down_proj" in caplog.text
+    assert "vLLM and compressed-tensors refuse" in caplog.text and "down_proj" in caplog.text
 
 
 def test_finalize_quantizes_weights_without_calibration_events(tmp_path):

@@ -130,17 +130,26 @@ def _scheme_key(scheme: QuantizationScheme) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-def quantization_config_for(model: nn.Module, save_compressed: bool = True) -> dict[str, Any] | None:
+def quantization_config_for(model: nn.Module, save_compressed: bool = True, names: Any = None) -> dict[str, Any] | None:
     """The compressed-tensors ``quantization_config`` of a quantized model, else ``None``. Its
-    ``ignore`` lists the linear layers left dense, and the MoE routers (``ROUTER_NAMES``)."""
+    ``ignore`` lists the linear layers left dense, by module name (what compressed-tensors matches
+    in transformers), then the MoE routers (``ROUTER_NAMES``) by their names in the checkpoint
+    (``names``, a ``KeyMap``: Mixtral's ``block_sparse_moe.gate``, not transformers 5's
+    ``mlp.gate``), which is what vLLM matches: it builds a router as a linear layer, where
+    transformers does not."""
     modules = quantized_modules(model)
     kv_cache = kv_cache_scheme_of(model)
     if not modules and kv_cache is None:
         return None
     quantized = {id(m) for _, m, _ in modules}
     routers = {f"{n}.{leaf}" if n else leaf for n, m in model.named_modules() if hasattr(m, "experts") for leaf in ROUTER_NAMES}
-    ignore = [n for n, m in model.named_modules() if (is_linear(m) or (n in routers and _has_matrix(m))) and id(m) not in quantized]
-    return quantization_config_of([_reached_targets(s, modules) for _, _, s in modules], ignore, kv_cache, save_compressed)
+    ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
+    dense_routers = [n for n, m in model.named_modules() if n in routers and _has_matrix(m) and id(m) not in quantized and n not in ignore]
+    if names is not None:
+        dense_routers = [names.to_checkpoint(f"{n}.weight").removesuffix(".weight") for n in dense_routers]
+    ignore += [n for n in dense_routers if n not in ignore]
+    dense = [(n, m) for n, m in model.named_modules() if id(m) not in quantized and not is_linear(m)]
+    return quantization_config_of([_reached_targets(s, modules, dense) for _, _, s in modules], ignore, kv_cache, save_compressed)
 
 
 #: the names of an MoE block's router beside its ``experts``: dense, and listed in ``ignore``, since
@@ -153,13 +162,19 @@ def _has_matrix(module: nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
-def _reached_targets(scheme: QuantizationScheme, modules: list[tuple[str, nn.Module, QuantizationScheme]]) -> QuantizationScheme:
-    """``scheme`` naming only the targets that reach one of its modules: a recipe's ``Embedding``
-    target, which llmpress leaves dense (it quantizes linear weights), must not tell
-    compressed-tensors to look for a packed embedding (transformers then fails on
-    "'Embedding' object has no attribute 'weight'")."""
-    reached = [t for t in scheme.targets if any(s is scheme and matches(n, m, [t]) for n, m, s in modules)]
-    return scheme if reached == list(scheme.targets) or not reached else scheme.model_copy(update={"targets": reached})
+def _reached_targets(scheme: QuantizationScheme, modules: list[tuple[str, nn.Module, QuantizationScheme]],
+                     dense: list[tuple[str, nn.Module]]) -> QuantizationScheme:
+    """``scheme`` without the targets that only name modules llmpress left dense: a recipe's
+    ``Embedding`` target (llmpress quantizes linear weights) must not tell compressed-tensors to
+    look for a packed embedding (transformers then fails on "'Embedding' object has no attribute
+    'weight'"). A target that names nothing in memory stays (``Conv1D`` after quantize-on-load,
+    whose modules are llmpress's runtime ones until transformers builds them again)."""
+    def left_dense(target: str) -> bool:
+        reaches = any(s is scheme and matches(n, m, [target], linear_alias=True) for n, m, s in modules)
+        return not reaches and any(matches(n, m, [target]) for n, m in dense)
+
+    kept = [t for t in scheme.targets if not left_dense(t)]
+    return scheme if kept == list(scheme.targets) or not kept else scheme.model_copy(update={"targets": kept})
 
 
 def quantization_config_of(schemes: list[QuantizationScheme], ignore: list[str], kv_cache: Any = None,

@@ -137,17 +137,9 @@ def _compression_config(model: nn.Module, save_compressed: bool, sparsity: dict[
     """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it; for a
     pruned model that is not quantized, no ``quantization_config`` at all (a plain checkpoint,
     as llm-compressor writes it: transformers + compressed-tensors refuse one without config
-    groups) and the sparsity record under llmpress's own config key. Module names in ``ignore``
-    and in name targets are the checkpoint's (``names``: Mixtral's ``block_sparse_moe``, not
-    transformers 5's ``mlp``), as vLLM reads them."""
-    config = quantization_config_for(model, save_compressed)
-    if config is not None and names is not None:
-        def named(module: str) -> str:
-            return names.to_checkpoint(f"{module}.weight").removesuffix(".weight")
-
-        config["ignore"] = [named(n) for n in config["ignore"]]
-        for group in config["config_groups"].values():
-            group["targets"] = [t if t.startswith("re:") or "." not in t else named(t) for t in group["targets"]]
+    groups) and the sparsity record under llmpress's own config key. ``names``: the checkpoint's
+    names, in which MoE routers are listed in ``ignore`` (``quantization_config_for``)."""
+    config = quantization_config_for(model, save_compressed, names)
     if sparsity is None or config is None:
         return config, sparsity
     config["sparsity_config"] = sparsity
