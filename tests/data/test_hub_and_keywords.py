@@ -107,3 +107,8 @@ def test_llmcompressor_keyword_names(caplog):
     with caplog.at_level(logging.INFO):
         from_llmcompressor_keywords(None, {"streaming": False}, {})
     assert "no effect" in caplog.text
+
+
+def test_a_missing_file_is_not_taken_for_a_hub_id():
+    with pytest.raises(DataError, match="calibration data not found"):
+        load_calibration_samples("data/calib.txt", Words(), CalibrationOptions())

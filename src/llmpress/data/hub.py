@@ -66,9 +66,15 @@ SHORTCUTS: dict[str, Shortcut] = {
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet", ".arrow")
+
+
 def is_hub_name(text: str) -> bool:
-    """A shortcut name, or ``owner/name`` that is not a path on this machine."""
-    return text in SHORTCUTS or (bool(_HUB_ID.match(text)) and not Path(text).exists())
+    """A shortcut name, or ``owner/name`` that is not a path on this machine (nor a file name:
+    a mistyped ``data/calib.txt`` is a missing file, not a dataset id)."""
+    if text in SHORTCUTS:
+        return True
+    return bool(_HUB_ID.match(text)) and not text.lower().endswith(_FILE_SUFFIXES) and not Path(text).exists()
 
 
 def load_hub_dataset(name: str, config: str | None = None, split: str | None = None) -> tuple[Any, Shortcut]:
