@@ -149,7 +149,8 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
         dense_routers = [names.to_checkpoint(f"{n}.weight").removesuffix(".weight") for n in dense_routers]
     ignore += [n for n in dense_routers if n not in ignore]
     dense = [(n, m) for n, m in model.named_modules() if id(m) not in quantized and not is_linear(m)]
-    return quantization_config_of([_reached_targets(s, modules, dense) for _, _, s in modules], ignore, kv_cache, save_compressed)
+    reached = {id(s): _reached_targets(s, modules, dense) for _, _, s in modules}  # once per scheme, not per module
+    return quantization_config_of([reached[id(s)] for _, _, s in modules], ignore, kv_cache, save_compressed)
 
 
 #: the names of an MoE block's router beside its ``experts``: dense, and listed in ``ignore``, since
