@@ -77,12 +77,17 @@ def make_models(work: Path) -> dict[str, Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = fixture("tiny-llama")
-    models = {"tiny-llama": tokenizer}
+    float32 = work / "tiny-llama"
+    if not (float32 / "config.json").exists():
+        shutil.copytree(tokenizer, float32, dirs_exist_ok=True)
+        _chat_template(float32)
+    models = {"tiny-llama": float32}
     bf16 = work / "tiny-llama-bf16"
     if not (bf16 / "config.json").exists():
         AutoModelForCausalLM.from_pretrained(str(tokenizer), dtype=torch.bfloat16).save_pretrained(bf16)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer / name, bf16 / name)
+        _chat_template(bf16)
     models["tiny-llama-bf16"] = bf16
     shapes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, vocab_size=int(json.loads((tokenizer / "config.json").read_text())["vocab_size"]))
@@ -96,8 +101,18 @@ def make_models(work: Path) -> dict[str, Path]:
             AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
             for file in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(tokenizer / file, folder / file)
+            _chat_template(folder)
         models[name] = folder
     return models
+
+
+def _chat_template(folder: Path) -> None:
+    """A plain chat template in the folder's tokenizer (the fixture's has none): vLLM's OpenAI
+    server answers a chat request only with one, and every output carries it on."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
+    path.write_text(json.dumps(config))
 
 
 def prompts(path: Path) -> Path:

