@@ -4,7 +4,8 @@
 
 TOOL is ``llmpress`` (the ``llmpress oneshot`` command, as a user runs it: this process runs the
 console script's own function), ``llmpress-model-class`` (the same with ``--no-model-free``),
-``llmpress-api`` (``llmpress.oneshot`` from Python), ``llmcompressor`` (its ``oneshot`` from
+``llmpress-api`` (``llmpress.oneshot`` from Python), ``llmpress-float32-compute`` (the command with
+``--compute-dtype float32``: a bf16 model's layers calibrate in float32), ``llmcompressor`` (its ``oneshot`` from
 Python on the model in its own dtype: it has no command for this) or ``llmcompressor-model-free``
 (its ``model_free_ptq`` with the recipe's one QuantizationModifier's scheme and ignore list, and
 ``BENCH_WORKERS`` threads, 2 by default). Both tools read the same
@@ -100,7 +101,8 @@ def main() -> None:
     tool, recipe, model_dir, tokens, output = sys.argv[1:6]
     runs = {"llmpress": run_llmpress_command, "llmpress-api": run_llmpress_api, "llmcompressor": run_llmcompressor,
             "llmcompressor-model-free": run_llmcompressor_model_free,
-            "llmpress-model-class": lambda *args: run_llmpress_command(*args, "--no-model-free")}
+            "llmpress-model-class": lambda *args: run_llmpress_command(*args, "--no-model-free"),
+            "llmpress-float32-compute": lambda *args: run_llmpress_command(*args, "--compute-dtype", "float32")}
     runs[tool](recipe, model_dir, tokens, output)
 
 

@@ -29,6 +29,7 @@ def _oneshot(args: argparse.Namespace) -> int:
         num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
         calibrate_all_experts=args.calibrate_all_experts, device=args.device, split=args.split,
         dataset_config=args.dataset_config, text_column=args.text_column,
+        compute_dtype=None if args.compute_dtype == "auto" else args.compute_dtype,
     )
     start = time.perf_counter()
     before = _folder_stamp(args.output)
@@ -237,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     oneshot.add_argument("--device", help="where each layer calibrates: cuda, cuda:N or cpu "
                          "(default: a CUDA GPU when there is one; the model stays in host memory)")
+    oneshot.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="the dtype each layer calibrates in; the model and its output keep --dtype (default auto: "
+                         "the model's, but float32 for bf16 / fp16 on a CPU without bf16 / fp16 matrix units)")
     oneshot.add_argument("--resume", action="store_true",
                          help="go on from the last finished layer of an interrupted run (its work folder: OUTPUT.llmpress-work)")
     oneshot.add_argument("--model-free", action=argparse.BooleanOptionalAction, default=None,

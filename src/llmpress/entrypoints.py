@@ -273,7 +273,8 @@ def _oneshot_stage(model: nn.Module, stage: RecipeStage, batches: Any, processor
         session.initialize(model=model, calibration_data=batches, processor=processor)
         if options.pipeline == "layerwise":
             run_layerwise_calibration(model, session, batches or [], true_sequential=options.true_sequential, work=work,
-                                      spill=options.spill_activations, keep_held=keep_held, device=options.device)
+                                      spill=options.spill_activations, keep_held=keep_held, device=options.device,
+                                      compute_dtype=options.compute_dtype)
         else:
             run_basic_calibration(model, session, batches or [])
         session.finalize()

@@ -72,6 +72,11 @@ class CalibrationOptions:
     #: are on the device (a model larger than the GPU calibrates on it). None: a CUDA GPU when
     #: there is one and the model is in host memory, else where the model is
     device: str | None = None
+    #: layerwise: the dtype each block calibrates in ("float32", "bfloat16", "float16"), cast for
+    #: its turn and back; the model, its saved weights and scales keep theirs. None: the model's
+    #: own where that is the fast path (a GPU; a CPU with bf16 units, AVX-512 BF16 or AMX, for a
+    #: bf16 model), else float32 (bench/README.md, "Real checkpoints": the accuracy effect)
+    compute_dtype: str | None = None
     #: a Hub dataset's split, sliced as ``datasets`` slices it ("train_sft[:512]"); for a
     #: ``DatasetDict``, which split to read (default "calibration", "train", then the first)
     split: str | None = None
@@ -90,6 +95,9 @@ class CalibrationOptions:
                 torch.device(self.device)
             except (RuntimeError, TypeError):
                 raise DataError("unknown calibration device", got=repr(self.device), expected="'cpu', 'cuda' or 'cuda:N'") from None
+        if self.compute_dtype is not None and str(self.compute_dtype).removeprefix("torch.") not in ("float32", "bfloat16", "float16"):
+            raise DataError("unknown compute dtype", got=repr(self.compute_dtype),
+                            expected="'float32', 'bfloat16' or 'float16' (or None: the model's, where fast)")
         for name in ("num_samples", "seq_len", "batch_size"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise DataError(f"{name} must be at least 1", got=getattr(self, name), expected=">= 1")

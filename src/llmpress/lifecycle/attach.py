@@ -17,6 +17,7 @@ from torch import nn
 
 from llmpress import native
 from llmpress.compat import own_buffers, tensor_version
+from llmpress.lifecycle.compute_dtype import stored_dtype
 from llmpress.lifecycle.state import Status, forget_state_if_empty, scheme_of, state_of
 from llmpress.parallel.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
@@ -133,7 +134,7 @@ def store_weight_qparams(module: nn.Module, scale_dtype: torch.dtype | None = No
     share_global_scales([module], {})  # NVFP4 without a family's scale: its own
     global_scale = getattr(module, "weight_global_scale", None)
     scale, zero_point = weight_qparams(weight, args, global_scale)
-    scale = scale.to(scale_dtype or scale_dtype_for(args, weight.dtype))
+    scale = scale.to(scale_dtype or scale_dtype_for(args, stored_dtype(module)))
     set_module_buffer(module, "weight_scale", scale)
     set_module_buffer(module, "weight_zero_point", zero_point)
     state_of(module).status = Status.FROZEN
@@ -168,7 +169,7 @@ def set_weight_qparams(
     global_scale: torch.Tensor | None = None,
 ) -> None:
     """Store a weight already on its grid (from GPTQ, say) with the qparams that define the grid."""
-    dtype = scale_dtype_for(scheme_of(module).weights, module.weight.dtype)
+    dtype = scale_dtype_for(scheme_of(module).weights, stored_dtype(module))
     replace_weight(module, weight)
     set_module_buffer(module, "weight_scale", scale.to(dtype))
     set_module_buffer(module, "weight_zero_point", zero_point)
@@ -179,7 +180,7 @@ def set_weight_qparams(
 
 def set_input_scale(module: nn.Module, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> None:
     """A static input scale (and zero point, for asymmetric inputs), as compressed-tensors stores them."""
-    set_module_buffer(module, "input_scale", scale.reshape(1).to(module.weight.dtype))
+    set_module_buffer(module, "input_scale", scale.reshape(1).to(stored_dtype(module)))
     set_module_buffer(module, "input_zero_point", None if zero_point is None else zero_point.reshape(1))
 
 

@@ -54,7 +54,8 @@ KEPT_PER_BLOCK_WEIGHTS = 8
 @torch.no_grad()
 def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[torch.Tensor],
                               true_sequential: bool | None = None, work: WorkFolder | None = None,
-                              spill: bool = True, keep_held: bool = False, device: str | torch.device | None = None) -> None:
+                              spill: bool = True, keep_held: bool = False, device: str | torch.device | None = None,
+                              compute_dtype: torch.dtype | str | None = None) -> None:
     """``true_sequential``: True calibrates each block's modules group by group, each on the
     outputs of the compressed ones before it, where the modifiers and the block allow; False: two
     passes per block; None: module by module while the activations it keeps stay within
@@ -67,7 +68,9 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``); a recipe
     that needs no calibration data then compresses and holds the blocks one by one too.
     ``device``: where each block calibrates (``onload.execution_device``; by default a CUDA GPU
-    when the model is in host memory and there is one): the block moves there and back."""
+    when the model is in host memory and there is one): the block moves there and back.
+    ``compute_dtype``: the dtype each block calibrates in (``onload.compute_dtype``; by default
+    the model's own, but float32 for a bf16 model on a CPU without bf16 units)."""
     if not session.needs_calibration_forward:
         blocks = find_blocks(model) if keep_held else None
         if blocks is not None and all("layer_calibrated" in m.events for m in session.modifiers):
@@ -77,7 +80,11 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
             session.calibration_end()
         return
     blocks = find_blocks(model)
-    place = Placement.of(model, device)
+    place = Placement.of(model, device, compute_dtype)
+    if place.dtype is not None:
+        why = "" if compute_dtype is not None else " (this CPU has no bf16 / fp16 matrix units: PyTorch would emulate them)"
+        logger.info("calibrating each layer in %s%s; the model stays in %s", str(place.dtype).replace("torch.", ""), why,
+                    str(place.stored).replace("torch.", ""))
     if device is None and place.device.type == "cpu" and torch.cuda.is_available() and is_distributed() and is_main_process():
         logger.warning("under torch.distributed the ranks calibrate where their model is (%s), not on this machine's GPUs: "
                        "the reductions run on gloo with host tensors (GPU ranks are not supported yet)", place.device)

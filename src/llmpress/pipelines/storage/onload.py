@@ -12,6 +12,10 @@ host memory too (``kept.py``), and comes back to the device one batch at a time.
 there is one, as llm-compressor does, else the model's own device. Under torch.distributed the
 ranks calibrate where their model is: the reductions run on gloo, whose collectives take host
 tensors.
+
+A block may also calibrate in another dtype than it is stored in (``compute_dtype``): a bf16
+model on a CPU without bf16 matrix units calibrates each block in float32
+(``lifecycle/compute_dtype.py``); the blocks' inputs between blocks stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmpress import native
 from llmpress.contract.block import Inputs, rows_of
 from llmpress.contract.observation import primary_input
 from llmpress.errors import DataError
+from llmpress.lifecycle.compute_dtype import LOW_PRECISION, computing_in
+from llmpress.models.classes import model_dtype
 from llmpress.parallel.distributed import is_distributed
+from llmpress.tensorfiles.dtypes import as_dtype
 
-__all__ = ["OnDevice", "Placement", "execution_device", "home_device"]
+__all__ = ["OnDevice", "Placement", "compute_dtype", "execution_device", "home_device"]
 
 
 def home_device(model: nn.Module) -> torch.device:
@@ -67,49 +75,81 @@ def execution_device(model: nn.Module, requested: str | torch.device | None) -> 
     return device
 
 
+def compute_dtype(stored: torch.dtype, device: torch.device, requested: torch.dtype | str | None = None) -> torch.dtype | None:
+    """The dtype a block stored in ``stored`` calibrates in on ``device``, None for its own:
+    ``requested`` when given, else float32 for bf16 on a CPU without bf16 units (AVX-512 BF16 or
+    AMX, where PyTorch emulates bf16 products) and fp16 on a CPU without AMX-FP16, else its own."""
+    wanted = as_dtype(requested)
+    if wanted is None and stored in LOW_PRECISION and device.type == "cpu":
+        fast = native.bf16_native() if stored == torch.bfloat16 else "amx_fp16" in native.cpu_flags()
+        wanted = None if fast else torch.float32
+    return None if wanted in (None, stored) else wanted
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the blocks calibrate (``device``), and where the model and the blocks' inputs stay
-    (``home``)."""
+    (``home``); the dtype the blocks calibrate in when it is not the one they are stored in
+    (``dtype``; ``stored``: the model's)."""
 
     device: torch.device
     home: torch.device
+    dtype: torch.dtype | None = None
+    stored: torch.dtype | None = None
 
     @classmethod
-    def of(cls, model: nn.Module, requested: str | torch.device | None = None) -> Placement:
-        return cls(execution_device(model, requested), home_device(model))
+    def of(cls, model: nn.Module, requested: str | torch.device | None = None,
+           dtype: torch.dtype | str | None = None) -> Placement:
+        device, stored = execution_device(model, requested), model_dtype(model)
+        return cls(device, home_device(model), compute_dtype(stored, device, dtype), stored)
+
+    @property
+    def moves(self) -> bool:
+        """Whether a block's tensors change device or dtype for its calibration."""
+        return self.device != self.home or self.dtype is not None
 
     @contextmanager
     def block(self, module: nn.Module) -> Iterator[None]:
-        """``module`` on the device for the length of the ``with`` block, then back home. Its
-        parameters stay the same objects (their data moves), so what the modifiers hold of them
-        stays valid."""
-        if self.device == self.home:
-            yield
-            return
-        module.to(self.device)
+        """``module`` on the device (in the compute dtype) for the length of the ``with`` block,
+        then back home (in its own). Its parameters stay the same objects (their data moves), so
+        what the modifiers hold of them stays valid."""
+        if self.device != self.home:
+            module.to(self.device)
         try:
-            yield
+            if self.dtype is None:
+                yield
+            else:
+                with computing_in(module, self.dtype):
+                    yield
         finally:
-            module.to(self.home)
+            if self.device != self.home:
+                module.to(self.home)
 
     def inputs(self, inputs: Inputs) -> Inputs:
         """A block's inputs as the block on the device reads them."""
-        return inputs if self.device == self.home else OnDevice(inputs, self.device, self.home)
+        return OnDevice(inputs, self.device, self.home, self.dtype, self.stored) if self.moves else inputs
 
     def back(self, value: Any) -> Any:
-        """``value`` (tensors in tuples, lists and dicts) at home."""
-        return value if self.device == self.home else _mapped(value, lambda t: t.to(self.home))
+        """``value`` (tensors in tuples, lists and dicts) at home, in the stored dtype."""
+        return _mapped(value, lambda t: _to(t, self.home, self.stored, self.dtype)) if self.moves else value
+
+
+def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None, only: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` on ``device``, and in ``dtype`` when it is in ``only`` (floating tensors of other
+    dtypes, integers and masks keep theirs)."""
+    return tensor.to(device, dtype) if dtype is not None and tensor.dtype == only else tensor.to(device)
 
 
 class OnDevice(MutableSequence):
     """A block's inputs (``Inputs``, in memory or spilled) as seen from ``device``: an item read
     comes over, its hidden states and its own other tensors each time, a tensor that several
     batches share (``share_repeated``) once; an item set keeps its hidden states at ``home``.
-    Items are read and set one at a time, not added or removed."""
+    With a compute ``dtype``, the tensors in the ``stored`` dtype are read in it and set back in
+    ``stored``. Items are read and set one at a time, not added or removed."""
 
-    def __init__(self, inputs: Inputs, device: torch.device, home: torch.device) -> None:
-        self.inner, self.device, self.home = inputs, device, home
+    def __init__(self, inputs: Inputs, device: torch.device, home: torch.device,
+                 dtype: torch.dtype | None = None, stored: torch.dtype | None = None) -> None:
+        self.inner, self.device, self.home, self.dtype, self.stored = inputs, device, home, dtype, stored
         self._moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (home tensor, its device copy)
         self._back: dict[int, torch.Tensor] = {}  # id of a device copy -> its home tensor
         # the tensors besides the hidden states that more than one batch holds: only these stay
@@ -130,13 +170,13 @@ class OnDevice(MutableSequence):
             return [self[i] for i in range(*index.indices(len(self)))]
         item = self.inner[index]
         hidden = primary_input(*item)
-        return _mapped(item, lambda t: t.to(self.device) if t is hidden else self._over(t))
+        return _mapped(item, lambda t: _to(t, self.device, self.dtype, self.stored) if t is hidden else self._over(t))
 
     def __setitem__(self, index: Any, item: Any) -> None:
         if not isinstance(index, int):
             raise TypeError("a block's inputs on a device are set one at a time")
         hidden = primary_input(*item)
-        self.inner[index] = _mapped(item, lambda t: t.to(self.home) if t is hidden else self._home_of(t))
+        self.inner[index] = _mapped(item, lambda t: _to(t, self.home, self.stored, self.dtype) if t is hidden else self._home_of(t))
 
     def __delitem__(self, index: Any) -> None:
         raise TypeError("a block's inputs are not removed one by one")
@@ -155,13 +195,13 @@ class OnDevice(MutableSequence):
         return [rows_of(primary_input(args, kwargs)) for args, kwargs in self.inner]
 
     def _over(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device == self.device:
+        if tensor.device == self.device and (self.dtype is None or tensor.dtype != self.stored):
             return tensor
         if id(tensor) not in self._shared:
-            return tensor.to(self.device)
+            return _to(tensor, self.device, self.dtype, self.stored)
         kept = self._moved.get(id(tensor))
         if kept is None or kept[0] is not tensor:
-            kept = self._moved[id(tensor)] = (tensor, tensor.to(self.device))
+            kept = self._moved[id(tensor)] = (tensor, _to(tensor, self.device, self.dtype, self.stored))
             self._back[id(kept[1])] = tensor
         return kept[1]
 
@@ -169,7 +209,7 @@ class OnDevice(MutableSequence):
         home = self._back.get(id(tensor))
         if home is not None and self._moved[id(home)][1] is tensor:
             return home
-        return tensor.to(self.home)
+        return _to(tensor, self.home, self.stored, self.dtype)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

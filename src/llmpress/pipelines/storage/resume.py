@@ -41,9 +41,10 @@ from llmpress.checkpoint.atomic import sha256_of, write_file
 from llmpress.checkpoint.output import RECORD_NAME
 from llmpress.errors import CheckpointError
 from llmpress.lifecycle.attach import set_module_buffer
+from llmpress.models.classes import model_dtype
 from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
 from llmpress.pipelines.storage.compact import HELD, CompactWeights
-from llmpress.pipelines.storage.onload import execution_device
+from llmpress.pipelines.storage.onload import compute_dtype, execution_device
 from llmpress.version import __version__
 
 __all__ = ["WorkFolder", "run_fingerprint"]
@@ -57,9 +58,8 @@ INPUTS_EVERY_S = 300.0
 
 
 def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any) -> str:
-    """What makes two runs the same run: the model (config, every tensor's name, shape, dtype and
-    first and last values), the recipe, every calibration token, the options, the device the
-    layers calibrate on and the rank count."""
+    """What makes two runs the same run: the model (config, every tensor's name, shape, dtype and first
+    and last values), the recipe, every token, the options, where and in what dtype layers calibrate, the ranks."""
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
@@ -73,8 +73,9 @@ def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] |
     for batch in batches or []:
         digest.update(batch.cpu().numpy().tobytes())
     digest.update(repr(options).encode())
-    # where the layers calibrate, as resolved: a run started on a GPU resumed on a CPU is another run
-    digest.update(str(execution_device(model, getattr(options, "device", None))).encode())
+    # where and in which dtype the layers calibrate, as resolved: a GPU's run resumed on a CPU is another
+    device = execution_device(model, getattr(options, "device", None))
+    digest.update(f"{device} {compute_dtype(model_dtype(model), device, getattr(options, 'compute_dtype', None))}".encode())
     # each rank's batches are its share: the run is all of them, in rank order
     return hashlib.sha256("".join(gather_objects(digest.hexdigest())).encode()).hexdigest()
 
