@@ -238,8 +238,8 @@ def test_a_quantized_head_calibrates_on_the_compressed_blocks_outputs(caplog):
             model(input_ids=torch.tensor(data[start : start + 4]))
     handle.remove()
     x = torch.cat(seen)
-    args = QuantizationArgs(**group["weights"])
-    expected = gptq_quantize(original, 2 * x.t() @ x / x.shape[0], args).weight
+    args = QuantizationArgs(**group["weights"], actorder="static")  # GPTQ's default order
+    expected = gptq_quantize(original, 2 * x.t() @ x / x.shape[0], args, actorder=True).weight
     # equal but for grid-step flips at rounding ties (the Hessian is summed in another order);
     # calibrated on the uncompressed model's outputs instead, ~60% of the entries differ
     differ = (model.lm_head.weight.detach() - expected).abs() > 1e-5
@@ -447,7 +447,27 @@ def test_int8_weights_keep_min_max_unless_the_recipe_names_an_observer():
     from llmpress.quant.scheme import preset_scheme
 
     for preset, expected in (("W4A16", "mse"), ("W8A8", None), ("W8A16", None)):
-        assert _with_gptq_defaults(preset_scheme(preset)).weights.observer == expected, preset
+        assert _with_gptq_defaults(preset_scheme(preset), None).weights.observer == expected, preset
     named = preset_scheme("W8A8")
     named = named.model_copy(update={"weights": named.weights.model_copy(update={"observer": "mse"})})
-    assert _with_gptq_defaults(named).weights.observer == "mse"
+    assert _with_gptq_defaults(named, None).weights.observer == "mse"
+
+
+@pytest.mark.parametrize(("recipe_order", "expected"), [("unset", "static"), (None, None), ("weight", "weight")])
+def test_columns_go_in_activation_order_unless_the_recipe_says_null(recipe_order, expected, tmp_path):
+    """As in llm-compressor 0.14, a GPTQModifier without ``actorder`` takes the columns in static
+    activation order, and the saved config says so; ``actorder: null`` turns it off."""
+    import json
+
+    fields = {} if recipe_order == "unset" else {"actorder": recipe_order}
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"], **fields), token_batches(4, 32),
+                     output_dir=tmp_path / "out", calibration=CalibrationOptions(num_samples=4, seq_len=32))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert [g["weights"]["actorder"] for g in config["config_groups"].values()] == [expected]
+    # the order changes the integers: without it GPTQ goes left to right
+    unordered = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(unordered, GPTQModifier(scheme="W4A16", ignore=["lm_head"], actorder=None), token_batches(4, 32),
+                     calibration=CalibrationOptions(num_samples=4, seq_len=32))
+    same = torch.equal(model.model.layers[1].mlp.down_proj.weight, unordered.model.layers[1].mlp.down_proj.weight)
+    assert same == (expected is None)

@@ -20,7 +20,8 @@ class GPTQModifierConfig(SchemeFields, OneShotFields):
 
     block_size: int = 128
     dampening_frac: float = 0.01
-    actorder: ActivationOrdering | None = None
+    #: the column order where a scheme names none (llm-compressor 0.14's default); null: left to right
+    actorder: ActivationOrdering | None = ActivationOrdering.STATIC
     offload_hessians: bool = False
     # Accepted so that recipes saved by llm-compressor run unchanged. llmpress always quantizes
     # modules that share a Hessian as one matrix and needs calibration data for GPTQ.

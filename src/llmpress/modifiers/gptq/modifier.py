@@ -43,6 +43,7 @@ from llmpress.lifecycle.attach import (
     set_weight_qparams,
     share_global_scales,
 )
+from llmpress.lifecycle.compute_dtype import stored_dtype
 from llmpress.lifecycle.sparsity import sparsity_structure
 from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
@@ -52,7 +53,7 @@ from llmpress.modifiers.quantization.activations import InputRangeObserver, has_
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
 from llmpress.parallel.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
-from llmpress.quant.scheme import QuantizationScheme
+from llmpress.quant.scheme import ActivationOrdering, QuantizationScheme
 
 if TYPE_CHECKING:
     from llmpress.contract.block import CalibrationBlock
@@ -62,19 +63,34 @@ __all__ = ["GPTQModifier"]
 logger = logging.getLogger(__name__)
 
 
-def _with_gptq_defaults(scheme: QuantizationScheme) -> QuantizationScheme:
-    """GPTQ picks each group's range on the already-updated weights; a squared-error search
-    there beats min/max clearly at 3-4 bits (on the trained test model, 3-bit perplexity 63.95
-    instead of 64.18), so it is the default when the recipe names no observer. Not for int8
-    weights, which keep min/max (llm-compressor's default): on a grid that fine clipping buys
-    nothing, and on the test model min/max gave the lower perplexity with int8 inputs (W8A8
-    63.673 against 63.679; SmoothQuant + W8A8 63.677 against 63.679) and the same without
-    (W8A16 63.672 against 63.671)."""
+#: the weight strategies whose columns GPTQ takes in activation order by default (llm-compressor's list)
+ORDERED_STRATEGIES = ("group", "tensor_group", "channel", "tensor", "block")
+
+
+def _with_gptq_defaults(scheme: QuantizationScheme, actorder: ActivationOrdering | None) -> QuantizationScheme:
+    """The scheme GPTQ applies. Where it names no column order, the modifier's ``actorder``
+    (by default ``static``, as in llm-compressor 0.14): the saved config says what was done, and
+    a recipe without ``actorder`` means the same in both tools (``actorder: null`` on the
+    modifier: left to right).
+    Static order fixes each group's scale before the update and stores nothing more; on the
+    trained test model in bf16 it takes the quantized model's KL divergence from the
+    unquantized one from 0.00187 to 0.00162 (bench/README.md, "Real checkpoints").
+
+    A squared-error range search is the default observer when the recipe names none: it beats
+    min/max clearly at 3-4 bits (on the trained test model, 3-bit perplexity 63.95 instead of
+    64.18). Not for int8 weights, which keep min/max (llm-compressor's default): on a grid that
+    fine clipping buys nothing, and on the test model min/max gave the lower perplexity with int8
+    inputs (W8A8 63.673 against 63.679; SmoothQuant + W8A8 63.677 against 63.679) and the same
+    without (W8A16 63.672 against 63.671)."""
     weights = scheme.weights
-    if weights is None or weights.observer is not None or (weights.type == "int" and weights.num_bits >= 8):
+    if weights is None:
         return scheme
-    weights = scheme.weights.model_copy(update={"observer": "mse", "observer_kwargs": {"norm": 2.0}})
-    return scheme.model_copy(update={"weights": weights})
+    update: dict = {}
+    if weights.actorder is None and actorder is not None and weights.strategy in ORDERED_STRATEGIES:
+        update["actorder"] = actorder
+    if weights.observer is None and not (weights.type == "int" and weights.num_bits >= 8):
+        update.update(observer="mse", observer_kwargs={"norm": 2.0})
+    return scheme.model_copy(update={"weights": weights.model_copy(update=update)}) if update else scheme
 
 
 def _labels(names: list[str]) -> dict[str, str]:
@@ -97,7 +113,7 @@ class GPTQModifier(Modifier):
         return ("model", "calibration_data")
 
     def on_initialize(self, state: State) -> None:
-        schemes = [_with_gptq_defaults(s) for s in self.config.resolved_schemes()]
+        schemes = [_with_gptq_defaults(s, self.config.actorder) for s in self.config.resolved_schemes()]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__)
         self.pending = dict(self.modules)
         self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
@@ -277,7 +293,7 @@ class GPTQModifier(Modifier):
         shared = any(a is accumulator for n, a in self.hessians.of_module.items() if n not in names)
         hessian = accumulator.result().to(modules[0].weight.device)  # offloaded Hessians come back for the solve
         factor = factor_hessian(hessian, self.config.dampening_frac,
-                                (self.config.actorder or args.actorder) is not None, overwrite=not shared)
+                                args.actorder is not None, overwrite=not shared)
         if not shared:  # the factor took the Hessian's memory: this group was its last user
             self.hessians.release(names)
         # row-wise qparams (channel, group) let modules sharing a Hessian quantize as one matrix;
@@ -290,7 +306,7 @@ class GPTQModifier(Modifier):
             if args.has_global_scale:  # one per row of the stacked matrix
                 global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(m.weight.shape[0]) for m in batch])
             result = gptq_quantize(weight, factor, args, block_size=self.config.block_size,
-                                   scale_dtype=scale_dtype_for(args, weight[0].dtype),
+                                   scale_dtype=scale_dtype_for(args, stored_dtype(batch[0])),
                                    input_major=transposed, global_scale=global_scale, keep=_kept(batch))
             del weight
             if len(batch) == 1:  # the whole result is the module's, in its own layout
