@@ -65,12 +65,14 @@ def make_tiny_llama(seed: int = 0, *, tie: bool = False, intermediate: int = 200
 
 
 def sparsity_record(folder: Path) -> dict:
-    """The sparsity record of a pruned, unquantized checkpoint: a plain checkpoint (no
-    quantization_config, which transformers + compressed-tensors would refuse) with llmpress's key."""
+    """The sparsity record of a pruned checkpoint, under llmpress's config key. A quantized one's
+    ``sparsity_config`` is empty, as compressed-tensors writes it (vLLM refuses one with targets);
+    an unquantized one is a plain checkpoint (no quantization_config, which transformers +
+    compressed-tensors would refuse)."""
     import json
 
     config = json.loads((folder / "config.json").read_text())
-    assert "quantization_config" not in config
+    assert config.get("quantization_config", {"sparsity_config": {}})["sparsity_config"] == {}
     return config["llmpress_sparsity"]
 
 

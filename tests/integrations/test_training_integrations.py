@@ -200,11 +200,12 @@ def test_cli_train_runs_a_staged_recipe_and_the_sparsity_survives_reloading(tmp_
     ])
     assert code == 0 and (out / "prune_stage" / "model.safetensors").exists()
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["format"] == "int-quantized" and config["sparsity_config"]["sparsity_structure"] == "2:4"
+    record = sparsity_record(out)
+    assert config["format"] == "int-quantized" and record["sparsity_structure"] == "2:4"
     resaved = tmp_path / "resaved"
     llmpress.load(out).save_pretrained(resaved)  # runtime int8 modules: the sparsity is still described
-    again = json.loads((resaved / "config.json").read_text())["quantization_config"]["sparsity_config"]
-    assert again["targets"] == config["sparsity_config"]["targets"]
+    again = sparsity_record(resaved)
+    assert again["targets"] == record["targets"]
     assert again["global_sparsity"] == pytest.approx(0.5, abs=0.01)
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import checkpoint_tensors, text_path, token_batches, trained_llama, trained_model_dir
+from helpers import checkpoint_tensors, sparsity_record, text_path, token_batches, trained_llama, trained_model_dir
 
 import llmpress
 from llmpress.data import CalibrationOptions
@@ -209,5 +209,4 @@ def test_sparsegpt_then_gptq_is_still_two_of_four(tmp_path):
     loaded = llmpress.load(tmp_path / "out", dequantize=True, dtype=torch.float32)
     weights = [m.weight for n, m in loaded.named_modules() if n.endswith("proj")]  # the dense view
     assert weights and all(((w.reshape(-1, 4) == 0).sum(-1) >= 2).all() for w in weights)
-    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    assert config["sparsity_config"]["sparsity_structure"] == "2:4"
+    assert sparsity_record(tmp_path / "out")["sparsity_structure"] == "2:4"

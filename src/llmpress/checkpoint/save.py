@@ -134,20 +134,22 @@ def _write_shards(folder: Path, model: nn.Module, save_compressed: bool, names: 
 
 def _compression_config(model: nn.Module, save_compressed: bool, sparsity: dict[str, Any] | None,
                         names: KeyMap | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """``quantization_config`` with the ``sparsity_config`` of pruned modules inside it; for a
-    pruned model that is not quantized, no ``quantization_config`` at all (a plain checkpoint,
-    as llm-compressor writes it: transformers + compressed-tensors refuse one without config
-    groups) and the sparsity record under llmpress's own config key. ``names``: the checkpoint's
-    names, in which MoE routers are listed in ``ignore`` (``quantization_config_for``)."""
+    """``quantization_config`` (None for a model that is not quantized: a plain checkpoint, as
+    llm-compressor writes it; transformers + compressed-tensors refuse one without config groups)
+    and the sparsity record of pruned modules, which goes under llmpress's own config key. Inside
+    ``quantization_config``, ``sparsity_config`` is ``{}`` as compressed-tensors 0.19 writes it:
+    sparsity was removed from compressed-tensors, and vLLM 0.32 refuses a checkpoint whose
+    ``sparsity_config`` names targets ("Sparsity support has been removed"). The weights are
+    dense either way (zeros stored as zeros). ``names``: the checkpoint's names, in which MoE
+    routers are listed in ``ignore`` (``quantization_config_for``)."""
     config = quantization_config_for(model, save_compressed, names)
-    if sparsity is None or config is None:
-        return config, sparsity
-    config["sparsity_config"] = sparsity
-    return config, None
+    if config is not None and sparsity is not None:
+        config["sparsity_config"] = {}
+    return config, sparsity
 
 
 def _write_config(
-    folder: Path, model: nn.Module, quantization_config: dict[str, Any] | None, sparsity_only: dict[str, Any] | None = None,
+    folder: Path, model: nn.Module, quantization_config: dict[str, Any] | None, sparsity: dict[str, Any] | None = None,
 ) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -159,8 +161,8 @@ def _write_config(
     config = copy.deepcopy(config)
     if hasattr(config, SPARSITY_KEY):
         delattr(config, SPARSITY_KEY)
-    if sparsity_only is not None:
-        setattr(config, SPARSITY_KEY, sparsity_only)
+    if sparsity is not None:
+        setattr(config, SPARSITY_KEY, sparsity)
     if quantization_config is not None:
         config.quantization_config = quantization_config
     elif hasattr(config, "quantization_config"):

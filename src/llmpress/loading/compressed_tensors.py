@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 
+from llmpress.checkpoint.sparsity import SPARSITY_KEY
 from llmpress.errors import CheckpointError, LlmpressError
 from llmpress.lifecycle.kv_cache import KVCacheQuantizer, attention_modules, kv_cache_args
 from llmpress.lifecycle.sparsity import mark_sparse_modules
@@ -131,7 +132,9 @@ class CompressedTensorsQuantizer(Quantizer):
         return [k for k in missing if k.rpartition(".")[0] not in self.targets]
 
     def _process_model_after_weight_loading(self, model: nn.Module) -> None:
-        mark_sparse_modules(model, self.config._other.get("sparsity_config"))
+        # llmpress's own record (config.json's llmpress_sparsity), else an older file's sparsity_config
+        record = getattr(getattr(model, "config", None), SPARSITY_KEY, None)
+        mark_sparse_modules(model, record or self.config._other.get("sparsity_config"))
 
     @property
     def is_trainable(self) -> bool:
