@@ -5,11 +5,15 @@
 The trained tiny Llama (the fixture, float32), its copy cast to bf16, and that copy as a Hugging
 Face fp8 checkpoint (128 x 128 block scales, DeepSeek-V3's layout). GPTQ W4A16 and RTN W4A16
 (int4, groups of 128, lm_head dense; GPTQ on 64 x 256 calibration tokens): llmpress on the
-float32 model, llmpress on the bf16 copy (read, calibrated and saved in bf16), llm-compressor on
+float32 model, llmpress on the bf16 copy (read, calibrated and saved in bf16; and with its layers
+calibrated in float32, ``--compute-dtype float32``, as on a CPU without bf16 units), llm-compressor on
 the bf16 copy (loaded with ``dtype="auto"``), llmpress on the fp8 copy (dequantized as it is
 read), each as a whole process (``gptq.run_worker``).
 Every checkpoint's perplexity on the evaluation text is read through transformers +
-compressed-tensors in float32, so the figures differ only by what each path computed.
+compressed-tensors in float32, so the figures differ only by what each path computed; beside it,
+the mean KL divergence of its next-token distributions from the unquantized bf16 copy's, on the
+same text: a finer measure of how far quantization moved the model than perplexity, whose
+differences of a few hundredths here are within one tool's run-to-run spread.
 """
 
 from __future__ import annotations
@@ -47,6 +51,21 @@ def bf16_copy(source: Path, folder: Path) -> Path:
     return folder
 
 
+def next_token_log_probs(checkpoint: Path, windows) -> list:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [torch.log_softmax(model(window[None]).logits[0].float(), -1) for window in windows]
+
+
+def kl_from(reference: list, checkpoint: Path, windows) -> float:
+    """Mean KL(reference || checkpoint) per token over the evaluation windows."""
+    total = sum(float((r.exp() * (r - q)).sum()) for r, q in zip(reference, next_token_log_probs(checkpoint, windows)))
+    return total / sum(r.shape[0] for r in reference)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default=None)
@@ -61,14 +80,19 @@ def main() -> None:
     recipes = {"GPTQ W4A16": gptq_recipe(work / "gptq-w4.yaml", 4), "RTN W4A16": work / "rtn-w4.yaml"}
     recipes["RTN W4A16"].write_text(RTN, encoding="utf-8")
     runs = {"llmpress, float32 model": (sys.executable, "llmpress", fp32), "llmpress, bf16 model": (sys.executable, "llmpress", bf16),
+            "llmpress, bf16, float32 compute": (sys.executable, "llmpress-float32-compute", bf16),
             "llm-compressor, bf16 model": (PEER_PYTHON, "llmcompressor", bf16),
             "llmpress, HF fp8 copy": (sys.executable, "llmpress", fp8)}
     print(f"unquantized: float32 {transformers_perplexity(fp32, windows):.3f}, bf16 copy {transformers_perplexity(bf16, windows):.3f}")
+    reference = next_token_log_probs(bf16, windows)
     for recipe_name, recipe in recipes.items():
         for run_name, (python, tool, model) in runs.items():
             output = work / f"{recipe.stem}-{tool}-{model.name}"
+            if tool.endswith("float32-compute") and "GPTQ" not in recipe_name:
+                continue  # RTN runs no forward: nothing to compute in float32
             run_worker(Path(python), tool, recipe, model, tokens, output)
-            print(f"{recipe_name:<11} {run_name:<27} perplexity {transformers_perplexity(output, windows):.3f}", flush=True)
+            print(f"{recipe_name:<11} {run_name:<32} perplexity {transformers_perplexity(output, windows):.3f}  "
+                  f"KL from the bf16 copy {kl_from(reference, output, windows):.5f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -125,12 +125,14 @@ def prompts(path: Path) -> Path:
     return path
 
 
-def llmpress_tokens(folder: Path, dtype: str, prompt_file: Path, max_tokens: int = 24) -> list[list[int]]:
+def llmpress_tokens(folder: Path, dtype: str, prompt_file: Path, max_tokens: int = 24, kernels: bool = False) -> list[list[int]]:
+    """llmpress's greedy tokens: through the dequantized model, or (``kernels``) through
+    ``llmpress.load``'s CPU kernels, which sum int8 products exactly in int32 as vLLM does."""
     import torch
 
     import llmpress
 
-    model = llmpress.load(folder, dequantize=True, dtype=getattr(torch, dtype)).eval()
+    model = llmpress.load(folder, dequantize=not kernels, dtype=getattr(torch, dtype)).eval()
     tokens = []
     for ids in json.loads(prompt_file.read_text()):
         sequence = list(ids)
@@ -173,6 +175,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--peer", action="store_true", help="llm-compressor's outputs of the same recipes too")
     parser.add_argument("--serve", action="store_true", help="also vllm serve and one OpenAI chat request per output")
+    parser.add_argument("--reference", choices=["dequantized", "kernels"], default="dequantized",
+                        help="llmpress's side: llmpress.load(dequantize=True), or llmpress.load's own CPU kernels")
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
@@ -197,7 +201,7 @@ def main() -> None:
             except SystemExit as exc:
                 table.append({"row": row, "tool": tool, "loads": False, "reason": f"compression failed: {str(exc).strip().splitlines()[-1][:200]}"})
                 continue
-            ours = llmpress_tokens(output, dtype, prompt_file)
+            ours = llmpress_tokens(output, dtype, prompt_file, kernels=args.reference == "kernels")
             theirs = vllm_row(output, dtype, prompt_file, args.serve, follow=ours)
             result = {"row": row, "tool": tool, "dtype": dtype, **{k: v for k, v in theirs.items() if k not in ("tokens", "followed")}}
             (output / "vllm-tokens.json").write_text(json.dumps({"llmpress": ours, "vllm": theirs.get("tokens"), "followed": theirs.get("followed")}))

@@ -471,3 +471,15 @@ def test_columns_go_in_activation_order_unless_the_recipe_says_null(recipe_order
                      calibration=CalibrationOptions(num_samples=4, seq_len=32))
     same = torch.equal(model.model.layers[1].mlp.down_proj.weight, unordered.model.layers[1].mlp.down_proj.weight)
     assert same == (expected is None)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_activation_order_permutes_in_place(n):
+    from llmpress.modifiers.gptq.linalg import permute_rows_
+
+    torch.manual_seed(n)
+    hessian, weight, perm = torch.randn(n, n), torch.randn(n, 5), torch.randperm(n)
+    for matrix, columns_too, expected in ((hessian, True, hessian[perm][:, perm]), (weight, False, weight[perm])):
+        work = matrix.clone()
+        pointer = work.data_ptr()
+        assert torch.equal(permute_rows_(work, perm, columns_too), expected) and work.data_ptr() == pointer

@@ -16,7 +16,7 @@ import torch
 
 from llmpress import native
 from llmpress.errors import SchemeError
-from llmpress.modifiers.gptq.linalg import inverse_hessian_factor
+from llmpress.modifiers.gptq.linalg import inverse_hessian_factor, permute_rows_
 from llmpress.quant.observers import on_native_grid, weight_qparams
 from llmpress.quant.qdq import expand_to_columns, expand_to_weight, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
@@ -141,9 +141,11 @@ def factor_hessian(hessian: torch.Tensor, dampening_frac: float = 0.01, actorder
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
+    owned = overwrite or H is not hessian
     if perm is not None:
-        H = H[perm][:, perm]
-    inverse, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=overwrite or H is not hessian)
+        H = permute_rows_(H if owned else H.clone(), perm, columns_too=True)
+        owned = True
+    inverse, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=owned)
     return HessianFactor(inverse, perm, dead, used_damp)
 
 
@@ -219,7 +221,7 @@ def gptq_quantize(
     if col_scale is not None and gs is not None:  # the grid's own step: group scale over global scale
         col_scale = col_scale / gs
     if perm is not None:
-        WT = WT[perm]
+        permute_rows_(WT, perm)  # WT is ours: in place
         KT = None if KT is None else KT[perm]
 
     scale_rows = None if col_scale is None else col_scale.t().contiguous()
@@ -308,12 +310,9 @@ def gptq_quantize(
             WT[end:].addmm_(Hinv[start:end, end:].t(), Err1, alpha=-1)
 
     unperm = None if perm is None else torch.argsort(perm)
-    if input_major:
-        W = WT if unperm is None else WT[unperm]
-    else:
-        W = WT.t()  # a view: callers copy the rows they need
-        if unperm is not None:
-            W = W[:, unperm]
+    if unperm is not None:
+        permute_rows_(WT, unperm)  # back in place: no second weight at the return
+    W = WT if input_major else WT.t()  # a view: callers copy the rows they need
     if fixed_scale is not None:
         scale, zero_point = fixed_scale, fixed_zp
     elif by_column:  # one row of qparams per column, in the update's order
