@@ -259,12 +259,20 @@ def test_mappings_stay_within_their_budget(tmp_path, monkeypatch):
     from llmpress.tensorfiles import read as shards
 
     path = tmp_path / "w.safetensors"
-    tensors = {f"t{i}": torch.randn(shards.MAP_MIN_BYTES // 4) for i in range(3)}
+    tensors = {f"t{i}": torch.randn(shards.SMALL_MAP_BYTES // 4) for i in range(3)}
     save_file(tensors, str(path))
     monkeypatch.setattr(shards, "_MAP_BUDGET", shards._live_maps[0] + 1)  # room for one more
     got = {entry.name: read() for entry, read in shards.stream_tensors(path, shards.read_header(path))}
     assert shards._live_maps[0] == shards._MAP_BUDGET  # one mapped, two read
     assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+    # tensors under SMALL_MAP_BYTES take mappings only while half the budget is free
+    small = tmp_path / "small.safetensors"
+    save_file({"s": torch.randn(shards.MAP_MIN_BYTES // 4)}, str(small))
+    monkeypatch.setattr(shards, "_MAP_BUDGET", 2 * shards._live_maps[0] + 2)
+    held = [read() for _, read in shards.stream_tensors(small, shards.read_header(small))]
+    assert shards._live_maps[0] == shards._MAP_BUDGET // 2  # mapped: there was room
+    again = [read() for _, read in shards.stream_tensors(small, shards.read_header(small))]
+    assert shards._live_maps[0] == shards._MAP_BUDGET // 2 and torch.equal(again[0], held[0])  # read: half taken
 
 
 def test_a_save_into_the_folder_a_model_was_loaded_from_is_refused_and_the_model_survives(tmp_path, monkeypatch):

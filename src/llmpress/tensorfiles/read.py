@@ -144,7 +144,11 @@ def _invalid_shard(path: Path, what: str, got: str) -> CheckpointError:
 
 
 _CHUNK_BYTES = 32 << 20  # converting reads go through a scratch buffer of this size
-MAP_MIN_BYTES = 1 << 20  # tensors at least this large are memory-mapped rather than read
+MAP_MIN_BYTES = 64 << 10  # tensors at least this large are memory-mapped rather than read
+#: tensors under this size are mapped only while at most half the mappings are taken, so that
+#: a deep model's large weights keep their mappings (SmolLM2's q/k/v/o, 0.2-0.7 MB each, read
+#: into the heap were 50 MB that stayed there: bench/README.md, "Real checkpoints")
+SMALL_MAP_BYTES = 1 << 20
 
 
 def _map_budget() -> int:
@@ -176,7 +180,8 @@ def _mapped(fileno: int, entry: ShardEntry, prefetch: bool = False) -> torch.Ten
     ``prefetch``: the kernel starts reading all its pages now, in the background."""
     size = entry.stop - entry.start
     first_page = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
-    if (entry.start - first_page) % max(entry.dtype.itemsize, 1) or _live_maps[0] >= _MAP_BUDGET:
+    budget = _MAP_BUDGET if size >= SMALL_MAP_BYTES else _MAP_BUDGET // 2
+    if (entry.start - first_page) % max(entry.dtype.itemsize, 1) or _live_maps[0] >= budget:
         return None
     try:
         region = mmap.mmap(fileno, entry.stop - first_page, offset=first_page, access=mmap.ACCESS_COPY)
