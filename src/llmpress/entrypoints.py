@@ -68,9 +68,9 @@ def _read_model(model: nn.Module | str | Path, processor: Any, dtype: torch.dtyp
             )
     folder = getattr(model, "name_or_path", None)
     if processor is None and isinstance(folder, str) and folder and Path(folder).is_dir():
-        from llmpress.loading.loader import read_tokenizer  # a transformers model: the tokenizer beside its weights
+        from llmpress.loading.loader import FolderTokenizer  # a transformers model: the tokenizer beside its weights
 
-        processor = read_tokenizer(Path(folder), trust_remote_code)
+        processor = FolderTokenizer.of(Path(folder), trust_remote_code)
     return model, processor
 
 
@@ -202,6 +202,7 @@ def oneshot(
         if plan is not None:
             run_plan(plan, recipe, output_dir, workers=workers)
             return None
+        source = _source_folder(model)
         model, processor = _read_model(model, processor, dtype, trust_remote_code)
         options = calibration or CalibrationOptions()
         training = [s.name for s in recipe.stages if is_training_stage(s)]
@@ -216,8 +217,9 @@ def oneshot(
         if is_distributed():
             same_on_every_rank(recipe.to_yaml(), "the recipe")
         batches = _calibration_batches(dataset, processor, options, model)
+        _release_folder_tokenizer(processor)
         linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
-        work = _work_folder(model, recipe, batches, options, output_dir, resume)
+        work = _work_folder(model, recipe, batches, options, output_dir, resume, source)
         if resume and work is not None and work.finished:
             logger.warning("%s is already the finished checkpoint of this run: nothing to do", output_dir)
             return model if return_model else None
@@ -231,10 +233,25 @@ def oneshot(
         return model if return_model else None
 
 
+def _source_folder(model: nn.Module | str | Path) -> Path | None:
+    """The checkpoint folder a model given by name is read from (None for a module)."""
+    return model_folder(model) if isinstance(model, (str, Path)) else None
+
+
+def _release_folder_tokenizer(processor: Any) -> None:
+    """Let a folder's tokenizer go once the calibration text is tokenized (``loading/tokenizer.py``):
+    it is read again only if asked for, and the save copies its files."""
+    from llmpress.loading.loader import FolderTokenizer  # the model is read by now: the loader is imported
+
+    if isinstance(processor, FolderTokenizer):
+        processor.release()
+
+
 def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: CalibrationOptions, output_dir: str | Path | None,
-                 resume: bool) -> WorkFolder | None:
+                 resume: bool, source: Path | None = None) -> WorkFolder | None:
     """The run's work folder (``pipelines/storage/resume.py``) where it can resume: an output, one
-    stage, the layerwise pipeline."""
+    stage, the layerwise pipeline. ``source``: the folder the model was just read from (its shards
+    identify the weights without reading them)."""
     resumable = output_dir is not None and len(recipe.stages) == 1 and options.pipeline == "layerwise" and batches is not None
     if not resumable:
         if resume:
@@ -246,7 +263,7 @@ def _work_folder(model: nn.Module, recipe: Recipe, batches: Any, options: Calibr
                 fix="run without --resume",
             )
         return None
-    return WorkFolder.open(output_dir, run_fingerprint(model, recipe, batches, options), resume)
+    return WorkFolder.open(output_dir, run_fingerprint(model, recipe, batches, options, source), resume)
 
 
 def _calibration_batches(dataset: Any, processor: Any, options: CalibrationOptions, model: nn.Module) -> list[torch.Tensor] | None:

@@ -30,6 +30,7 @@ from llmpress.loading.config import QuantizationConfig
 from llmpress.loading.methods import config_from_dict, make_quantizer
 from llmpress.loading.quantizer import Quantizer
 from llmpress.loading.remote_code import require_trust_for_remote_code
+from llmpress.loading.tokenizer import FolderTokenizer, read_tokenizer
 from llmpress.memory import release_free_memory
 from llmpress.models import KeyMap, build, fused_experts, linearize_experts, model_class
 from llmpress.recipe import Recipe
@@ -42,7 +43,8 @@ from llmpress.tensorfiles.read import (
 )
 from llmpress.tensorfiles.verify import sound_shards
 
-__all__ = ["as_dtype", "load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor", "read_tokenizer"]
+__all__ = ["FolderTokenizer", "as_dtype", "load", "load_checkpoint", "model_folder", "read_checkpoint", "read_model_and_processor",
+           "read_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,21 +176,11 @@ def load_checkpoint(path: str | Path, *, dtype: torch.dtype | str | None = torch
 def read_model_and_processor(path: str | Path, dtype: torch.dtype | str | None = torch.float32,
                              trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
     """A model (plain or compressed-tensors checkpoint, its exact dense view in ``dtype``; None:
-    the dtype its config names) and its tokenizer (None when the folder has none), from a folder
-    or a cached Hub model id."""
+    the dtype its config names) and its tokenizer (None when the folder has none; read when first
+    used: ``tokenizer.py``), from a folder or a cached Hub model id."""
     folder = model_folder(path)
     model = load_checkpoint(folder, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model, read_tokenizer(folder, trust_remote_code)
-
-
-def read_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
-    """The folder's tokenizer, or None when it has none."""
-    from transformers import AutoTokenizer
-
-    if not any((folder / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    require_trust_for_remote_code(folder, trust_remote_code)
-    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    return model, FolderTokenizer.of(folder, trust_remote_code)
 
 
 def _read_config(folder: Path, trust_remote_code: bool = False):
