@@ -45,27 +45,27 @@ from llmpress.models.classes import model_dtype
 from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
 from llmpress.pipelines.storage.compact import HELD, CompactWeights
 from llmpress.pipelines.storage.onload import compute_dtype, execution_device
+from llmpress.tensorfiles.read import shards_identity
 from llmpress.version import __version__
 
 __all__ = ["WorkFolder", "run_fingerprint"]
-
 logger = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
-#: the next block's inputs are written after a block once this long has gone by since they were
-#: last written: a resumed run then forwards at most this much calibration's worth of blocks
-INPUTS_EVERY_S = 300.0
+#: the next block's inputs are written after a block once this long has gone by since last time:
+INPUTS_EVERY_S = 300.0  # a resumed run then forwards at most this much calibration's worth of blocks
 
 
-def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any) -> str:
-    """What makes two runs the same run: the model (config, every tensor's name, shape, dtype and first
-    and last values), the recipe, every token, the options, where and in what dtype layers calibrate, the ranks."""
+def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any, source: Path | None = None) -> str:
+    """What makes two runs the same run: the model (config, every tensor's name, shape, dtype, and first and last values,
+    or the ``source`` folder's shards it was just read from), recipe, tokens, options, where and in what dtype it calibrates, ranks."""
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update((config.to_json_string(use_diff=False) if config is not None else type(model).__name__).encode())
+    digest.update(shards_identity(source).encode() if source is not None else b"")
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        if tensor.numel() and not tensor.is_meta:
+        if tensor.numel() and not tensor.is_meta and source is None:
             flat = tensor.detach().reshape(-1)
             for part in (flat[:1024], flat[-1024:]):  # a few pages: the model stays where it was loaded
                 digest.update(part.cpu().float().numpy().tobytes())
