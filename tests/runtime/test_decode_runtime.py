@@ -94,7 +94,10 @@ def test_copies_run_unfused_and_casts_keep_the_groups(tiny_dir):
     assert _members(model) and not _members(clone)
     ids = torch.randint(0, 512, (1, 5))
     with torch.no_grad():
-        assert torch.equal(clone(ids[:, :1]).logits, model(ids[:, :1]).logits)
+        # the blocks' outputs: fused and unfused agree to the bit. (Not the logits: the dense
+        # lm_head is read memory-mapped at the file's alignment, the copy's is 64-byte aligned,
+        # and the BLAS sums in another order)
+        assert torch.equal(clone.model(ids[:, :1]).last_hidden_state, model.model(ids[:, :1]).last_hidden_state)
         model.float()
         model.to(torch.bfloat16)  # the int4 buffers stay where they are: still fused
         assert _members(model)
