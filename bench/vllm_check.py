@@ -39,7 +39,10 @@ RECIPES = {
     "w4a16": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: W4A16\n      targets: [Linear]\n"),
     "gptq-actorder": _quant("GPTQModifier", f"      ignore: [lm_head]\n      config_groups:\n        group_0:\n          targets: [Linear]\n"
                                             f"          {_W4}, actorder: static}}\n"),
-    "awq": _quant("AWQModifier", "      ignore: [lm_head]\n      scheme: W4A16_ASYM\n      targets: [Linear]\n"),
+    # AWQ and its quantizer as two modifiers: llm-compressor 0.14 reads AWQModifier's own scheme
+    # only from Python (a shim), its YAML refuses it ("extra_forbidden")
+    "awq": ("quant_stage:\n  quant_modifiers:\n    AWQModifier: {}\n"
+            "    QuantizationModifier: {ignore: [lm_head], scheme: W4A16_ASYM, targets: [Linear]}\n"),
     "smoothquant-w8a8": ("quant_stage:\n  quant_modifiers:\n    SmoothQuantModifier: {smoothing_strength: 0.8}\n"
                          "    GPTQModifier: {ignore: [lm_head], scheme: W8A8, targets: [Linear]}\n"),
     "fp8": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: FP8_DYNAMIC\n      targets: [Linear]\n"),
