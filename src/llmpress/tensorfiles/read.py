@@ -89,19 +89,15 @@ def shards_identity(folder: Path) -> str:
     with the kernel's read-around, ~0.25 MB of each: 45 MB of SmolLM2 held for the whole run.)"""
     parts = []
     for path in checkpoint_shards(folder):
+        header, _ = _header_bytes(path)
         stat = path.stat()
-        with open(path, "rb") as f:
-            length = struct.unpack("<Q", f.read(8))[0]
-            header = f.read(min(length, MAX_HEADER_BYTES))
         parts.append(f"{path.name} {stat.st_size} {stat.st_mtime_ns} {hashlib.sha256(header).hexdigest()}")
     return "\n".join(parts)
 
 
-def read_header(path: Path) -> list[ShardEntry]:
-    """The tensors of one shard, in file order, every entry checked against the file before
-    anything is read: the header's length within the file and ``MAX_HEADER_BYTES``, a known
-    dtype, a shape of non-negative integers, offsets inside the data, in order and not
-    overlapping, and each tensor's bytes equal to its dtype's size times its element count."""
+def _header_bytes(path: Path) -> tuple[bytes, int]:
+    """A shard's JSON header as bytes, and the file's size; its length checked against the file
+    and ``MAX_HEADER_BYTES``."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -111,14 +107,24 @@ def read_header(path: Path) -> list[ShardEntry]:
             (length,) = struct.unpack("<Q", prefix)
             if length > min(MAX_HEADER_BYTES, size - 8):
                 raise _invalid_shard(path, "its header length does not fit the file", f"{length} bytes in a file of {size}")
-            header = json.loads(f.read(length))
+            return f.read(length), size
     except OSError as exc:
         raise CheckpointError("a weight file cannot be read", got=f"{path.name}: {exc}") from None
+
+
+def read_header(path: Path) -> list[ShardEntry]:
+    """The tensors of one shard, in file order, every entry checked against the file before
+    anything is read: the header's length within the file and ``MAX_HEADER_BYTES``, a known
+    dtype, a shape of non-negative integers, offsets inside the data, in order and not
+    overlapping, and each tensor's bytes equal to its dtype's size times its element count."""
+    raw, size = _header_bytes(path)
+    try:
+        header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _invalid_shard(path, "its header is not JSON", str(exc)[:120]) from None
     if not isinstance(header, dict):
         raise _invalid_shard(path, "its header is not a JSON object", type(header).__name__)
-    base = 8 + length
+    base = 8 + len(raw)
     entries = [_entry(path, name, info, base) for name, info in header.items() if name != "__metadata__"]
     entries.sort(key=lambda e: (e.start, e.stop))
     end = base
