@@ -202,8 +202,8 @@ def oneshot(
         if plan is not None:
             run_plan(plan, recipe, output_dir, workers=workers)
             return None
-        source = _source_folder(model)
-        model, processor = _read_model(model, processor, dtype, trust_remote_code)
+        source = _source_folder(model)  # resolved once: read from it, and it identifies the run's weights
+        model, processor = _read_model(model if source is None else source, processor, dtype, trust_remote_code)
         options = calibration or CalibrationOptions()
         training = [s.name for s in recipe.stages if is_training_stage(s)]
         if training:
