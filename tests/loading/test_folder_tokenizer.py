@@ -21,13 +21,13 @@ RTN = "W4A16"
 def reads(monkeypatch):
     """How many times a tokenizer is read."""
     count = [0]
-    real = tokenizers.read_tokenizer
+    real = tokenizers._from_pretrained
 
     def counted(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tokenizers, "read_tokenizer", counted)
+    monkeypatch.setattr(tokenizers, "_from_pretrained", counted)
     return count
 
 

@@ -23,11 +23,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def read_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
     """The folder's tokenizer, read now, or None when it has none."""
+    lazy = FolderTokenizer.of(folder, trust_remote_code)
+    return None if lazy is None else lazy.tokenizer
+
+
+def _from_pretrained(folder: Path, trust_remote_code: bool) -> Any:
+    """transformers' tokenizer of a folder that has one (``FolderTokenizer.of`` checked it)."""
     from transformers import AutoTokenizer
 
-    if not any((folder / n).exists() for n in _TOKENIZER_FILES):
-        return None
-    require_trust_for_remote_code(folder, trust_remote_code)
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
 
 
@@ -61,7 +64,7 @@ class FolderTokenizer:
     def tokenizer(self) -> Any:
         """The transformers tokenizer, read now if it was not yet."""
         if self._tokenizer is None:
-            self._tokenizer = read_tokenizer(self.folder, self.trust_remote_code)
+            self._tokenizer = _from_pretrained(self.folder, self.trust_remote_code)
         return self._tokenizer
 
     def release(self) -> None:
