@@ -3,6 +3,8 @@ written from the held integers without rebuilding the model in float."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from helpers import GPTQ_W4_G32, checkpoint_tensors, make_tiny_llama, token_batches
@@ -131,3 +133,24 @@ def test_spilled_block_inputs_behave_as_a_list(tmp_path):
         inputs[3]
     inputs.clear()
     assert len(inputs) == 0
+
+
+def test_calibration_leaves_no_activations_to_the_garbage_collector():
+    """What a layer's calibration made goes back when it is done, by reference counting: a
+    reference cycle (a recursive closure held the block's probe, every submodule's output for a
+    batch) kept it until the collector ran, at a different layer each time."""
+    model = make_tiny_llama(intermediate=256)
+    batches = token_batches(count=4)
+    options = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2, true_sequential=True)
+    gc.collect()
+    gc.disable()
+    try:
+        llmpress.oneshot(model, RECIPE, batches, calibration=options)
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds stays in gc.garbage, to be looked at
+        gc.collect()
+        found = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert found == []

@@ -94,17 +94,20 @@ def share_repeated(inputs: Inputs) -> None:
     rotary tables; a materialised eager-attention mask is 16 MB a batch. The hidden states are
     never shared: each batch's are replaced by the block's output."""
     first: dict[tuple, torch.Tensor] = {}
-
-    def share(path: tuple, value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            seen = first.setdefault(path, value)
-            same = (seen is not value and seen.shape == value.shape and seen.dtype == value.dtype
-                    and seen.device == value.device and torch.equal(seen, value))
-            return seen if same else value
-        if type(value) is tuple:
-            return tuple(share((*path, i), item) for i, item in enumerate(value))
-        return value
-
     items = inputs.skeletons if isinstance(inputs, SpilledInputs) else inputs  # the spilled hidden states stay where they are
     for index, (args, kwargs) in enumerate(items):
-        items[index] = (args, {k: v if k == "hidden_states" else share((k,), v) for k, v in kwargs.items()})
+        items[index] = (args, {k: v if k == "hidden_states" else _shared(first, (k,), v) for k, v in kwargs.items()})
+
+
+def _shared(first: dict[tuple, torch.Tensor], path: tuple, value: Any) -> Any:
+    """``value`` with its tensors replaced by the equal ones ``first`` holds at their paths
+    (a module-level function: a nested one that calls itself is a reference cycle, and it kept
+    the first batch's tensors until the garbage collector ran)."""
+    if isinstance(value, torch.Tensor):
+        seen = first.setdefault(path, value)
+        same = (seen is not value and seen.shape == value.shape and seen.dtype == value.dtype
+                and seen.device == value.device and torch.equal(seen, value))
+        return seen if same else value
+    if type(value) is tuple:
+        return tuple(_shared(first, (*path, i), item) for i, item in enumerate(value))
+    return value

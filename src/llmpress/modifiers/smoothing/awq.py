@@ -156,30 +156,31 @@ def _merged(inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
     per candidate instead of one per batch. Otherwise as they are."""
     if len(inputs) < 2:
         return inputs
-
-    def join(values: list[Any]) -> Any:
-        first = values[0]
-        if isinstance(first, torch.Tensor):
-            if first.dim() == 0 or any(not isinstance(v, torch.Tensor) or v.shape != first.shape for v in values):
-                raise ValueError
-            if first.shape[0] == 1 and all(v is first for v in values):
-                return first  # shared by every batch and broadcast over it (rotary cos / sin)
-            return torch.cat(values, dim=0)
-        if isinstance(first, (tuple, list)) and all(isinstance(v, type(first)) and len(v) == len(first) for v in values):
-            return type(first)(join(list(parts)) for parts in zip(*values))
-        if any(v is not first and v != first for v in values):
-            raise ValueError
-        return first
-
     try:
-        args = join([a for a, _ in inputs])
+        args = _joined([a for a, _ in inputs])
         keys = inputs[0][1].keys()
         if any(k.keys() != keys for _, k in inputs):
             return inputs
-        kwargs = {key: join([k[key] for _, k in inputs]) for key in keys}
+        kwargs = {key: _joined([k[key] for _, k in inputs]) for key in keys}
     except (ValueError, RuntimeError):
         return inputs
     return [(args, kwargs)]
+
+
+def _joined(values: list[Any]) -> Any:
+    """One value from each batch's (``_merged``); ValueError where they do not stack."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0 or any(not isinstance(v, torch.Tensor) or v.shape != first.shape for v in values):
+            raise ValueError
+        if first.shape[0] == 1 and all(v is first for v in values):
+            return first  # shared by every batch and broadcast over it (rotary cos / sin)
+        return torch.cat(values, dim=0)
+    if isinstance(first, (tuple, list)) and all(isinstance(v, type(first)) and len(v) == len(first) for v in values):
+        return type(first)(_joined(list(parts)) for parts in zip(*values))
+    if any(v is not first and v != first for v in values):
+        raise ValueError
+    return first
 
 
 def _around(block: nn.Module, name: str) -> nn.Module:
