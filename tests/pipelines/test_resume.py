@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -204,18 +205,37 @@ def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
+def _mapped_file(tensor: torch.Tensor) -> str:
+    """The file whose mapping holds ``tensor``'s data ("" where none does: the heap)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _, _, _, _, *path = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return path[0].strip() if path else ""
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc")
 def test_finished_layers_wait_in_their_work_files_not_in_memory(model_dir, tmp_path, monkeypatch):
-    """Each finished layer's held integers are swapped for the memory-mapped copy its work file
-    holds, so they do not add up in RAM; the checkpoint is the one they would write from memory."""
+    """Each finished layer's held integers, scales and norms are swapped for the memory-mapped
+    copies its work file holds, so they do not add up in RAM; the checkpoint is the one they
+    would write from memory."""
+    from llmpress.pipelines.storage import compact
     from llmpress.pipelines.storage.compact import CompactWeights
 
-    swapped = []
-    replace = CompactWeights.replace_integers
+    swapped, mapped = [], []
+    replace, put = CompactWeights.replace_integers, compact.put_tensor
     monkeypatch.setattr(CompactWeights, "replace_integers",
                         lambda self, module, k: swapped.append(module) or replace(self, module, k))
+    monkeypatch.setattr(compact, "put_tensor", lambda module, name, value: mapped.append((name, value)) or put(module, name, value))
     llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "paged", calibration=OPTIONS,
                      return_model=False)
     assert len(swapped) == 4 * 7  # four layers of seven linear modules
+    names = Counter(name for name, _ in mapped)
+    assert names["weight_scale"] == 4 * 7 and names["weight"] == 4 * 2  # and the two norms of each layer
+    assert all(".state.pt" in _mapped_file(value) for _, value in mapped)  # read from the file, not copied
     monkeypatch.setattr(CompactWeights, "page_out", lambda self, layer, state_file: None)
     llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "held", calibration=OPTIONS,
                      return_model=False)

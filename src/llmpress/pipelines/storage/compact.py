@@ -20,13 +20,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from llmpress.compat import own_parameters
+from llmpress.lifecycle.attach import set_module_buffer
 from llmpress.lifecycle.records import keep_held_weights, release_held_weights
 from llmpress.lifecycle.state import scheme_of
 from llmpress.memory import release_free_memory
 from llmpress.quant.packing import bytewise, pack_to_int32, unpack_from_int32
 from llmpress.quant.qdq import dequantize, effective_scale, float_copy, grouped
 
-__all__ = ["HELD", "CompactWeights"]
+__all__ = ["HELD", "CompactWeights", "put_tensor"]
 
 HELD = "@held"  # suffix of a weight's key, in a layer file, whose value is the integers held for it
 
@@ -78,6 +80,16 @@ def _packed(k: torch.Tensor) -> torch.Tensor:
 def _unpacked(stored: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``_packed``'s inverse (int8 of ``shape``)."""
     return unpack_from_int32(stored, 4, shape) if stored.dtype == torch.int32 else stored
+
+
+def put_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """``module``'s parameter ``name`` takes ``value`` as its data (the same Parameter object);
+    any other name is a buffer set to ``value``."""
+    parameter = own_parameters(module).get(name)
+    if parameter is not None:
+        parameter.data = value
+    else:
+        set_module_buffer(module, name, value)
 
 
 def _refuse_while_held(module: nn.Module, inputs: tuple) -> None:
@@ -132,13 +144,22 @@ class CompactWeights:
         raise KeyError("the module is not held")
 
     def page_out(self, layer: nn.Module, state_file: Path) -> None:
-        """``layer``'s held integers, from now on read memory-mapped from ``state_file`` (a layer
-        file the work folder just wrote, its held weights under ``name`` + ``HELD``): they leave
-        the process's memory, so finished layers do not add up in RAM however deep the model is."""
+        """``layer``'s tensors, from now on read memory-mapped from ``state_file`` (a layer file
+        the work folder just wrote: its held weights under ``name`` + ``HELD``, the rest under
+        their own names): the held integers and everything else the layer keeps (scales, group
+        indices, norms) leave the process's memory, so finished layers do not add up in RAM
+        however deep the model is (scales alone are 0.7 MB a layer of a 2048-wide Llama at g128)."""
         modules = dict(layer.named_modules())
-        for key, k in torch.load(state_file, weights_only=True, mmap=True).items():  # just written: no hash check
+        for key, mapped in torch.load(state_file, weights_only=True, mmap=True).items():  # just written: no hash check
+            path, _, name = key.removesuffix(HELD).rpartition(".")
+            module = modules[path]
             if key.endswith(HELD):
-                self.replace_integers(modules[key.removesuffix(HELD).rpartition(".")[0]], k)
+                self.replace_integers(module, mapped)
+                continue
+            current = getattr(module, name, None)
+            if (isinstance(current, torch.Tensor) and current.device.type == "cpu" and id(current) not in self._shared
+                    and current.shape == mapped.shape and current.dtype == mapped.dtype):
+                put_tensor(module, name, mapped)
 
     def integers_of(self, layer: nn.Module) -> dict[nn.Module, torch.Tensor]:
         """The held integers (as stored: int4 packed in int32 words) of ``layer``'s modules."""

@@ -40,10 +40,9 @@ from torch import nn
 from llmpress.checkpoint.atomic import sha256_of, write_file
 from llmpress.checkpoint.output import RECORD_NAME
 from llmpress.errors import CheckpointError
-from llmpress.lifecycle.attach import set_module_buffer
 from llmpress.models.classes import model_dtype
 from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
-from llmpress.pipelines.storage.compact import HELD, CompactWeights
+from llmpress.pipelines.storage.compact import HELD, CompactWeights, put_tensor
 from llmpress.pipelines.storage.onload import compute_dtype, execution_device
 from llmpress.tensorfiles.read import shards_identity
 from llmpress.version import __version__
@@ -219,14 +218,10 @@ class WorkFolder:
         modules = dict(block.named_modules())
         for key, tensor in state.items():
             path, _, attribute = key.removesuffix(HELD).rpartition(".")
-            module = modules[path]
-            parameter = dict(module.named_parameters(recurse=False)).get(attribute)
             if key.endswith(HELD):
-                held.adopt(module, tensor)
-            elif parameter is not None:
-                parameter.data = tensor
+                held.adopt(modules[path], tensor)
             else:
-                set_module_buffer(module, attribute, tensor)
+                put_tensor(modules[path], attribute, tensor)
 
     def last_inputs(self) -> tuple[list, Any]:
         """This rank's inputs of the block after ``inputs_after``, and what that layer returned
