@@ -135,17 +135,27 @@ def test_spilled_block_inputs_behave_as_a_list(tmp_path):
     assert len(inputs) == 0
 
 
-def test_calibration_leaves_no_activations_to_the_garbage_collector():
+def _recipes():
+    from llmpress.modifiers import AWQModifier, GPTQModifier, SmoothQuantModifier, SparseGPTModifier
+
+    return {"gptq": RECIPE, "awq": [AWQModifier(ignore=["lm_head"], scheme="W4A16", targets=["Linear"])],
+            "smoothquant": [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])],
+            "sparsegpt": [SparseGPTModifier(sparsity=0.5, mask_structure="2:4", ignore=["lm_head"])]}
+
+
+@pytest.mark.parametrize("name", ["gptq", "awq", "smoothquant", "sparsegpt"])
+def test_calibration_leaves_no_activations_to_the_garbage_collector(name):
     """What a layer's calibration made goes back when it is done, by reference counting: a
     reference cycle (a recursive closure held the block's probe, every submodule's output for a
     batch) kept it until the collector ran, at a different layer each time."""
     model = make_tiny_llama(intermediate=256)
+    recipe = _recipes()[name]
     batches = token_batches(count=4)
     options = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2, true_sequential=True)
     gc.collect()
     gc.disable()
     try:
-        llmpress.oneshot(model, RECIPE, batches, calibration=options)
+        llmpress.oneshot(model, recipe, batches, calibration=options)
         gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds stays in gc.garbage, to be looked at
         gc.collect()
         found = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
