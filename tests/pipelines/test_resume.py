@@ -205,16 +205,17 @@ def test_kill_9_in_the_third_layer_then_resume(model_dir, tmp_path):
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
-def _mapped_file(tensor: torch.Tensor) -> str:
-    """The file whose mapping holds ``tensor``'s data ("" where none does: the heap)."""
+def _mapping(tensor: torch.Tensor) -> tuple[str, int]:
+    """The file whose mapping holds ``tensor``'s data ("" where none does: the heap), and where
+    that mapping starts."""
     address = tensor.data_ptr()
     with open("/proc/self/maps") as maps:
         for line in maps:
             span, _, _, _, _, *path = line.split(maxsplit=5)
             low, high = (int(x, 16) for x in span.split("-"))
             if low <= address < high:
-                return path[0].strip() if path else ""
-    return ""
+                return (path[0].strip() if path else ""), low
+    return "", 0
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's mappings from /proc")
@@ -228,14 +229,17 @@ def test_finished_layers_wait_in_their_work_files_not_in_memory(model_dir, tmp_p
     swapped, mapped = [], []
     replace, put = CompactWeights.replace_integers, compact.put_tensor
     monkeypatch.setattr(CompactWeights, "replace_integers",
-                        lambda self, module, k: swapped.append(module) or replace(self, module, k))
+                        lambda self, module, k: swapped.append((module, _mapping(k))) or replace(self, module, k))
     monkeypatch.setattr(compact, "put_tensor", lambda module, name, value: mapped.append((name, value)) or put(module, name, value))
     llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "paged", calibration=OPTIONS,
                      return_model=False)
     assert len(swapped) == 4 * 7  # four layers of seven linear modules
     names = Counter(name for name, _ in mapped)
     assert names["weight_scale"] == 4 * 7 and names["weight"] == 4 * 2  # and the two norms of each layer
-    assert all(".state.pt" in _mapped_file(value) for _, value in mapped)  # read from the file, not copied
+    assert all(".state.pt" in _mapping(value)[0] for _, value in mapped)  # read from the file, not copied
+    # the integers from a mapping of their own: the save unmaps it as it lets them go
+    scales = {_mapping(value)[1] for name, value in mapped if name == "weight_scale"}
+    assert all(".state.pt" in file and start not in scales for _, (file, start) in swapped)
     monkeypatch.setattr(CompactWeights, "page_out", lambda self, layer, state_file: None)
     llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "held", calibration=OPTIONS,
                      return_model=False)

@@ -42,7 +42,7 @@ from llmpress.checkpoint.output import RECORD_NAME
 from llmpress.errors import CheckpointError
 from llmpress.models.classes import model_dtype
 from llmpress.parallel.distributed import gather_objects, is_distributed, is_main_process, rank, world_size
-from llmpress.pipelines.storage.compact import HELD, CompactWeights, put_tensor
+from llmpress.pipelines.storage.compact import HELD, CompactWeights, mapped_state, put_tensor
 from llmpress.pipelines.storage.onload import compute_dtype, execution_device
 from llmpress.tensorfiles.read import shards_identity
 from llmpress.version import __version__
@@ -201,6 +201,10 @@ class WorkFolder:
 
     # -- reading -----------------------------------------------------------------------------
     def _load(self, name: str) -> Any:
+        return torch.load(self._checked(name), weights_only=True, mmap=True)
+
+    def _checked(self, name: str) -> Path:
+        """The work file ``name``, refused unless it is what was written (its SHA-256)."""
         file = self.path / name
         expected = self.progress["files"].get(name)
         if expected is None or not file.exists() or sha256_of(file) != expected:
@@ -210,18 +214,17 @@ class WorkFolder:
                 expected="the files of the finished layers, as written",
                 fix="run without --resume to start over",
             )
-        return torch.load(file, weights_only=True, mmap=True)
+        return file
 
     def restore_layer(self, index: int, block: nn.Module, held: CompactWeights) -> None:
         """Put block ``index`` back as it was when it finished."""
-        state = self._load(f"layer-{index:05d}.state.pt")
+        integers, rest = mapped_state(self._checked(f"layer-{index:05d}.state.pt"))
         modules = dict(block.named_modules())
-        for key, tensor in state.items():
-            path, _, attribute = key.removesuffix(HELD).rpartition(".")
-            if key.endswith(HELD):
-                held.adopt(modules[path], tensor)
-            else:
-                put_tensor(modules[path], attribute, tensor)
+        for name, k in integers.items():
+            held.adopt(modules[name], k)
+        for key, tensor in rest.items():
+            path, _, attribute = key.rpartition(".")
+            put_tensor(modules[path], attribute, tensor)
 
     def last_inputs(self) -> tuple[list, Any]:
         """This rank's inputs of the block after ``inputs_after``, and what that layer returned
