@@ -1,0 +1,112 @@
+"""Calibration on two ranks against one process: time, summed proportional memory, the same checkpoint.
+
+    python bench/ranks.py [--runs 1] [--work DIR]
+
+GPTQ W4A16 (groups of 128, ``lm_head`` dense) on the random 1024-hidden Llama of ``bench/gptq.py``
+(fp32, 8 layers) and its 64 x 256 calibration tokens, by the ``llmpress oneshot`` command: one
+process of one thread, then ``torchrun --nproc-per-node 2`` with one thread a rank
+(``OMP_NUM_THREADS=1``). Sampled every 0.2 s: the proportional set size (PSS, from
+``/proc/PID/smaps_rollup``: a page shared by two processes counts half in each) of the compressing
+processes summed, and its peak; then the two checkpoints compared tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from common import REPO, fixture, work_folder
+from gptq import calibration_tokens, compile_sources, gptq_recipe, make_random_llama
+
+SAMPLE_S = 0.2
+
+
+def _workers(launcher: psutil.Process, ranks: int) -> list[psutil.Process]:
+    """The processes that compress: the launcher itself for one process, its children for ranks."""
+    if ranks == 1:
+        return [launcher]
+    try:
+        return [p for p in launcher.children(recursive=True) if "llmpress" in " ".join(p.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def run(command: list[str], ranks: int) -> dict:
+    """One compression: wall seconds, the peak of the workers' summed PSS and of their summed RSS (MB)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = psutil.Process(process.pid)
+    peak_pss = peak_rss = 0.0
+    while process.poll() is None:
+        pss = rss = 0
+        for worker in _workers(launcher, ranks):
+            try:
+                info = worker.memory_full_info()
+            except psutil.Error:
+                continue
+            pss, rss = pss + info.pss, rss + info.rss
+        peak_pss, peak_rss = max(peak_pss, pss / 2**20), max(peak_rss, rss / 2**20)
+        time.sleep(SAMPLE_S)
+    wall = time.perf_counter() - start
+    out, err = process.communicate()
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{err[-3000:]}")
+    return {"wall_s": wall, "pss_mb": peak_pss, "rss_mb": peak_rss}
+
+
+def same_checkpoint(one: Path, two: Path) -> tuple[int, int]:
+    """(tensors equal bit for bit, tensors) between two checkpoints."""
+    import torch
+    from safetensors.torch import load_file
+
+    a = {k: v for f in sorted(one.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(two.glob("*.safetensors")) for k, v in load_file(f).items()}
+    if a.keys() != b.keys():
+        return 0, max(len(a), len(b))
+    return sum(torch.equal(a[k], b[k]) for k in a), len(a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1, help="pairs of runs (medians are reported)")
+    parser.add_argument("--work", default=None, help="folder for the model and checkpoints (default: a temporary folder)")
+    args = parser.parse_args()
+    work = work_folder(args.work, "llmpress-ranks-")
+    compile_sources()
+    model = make_random_llama(work / "random-1024", fixture("tiny-llama"))
+    tokens = calibration_tokens(work / "tokens.jsonl", fixture("tiny-llama"))
+    recipe = gptq_recipe(work / "gptq-w4.yaml", 4)
+    samples = [json.loads(line) for line in tokens.read_text().splitlines() if line.strip()]
+
+    def command(launch: list[str], output: Path) -> list[str]:
+        return [*launch, "-m", "llmpress", "oneshot", "--model", str(model), "--recipe", str(recipe), "--dataset", str(tokens),
+                "--num-samples", str(len(samples)), "--seq-len", str(len(samples[0]["input_ids"])), "--output", str(output),
+                "--overwrite"]
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    rows: dict[str, list[dict]] = {"one process": [], "2 ranks": []}
+    for _ in range(args.runs):
+        rows["one process"].append(run(command([sys.executable], work / "one"), 1))
+        rows["2 ranks"].append(run(command(torchrun, work / "ranks"), 2))
+        print(json.dumps({k: v[-1] for k, v in rows.items()}), flush=True)
+    equal, total = same_checkpoint(work / "one", work / "ranks")
+    one = {k: statistics.median(r[k] for r in rows["one process"]) for k in rows["one process"][0]}
+    two = {k: statistics.median(r[k] for r in rows["2 ranks"]) for k in rows["2 ranks"][0]}
+    print(f"\nGPTQ W4A16 g128, random 1024-hidden Llama (8 layers, fp32), 64 x 256 tokens, one thread a process, {args.runs} run(s)")
+    print(f"{'':<12} {'wall s':>8} {'peak PSS MB':>12} {'peak RSS MB':>12}")
+    for name, row in (("one process", one), ("2 ranks", two)):
+        print(f"{name:<12} {row['wall_s']:>8.1f} {row['pss_mb']:>12.0f} {row['rss_mb']:>12.0f}")
+    print(f"speed-up {one['wall_s'] / two['wall_s']:.2f}x (target >= 1.7x); summed PSS {two['pss_mb'] / one['pss_mb']:.2f}x one "
+          f"process's (target <= 1.3x); checkpoint tensors equal bit for bit: {equal} of {total}")
+
+
+if __name__ == "__main__":
+    main()
