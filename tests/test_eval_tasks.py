@@ -5,7 +5,8 @@ directly on the dequantized model, beside perplexity in one table.
 
 It runs where ``llmpress[eval]`` is installed. The dev environment leaves lm-eval out: it brings
 scipy (through scikit-learn), which transformers then imports with every model class (its
-object-detection losses), 40 MB more in every process, benchmarks included."""
+object-detection losses), 40 MB more in every process, benchmarks included. ``make test`` runs
+this file again in ``.venv-eval``: lm-eval over ``.venv``'s packages, at their versions."""
 
 from __future__ import annotations
 
