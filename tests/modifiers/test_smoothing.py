@@ -434,13 +434,13 @@ def test_awq_grid_is_llm_compressors():
 
 
 def test_a_single_linear_is_scored_exactly_from_its_gram_matrix():
-    from llmpress.modifiers.smoothing.awq import _LinearScore, _RunScore
+    from llmpress.modifiers.smoothing.awq_scores import LinearScore, RunScore
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 32)
     block = CalibrationBlock(0, torch.nn.Sequential(layer), [((torch.randn(2, 5, 16),), {}) for _ in range(3)])
     original = layer.weight.detach().clone()
-    by_gram, by_run = _LinearScore(block, layer, original), _RunScore(block, layer)
+    by_gram, by_run = LinearScore(block, layer, original), RunScore(block, layer)
     with torch.no_grad():
         layer.weight.add_(0.01 * torch.randn_like(layer.weight))
     assert by_gram() == pytest.approx(by_run(), rel=1e-4)
@@ -464,12 +464,12 @@ def test_channel_means_do_not_depend_on_how_the_samples_are_batched():
 def test_a_run_score_joins_batches_in_runs_of_bounded_size():
     """Batches are joined into forwards of at most ``joined_tokens`` tokens (memory stays that
     of one such run, whatever the calibration set): the error is the one of a run per batch."""
-    from llmpress.modifiers.smoothing.awq import _RunScore
+    from llmpress.modifiers.smoothing.awq_scores import RunScore
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
     block = CalibrationBlock(0, mlp, [((torch.randn(2, 5, 16),), {}) for _ in range(5)])
-    joined, apart = _RunScore(block, mlp, joined_tokens=20), _RunScore(block, mlp, joined_tokens=1)
+    joined, apart = RunScore(block, mlp, joined_tokens=20), RunScore(block, mlp, joined_tokens=1)
     assert [a[0].shape[0] for a, _ in joined.inputs] == [4, 4, 2] and len(apart.inputs) == 5
     with torch.no_grad():
         mlp[0].weight.add_(0.01 * torch.randn_like(mlp[0].weight))
