@@ -48,11 +48,13 @@ from llmpress.tensorfiles.read import shards_identity
 from llmpress.version import __version__
 
 __all__ = ["WorkFolder", "run_fingerprint"]
+
 logger = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
-#: the next block's inputs are written after a block once this long has gone by since last time:
-INPUTS_EVERY_S = 300.0  # a resumed run then forwards at most this much calibration's worth of blocks
+#: the next block's inputs are written after a block once this long has gone by since they were
+#: last written: a resumed run then forwards at most this much calibration's worth of blocks
+INPUTS_EVERY_S = 300.0
 
 
 def run_fingerprint(model: nn.Module, recipe: Any, batches: list[torch.Tensor] | None, options: Any, source: Path | None = None) -> str:
