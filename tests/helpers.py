@@ -31,8 +31,20 @@ def text_path(name: str) -> Path:
 
 @contextmanager
 def gloo_rank(rank: int, world: int, init: str) -> Iterator[None]:
-    """One spawned rank of a gloo group for the length of a ``with`` block, one thread each; the
-    group is ended with a barrier first when the block finished (``end_process_group``)."""
+    """One spawned rank of a gloo group for the length of a ``with`` block, one thread each, the
+    block being the whole of the rank's function: the group is ended with a barrier first when
+    the block finished (``end_process_group``), and then the rank exits at once (``os._exit(0)``,
+    output flushed) instead of returning to the interpreter's shutdown.
+
+    That shutdown is where a rank died of SIGABRT once in CI (the FSDP fixture, process 1):
+    an FSDP model's device mesh holds its process group (``DeviceMesh._pg_registry``) and
+    DTensor's sharding cache keeps the mesh to the end, so the gloo group's C++ side is only
+    destroyed during interpreter finalization, where (a PyTorch pull request, pytorch#179291, says)
+    gloo's threads can abort the process. What the tests check is done and written by then; an
+    error inside the block still propagates to ``mp.spawn`` with its traceback."""
+    import os
+    import sys
+
     from llmpress.parallel.distributed import end_process_group
 
     torch.set_num_threads(1)
@@ -43,6 +55,9 @@ def gloo_rank(rank: int, world: int, init: str) -> Iterator[None]:
         finished = True
     finally:
         end_process_group(wait_for_others=finished)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make_tiny_llama(seed: int = 0, *, tie: bool = False, intermediate: int = 200, bias: bool = False):
