@@ -6,6 +6,7 @@ from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
 from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier, SparseGPTModifier, WandaPruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
+from llmpress.modifiers.rotation import SpinQuantModifier
 from llmpress.modifiers.smoothing import AWQModifier, SmoothQuantModifier
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "QuantizationModifier",
     "SmoothQuantModifier",
     "SparseGPTModifier",
+    "SpinQuantModifier",
     "WandaPruningModifier",
     "Window",
     "WindowFields",

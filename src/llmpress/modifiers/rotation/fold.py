@@ -1,0 +1,65 @@
+"""Rotations folded into weights, so the checkpoint stays an ordinary one.
+
+With row vectors and a Linear ``y = x Wᵀ``: a reader of the rotated residual stream ``x Q``
+takes ``W Q``; a writer into it (``o_proj``, ``down_proj``) gives ``y Q`` with ``Qᵀ W`` and
+``b Q``; the embedding table takes ``E Q``. A norm ``x / rms(x) * g`` commutes with ``Q``
+(``rms(x Q) = rms(x)``) once its gain ``g`` is 1, so ``g`` goes first into the Linears reading
+the norm (their input columns times ``g``). GPT-2's Conv1D (``y = x W``) takes the transposes.
+Everything is computed in float64 and rounded once to the weight's dtype; each weight gets a new
+tensor, never a write into the file it was mapped from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmpress.models.linear import input_major
+from llmpress.modifiers.rotation.hadamard import Rotation
+from llmpress.modifiers.smoothing.fold import gain_offset
+
+__all__ = ["fold_gain_and_rotate_inputs", "rotate_embedding", "rotate_outputs", "unit_gain"]
+
+
+def _put(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data = value.to(param.dtype).contiguous()
+
+
+@torch.no_grad()
+def unit_gain(norm: nn.Module) -> torch.Tensor:
+    """Set the norm's gain to 1 (its weight to ``1 - c`` for a ``c + weight`` gain, Gemma's) and
+    return the gain it had, in float64."""
+    offset = gain_offset(norm)
+    gain = norm.weight.detach().double() + offset
+    _put(norm.weight, torch.full_like(gain, 1.0 - offset))
+    return gain
+
+
+@torch.no_grad()
+def fold_gain_and_rotate_inputs(module: nn.Module, gain: torch.Tensor | None, rotation: Rotation | None) -> None:
+    """The module reads ``x * gain`` rotated: ``W diag(gain) Q`` (``Qᵀ diag(gain) W`` for Conv1D)."""
+    weight = module.weight.detach().double()
+    if input_major(module):
+        weight = weight.T
+    if gain is not None:
+        weight = weight * gain.to(weight.device)[None, :]
+    if rotation is not None:
+        weight = rotation.rows(weight)
+    _put(module.weight, weight.T if input_major(module) else weight)
+
+
+@torch.no_grad()
+def rotate_outputs(module: nn.Module, rotation: Rotation) -> None:
+    """The module's output ``y`` becomes ``y Q``: ``Qᵀ W`` and ``b Q`` (``W Q`` for Conv1D)."""
+    weight = module.weight.detach().double()
+    rotated = rotation.rows(weight) if input_major(module) else rotation.rows(weight.T).T
+    _put(module.weight, rotated)
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        _put(bias, rotation.rows(bias.detach().double()))
+
+
+@torch.no_grad()
+def rotate_embedding(embedding: nn.Module, rotation: Rotation) -> None:
+    """Every row of the table ``E`` rotated: ``E Q``."""
+    _put(embedding.weight, rotation.rows(embedding.weight.detach().double()))
