@@ -54,6 +54,9 @@ RECIPES = {
     "sparse24-gptq": ("sparsity_stage:\n  sparsity_modifiers:\n    SparseGPTModifier: {sparsity: 0.5, mask_structure: '2:4', "
                       "targets: ['re:.*layers.*'], ignore: [lm_head]}\nquant_stage:\n  quant_modifiers:\n"
                       "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
+    # rotations folded into the weights (R1, R2) before GPTQ: an ordinary checkpoint for vLLM
+    "spinquant-gptq": ("quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {rotations: [R1, R2]}\n"
+                       "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
     "fp8-kv-cache": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: FP8_DYNAMIC\n      targets: [Linear]\n"
                                                    "      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
                                                    "symmetric: true}\n"),
@@ -71,6 +74,7 @@ ROWS = {
     "mxfp4": ("mxfp4", "tiny-llama-bf16", "bfloat16", False),
     "sparse24-gptq": ("sparse24-gptq", "tiny-llama-bf16", "bfloat16", True),
     "fp8-kv-cache": ("fp8-kv-cache", "tiny-llama-bf16", "bfloat16", True),
+    "spinquant-gptq": ("spinquant-gptq", "tiny-llama-bf16", "bfloat16", True),
     "moe-w4a16": ("w4a16", "qwen3-moe", "bfloat16", False),
     "gemma-w4a16": ("w4a16", "gemma", "bfloat16", False),
     "qwen3-fp8": ("fp8", "qwen3", "bfloat16", False),

@@ -75,6 +75,14 @@ quant_stage:
       scheme: W4A16
 """
 
+#: rotations first: every rank rotates alike (no statistic), then GPTQ's Hessians are reduced
+SPINQUANT_GPTQ = """
+quant_stage:
+  quant_modifiers:
+    SpinQuantModifier: {rotations: [R1, R2]}
+    GPTQModifier: {scheme: W4A16, targets: [Linear], ignore: [lm_head]}
+"""
+
 OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1)
 TWO_PASSES = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1, true_sequential=False)
 
@@ -108,7 +116,7 @@ def two_rank_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("ranks")
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
     recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
-               "sparsegpt": SPARSEGPT_24, "wanda": WANDA}
+               "sparsegpt": SPARSEGPT_24, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
     mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
     for name, recipe in recipes.items():
@@ -116,7 +124,7 @@ def two_rank_runs(tmp_path_factory):
     return work
 
 
-@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda"])
+@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda", "spinquant"])
 def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")

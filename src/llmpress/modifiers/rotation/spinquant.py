@@ -120,6 +120,9 @@ class SpinQuantModifierConfig(ModifierConfig, OneShotFields):
 @MODIFIERS.register("SpinQuantModifier")
 class SpinQuantModifier(Modifier):
     Config = SpinQuantModifierConfig
+    #: it gathers no statistic: every rank rotates its copy alike (a rank's batches only find the
+    #: norms' readers, and each rank checks its own blocks)
+    reduces_across_ranks = True
 
     def required_state(self) -> tuple[str, ...]:
         return ("model", "calibration_data")
