@@ -19,7 +19,7 @@ from torch import nn
 
 from llmpress.checkpoint import claimed_output, save_checkpoint
 from llmpress.contract.modifier import TRAINING_EVENTS
-from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples
+from llmpress.data import CalibrationOptions, batch_samples, load_calibration_samples, structure_batches
 from llmpress.data.keywords import from_llmcompressor_keywords
 from llmpress.errors import CheckpointError, DataError, MissingStateError, RecipeError, os_failure
 from llmpress.lifecycle.state import Status, status_of
@@ -217,6 +217,8 @@ def oneshot(
         if is_distributed():
             same_on_every_rank(recipe.to_yaml(), "the recipe")
         batches = _calibration_batches(dataset, processor, options, model)
+        if batches is None and any(m.structure_from_any_tokens for m in recipe.modifiers):
+            batches = structure_batches(getattr(getattr(model, "config", None), "vocab_size", None))
         _release_folder_tokenizer(processor)
         linearize_experts(model)  # MoE experts as one Linear each: what calibrates, saves and runs
         work = _work_folder(model, recipe, batches, options, output_dir, resume, source)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_tiny_llama, text_path, token_batches, trained_model_dir
+from helpers import checkpoint_tensors, make_tiny_llama, text_path, token_batches, trained_model_dir
 
 import llmpress
 from llmpress.errors import RecipeError, UnsupportedModelError
@@ -160,3 +160,26 @@ def test_r1_spreads_the_outliers_of_what_the_linears_read():
     before = peak_over_rms(massive())
     after = peak_over_rms(llmpress.oneshot(massive(), [SpinQuantModifier(rotations=["R1"])], batches))
     assert before > 5 and after < 0.55 * before, (before, after)
+
+
+def test_rotations_before_a_data_free_scheme_need_no_calibration_data(tmp_path, caplog):
+    """SpinQuant + FP8_DYNAMIC with no dataset: the blocks' structure is read on seeded random
+    tokens, the model-class path is taken (not the model-free one, which cannot rotate), and the
+    rotated fp8 checkpoint computes what the dense model does, to fp8's rounding."""
+    model = _with_norm_gains(make_tiny_llama(intermediate=256))
+    ids = torch.tensor(token_batches(2, 16, seed=5))
+    reference = _logits(model, ids)
+    model.save_pretrained(tmp_path / "source")
+    recipe = """
+quant_stage:
+  quant_modifiers:
+    SpinQuantModifier: {}
+    QuantizationModifier: {scheme: FP8_DYNAMIC, targets: [Linear], ignore: [lm_head]}
+"""
+    with caplog.at_level("INFO", logger="llmpress.modifiers.rotation.spinquant"):
+        llmpress.oneshot(str(tmp_path / "source"), recipe, output_dir=tmp_path / "out")
+    assert "R1 and R2 on 2 blocks" in caplog.text
+    ours = _logits(llmpress.load(tmp_path / "out", dtype=torch.float32), ids)
+    assert ((ours - reference).norm() / reference.norm()) < 0.1  # fp8 weights and inputs: 7% here, rotated or not
+    norm = checkpoint_tensors(tmp_path / "out")["model.layers.0.input_layernorm.weight"]
+    assert torch.equal(norm, torch.ones_like(norm))  # the gains went into q/k/v: rotated indeed

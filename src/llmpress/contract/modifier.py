@@ -209,6 +209,9 @@ class Modifier:
     reduces_across_ranks: ClassVar[bool] = False
     #: the events this class has a hook for, derived when the class is defined
     events: ClassVar[frozenset[str]] = frozenset()
+    #: its calibration forwards only find which modules feed which (SpinQuant's norms and their
+    #: readers): given no calibration data, a one-shot run makes them on seeded random token ids
+    structure_from_any_tokens: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

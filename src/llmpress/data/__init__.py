@@ -1,3 +1,3 @@
-from llmpress.data.calibration import CalibrationOptions, batch_samples, load_calibration_samples, load_records
+from llmpress.data.calibration import CalibrationOptions, batch_samples, load_calibration_samples, load_records, structure_batches
 
-__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records"]
+__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records", "structure_batches"]

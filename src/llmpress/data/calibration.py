@@ -34,7 +34,7 @@ from llmpress.data.hub import SHORTCUTS, is_hub_name, load_hub_dataset
 from llmpress.data.records import dataset_rows, loader_records, record_text_or_ids
 from llmpress.errors import DataError, MissingDependencyError
 
-__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records"]
+__all__ = ["CalibrationOptions", "batch_samples", "load_calibration_samples", "load_records", "structure_batches"]
 
 
 @dataclass
@@ -167,6 +167,13 @@ def _split_of(splits: Any, wanted: str | None) -> str:
             raise DataError("the calibration dataset has no such split", got=wanted, expected=names)
         return base
     return next((n for n in ("calibration", "train") if n in names), names[0])
+
+
+def structure_batches(vocab: int | None, length: int = 64) -> list[torch.Tensor]:
+    """One batch of seeded random token ids, for forwards that only find which modules feed
+    which (``Modifier.structure_from_any_tokens``): the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab or 256, (1, length), generator=generator)]
 
 
 def batch_samples(samples: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:

@@ -23,8 +23,9 @@ inputs).
 
 Rotations happen where each part's turn comes: the embeddings and the head at
 ``calibration_start``, each block at ``block_start`` (a block is read when its turn comes, so
-memory stays one block). Finding a block's norms runs the block, so the modifier needs
-calibration data (a few samples are enough). ``R3`` and ``R4`` (online rotations of the
+memory stays one block). Finding a block's norms runs the block once: on the calibration data
+when the recipe has some, else (a data-free scheme after it) on one batch of seeded random
+tokens. ``R3`` and ``R4`` (online rotations of the
 queries/keys and of ``down_proj``'s input, which a reader must apply at run time) and
 ``learnable`` rotations (SpinQuant's Cayley optimisation) are refused with that reason.
 """
@@ -123,9 +124,9 @@ class SpinQuantModifier(Modifier):
     #: it gathers no statistic: every rank rotates its copy alike (a rank's batches only find the
     #: norms' readers, and each rank checks its own blocks)
     reduces_across_ranks = True
-
-    def required_state(self) -> tuple[str, ...]:
-        return ("model", "calibration_data")
+    #: a block's forward only finds its norms and their readers: without calibration data
+    #: (SpinQuant + FP8_DYNAMIC, say) a one-shot run makes it on seeded random tokens
+    structure_from_any_tokens = True
 
     def on_initialize(self, state: State) -> None:
         config = self.config
