@@ -112,7 +112,7 @@ def _hadamard_rows(x: torch.Tensor, factor: tuple[torch.Tensor, int], transpose:
     a, twos = factor
     blocks = _butterflies(x.unflatten(-1, (a.shape[0], 1 << twos)), twos)
     if a.shape[0] > 1:
-        blocks = torch.einsum("ia,...ij->...aj" if not transpose else "ai,...ij->...aj", a.to(x.dtype), blocks)
+        blocks = torch.einsum("ia,...ij->...aj" if not transpose else "ai,...ij->...aj", a.to(x.device, x.dtype), blocks)
     return blocks.flatten(-2)
 
 
@@ -158,11 +158,11 @@ class Rotation:
             raise ValueError(f"rows of {x.shape[-1]} values cannot take a rotation of size {self.size}")
         blocks = x.unflatten(-1, (-1, self.width))
         if self._dense is not None:
-            q = self._dense.to(x.dtype)
+            q = self._dense.to(x.device, x.dtype)
             out = blocks @ (q.T if transpose else q)
         else:
             scale = 1.0 / math.sqrt(self.width)
-            signs = self._signs.to(x.dtype) if self._signs is not None else None
+            signs = self._signs.to(x.device, x.dtype) if self._signs is not None else None
             if signs is not None and not transpose:
                 blocks = blocks * signs
             out = _hadamard_rows(blocks, self._factor, transpose) * scale
