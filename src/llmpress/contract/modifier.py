@@ -4,19 +4,20 @@ A modifier is a plain behaviour class built from keyword arguments that its pyda
 validates (``extra="forbid"``). Everything the session or a pipeline reads is declared here, with
 a default a subclass overrides:
 
-========================  ===================================================================
-``Config``                the fields users write (compose ``SchemeFields``, ``WindowFields``)
-``required_state()``      state fields needed at ``initialize`` (``"model"`` by default)
-``window``                a ``Window``: when the modifier acts in training (from ``start``/``end``)
-``acts_after_window``     whether training events still reach it after its window closed
-``calibration_targets()`` modules whose inputs it observes while calibrating (none by default)
-``observe(name, x)``      one such input, handed over by the session
-``scales_inputs(name)``   whether what it gathered from ``name``'s inputs can be rescaled
-``scale_inputs(n, f)``    rescale it: those inputs are now ``x * f`` per channel (smoothing)
-``step_note()``           a short note for the pipeline's progress bar
-``reduces_across_ranks``  whether it reduces what it gathers over torch.distributed ranks
-``events``                derived: the events it has an ``on_<event>`` hook for
-========================  ===================================================================
+==============================  ===================================================================
+``Config``                      the fields users write (compose ``SchemeFields``, ``WindowFields``)
+``required_state()``            state fields needed at ``initialize`` (``"model"`` by default)
+``window``                      a ``Window``: when the modifier acts in training (from ``start``/``end``)
+``acts_after_window``           whether training events still reach it after its window closed
+``calibration_targets()``       modules whose inputs it observes while calibrating (none by default)
+``observe(name, x)``            one such input, handed over by the session
+``scales_inputs(name)``         whether what it gathered from ``name``'s inputs can be rescaled
+``scale_inputs(n, f)``          rescale it: those inputs are now ``x * f`` per channel (smoothing)
+``step_note()``                 a short note for the pipeline's progress bar
+``reduces_across_ranks``        whether it reduces what it gathers over torch.distributed ranks
+``structure_from_any_tokens``   its forwards only find which modules feed which: no data needed
+``events``                      derived: the events it has an ``on_<event>`` hook for
+==============================  ===================================================================
 
 Under torch.distributed each rank calibrates on its share of the samples, and the reduction is
 the modifier's own: before it uses what it gathered (at ``modules_calibrated``,
