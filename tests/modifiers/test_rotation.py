@@ -65,7 +65,7 @@ def _logits(model, ids):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma", "phi3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_rotations_keep_the_function_of_each_family(model_type, tmp_path):
     """Grouped KV heads, Qwen3's q/k norms, Gemma's ``1 + weight`` norms, Phi-3's fused
-    projections (R1 only: no v_proj), MoE routers, experts and shared experts."""
+    projections (R2 on qkv_proj's v rows), MoE routers, experts and shared experts."""
     source = save_tiny(model_type, tmp_path / "source")
     ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
     reference = _logits(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), ids)
@@ -91,6 +91,21 @@ def test_a_residual_stream_that_cannot_be_rotated_is_refused(model_type, why, tm
         rotated = llmpress.oneshot(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), [SpinQuantModifier(rotations=["R2"])],
                                    token_batches(4, 32, vocab=4000))
         assert ((_logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
+
+
+def test_r2_rotates_the_v_rows_of_a_fused_qkv_projection(tmp_path):
+    source = save_tiny("phi3", tmp_path / "source")
+    ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
+    reference = _logits(llmpress.load(source, dtype=torch.float32), ids)
+    before = llmpress.load(source, dtype=torch.float32).model.layers[0].self_attn
+    rotated = llmpress.oneshot(llmpress.load(source, dtype=torch.float32), [SpinQuantModifier(rotations=["R2"])],
+                               token_batches(4, 32, vocab=4000))
+    after = rotated.model.layers[0].self_attn
+    kv = (after.qkv_proj.out_features - after.o_proj.in_features) // 2
+    assert torch.equal(after.qkv_proj.weight[:-kv], before.qkv_proj.weight[:-kv])  # q and k rows as they were
+    assert not torch.allclose(after.qkv_proj.weight[-kv:], before.qkv_proj.weight[-kv:])
+    assert not torch.allclose(after.o_proj.weight, before.o_proj.weight)
+    assert ((_logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
 
 
 def test_online_rotations_and_learned_ones_are_refused_with_the_reason():

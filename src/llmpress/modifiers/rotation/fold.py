@@ -49,14 +49,21 @@ def fold_gain_and_rotate_inputs(module: nn.Module, gain: torch.Tensor | None, ro
 
 
 @torch.no_grad()
-def rotate_outputs(module: nn.Module, rotation: Rotation) -> None:
-    """The module's output ``y`` becomes ``y Q``: ``Qᵀ W`` and ``b Q`` (``W Q`` for Conv1D)."""
-    weight = module.weight.detach().double()
-    rotated = rotation.rows(weight) if input_major(module) else rotation.rows(weight.T).T
-    _put(module.weight, rotated)
+def rotate_outputs(module: nn.Module, rotation: Rotation, rows: tuple[int, int] | None = None) -> None:
+    """The module's output ``y`` (or its ``rows`` part) becomes ``y Q``: ``Qᵀ W`` and ``b Q``
+    (``W Q`` for Conv1D)."""
+    start, stop = rows or (0, module.weight.shape[-1] if input_major(module) else module.weight.shape[0])
+    weight = module.weight.detach().to(torch.float64, copy=True)  # written in part: never the parameter's own
+    if input_major(module):
+        weight[:, start:stop] = rotation.rows(weight[:, start:stop])
+    else:
+        weight[start:stop] = rotation.rows(weight[start:stop].T).T
+    _put(module.weight, weight)
     bias = getattr(module, "bias", None)
     if isinstance(bias, torch.Tensor):
-        _put(bias, rotation.rows(bias.detach().double()))
+        bias_rotated = bias.detach().to(torch.float64, copy=True)
+        bias_rotated[start:stop] = rotation.rows(bias_rotated[start:stop])
+        _put(bias, bias_rotated)
 
 
 @torch.no_grad()

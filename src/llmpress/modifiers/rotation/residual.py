@@ -9,7 +9,8 @@
   (tied to the embeddings, the head is untied first).
 - **R2, per head** (size ``head_dim``): ``v_proj``'s rows of each head ``Hᵀ W``, ``o_proj``'s
   columns of each head ``W H``; grouped KV heads share ``H``, so every query head sees its KV head
-  rotated alike.
+  rotated alike. A fused ``qkv_proj`` (Phi-3) takes it on its v rows, the last ``(out - q) / 2``,
+  ``q`` being ``o_proj``'s input width.
 
 Each block is checked by running once per structure: its rotated version on the rotated input
 must give the rotated output of the original on the original input. A model where that fails (a
@@ -34,7 +35,10 @@ from llmpress.modifiers.rotation.hadamard import Rotation
 from llmpress.modifiers.smoothing.mappings import MappingMemo, find_mappings, reads_columns
 from llmpress.targets import matches
 
-__all__ = ["BlockPlan", "head_dim_of", "plan_block", "rotate_block", "rotate_ends"]
+__all__ = ["FUSED_QKV", "BlockPlan", "head_dim_of", "plan_block", "rotate_block", "rotate_ends"]
+
+#: a fused q/k/v projection whose last rows are v's (Phi-3's)
+FUSED_QKV = r"re:(.*\.)?qkv_proj$"
 
 
 @dataclass
@@ -43,7 +47,7 @@ class BlockPlan:
 
     norms: list[tuple[nn.Module, list[nn.Module]]] = field(default_factory=list)  # R1: norm -> its readers
     writers: list[nn.Module] = field(default_factory=list)  # R1: written into the stream
-    heads: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)  # R2: (v_proj, o_proj)
+    heads: list[tuple[nn.Module, tuple[int, int] | None, nn.Module]] = field(default_factory=list)  # R2: (v, its v rows, o)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -110,13 +114,20 @@ def plan_block(block: CalibrationBlock, prefix: str, hidden: int, r1: bool, r2: 
     if r2:
         named = dict(block.module.named_modules())
         for name, v in named.items():
-            if not (isinstance(v, nn.Linear) and matches(prefix + name, v, [v_pattern])):
+            fused = matches(prefix + name, v, [FUSED_QKV])
+            if not (isinstance(v, nn.Linear) and (fused or matches(prefix + name, v, [v_pattern]))):
                 continue
             parent = name.rpartition(".")[0]
             siblings = [m for n, m in named.items() if n.rpartition(".")[0] == parent and isinstance(m, nn.Linear)
                         and matches(prefix + n, m, [o_pattern])]
-            if len(siblings) == 1:
-                plan.heads.append((v, siblings[0]))
+            if len(siblings) != 1:
+                continue
+            o = siblings[0]
+            kv = (v.out_features - o.in_features) // 2
+            if not fused:
+                plan.heads.append((v, None, o))
+            elif kv > 0 and v.out_features == o.in_features + 2 * kv:
+                plan.heads.append((v, (v.out_features - kv, v.out_features), o))
     return plan
 
 
@@ -159,8 +170,8 @@ def rotate_block(block: CalibrationBlock, plan: BlockPlan, r1: Rotation | None, 
         rotate_outputs(writer, r1)
     if r2 is not None:
         on_v, on_o = r2
-        for v, o in plan.heads:
-            rotate_outputs(v, _sized(on_v, v.out_features))
+        for v, rows, o in plan.heads:
+            rotate_outputs(v, _sized(on_v, rows[1] - rows[0] if rows else v.out_features), rows)
             fold_gain_and_rotate_inputs(o, None, _sized(on_o, o.in_features))
     if check:
         got = _added(block, batch, rotated_input)
