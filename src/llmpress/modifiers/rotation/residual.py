@@ -148,7 +148,7 @@ def _added(block: CalibrationBlock, batch: tuple[tuple, dict], x: torch.Tensor) 
     return out.double() - x.double()
 
 
-def rotate_block(block: CalibrationBlock, plan: BlockPlan, r1: Rotation | None, r2: tuple[Rotation, Rotation] | None,
+def rotate_block(block: CalibrationBlock, plan: BlockPlan, r1: Rotation | None, r2: Rotation | None,
                  checked: dict[tuple, bool]) -> None:
     """Apply the plan's rotations to the block (its input is already the rotated stream), checked
     by running for the first block of each structure (``checked``)."""
@@ -169,10 +169,9 @@ def rotate_block(block: CalibrationBlock, plan: BlockPlan, r1: Rotation | None, 
     for writer in plan.writers:
         rotate_outputs(writer, r1)
     if r2 is not None:
-        on_v, on_o = r2
         for v, rows, o in plan.heads:
-            rotate_outputs(v, _sized(on_v, rows[1] - rows[0] if rows else v.out_features), rows)
-            fold_gain_and_rotate_inputs(o, None, _sized(on_o, o.in_features))
+            rotate_outputs(v, _sized(r2, rows[1] - rows[0] if rows else v.out_features), rows)
+            fold_gain_and_rotate_inputs(o, None, _sized(r2, o.in_features))
     if check:
         got = _added(block, batch, rotated_input)
         tolerance = 1e-4 if rotated_input.dtype == torch.float32 else 3e-2

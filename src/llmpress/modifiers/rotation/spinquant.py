@@ -141,9 +141,7 @@ class SpinQuantModifier(Modifier):
         self.r1 = Rotation(self.hidden, kind, seed, block) if "R1" in config.rotations else None
         self.r2 = None
         if "R2" in config.rotations:
-            head = self.mapping.attn_head_dim or head_dim_of(model)
-            per_head = Rotation(head, kind, seed + 1)
-            self.r2 = (per_head, per_head)
+            self.r2 = Rotation(self.mapping.attn_head_dim or head_dim_of(model), kind, seed + 1)
         self.prefix_of = {m: f"{n}." for n, m in model.named_modules()}
         self.memo = MappingMemo()
         self.checked: dict[tuple, bool] = {}
@@ -170,7 +168,7 @@ class SpinQuantModifier(Modifier):
                            self.mapping.attn_o, block.index)
         rotate_block(block, plan, self.r1, self.r2, self.checked)
         if self.blocks == 0:
-            logger.info("SpinQuantModifier, block %d: %d norms folded into their readers, %d writers, %d attention heads' v/o%s",
+            logger.info("SpinQuantModifier, block %d: %d norms folded into their readers, %d writers, %d attention v / o pairs%s",
                         block.index, len(plan.norms), len(plan.writers), len(plan.heads),
                         f" (skipped: {'; '.join(plan.skipped)})" if plan.skipped else "")
         self.blocks += 1
