@@ -2,7 +2,8 @@
 ``SpinQuantModifier``, on held-out text.
 
     python bench/rotation.py [--model DIR] [--rows w4a16 w3a16 w4a8 w4a4 nvfp4 w8a8] [--samples 64] [--seq-len 256]
-                             [--rotations R1 R2] [--transform-type hadamard] [--peer] [--peer-transform-type T]
+                             [--rotations R1 R2] [--transform-type hadamard] [--transform-block-size N]
+                             [--peer] [--peer-transform-type T]
 
 Each row runs GPTQ on the model (default: the shared tiny trained Llama; ``--model`` a bf16
 SmolLM2-135M copy, say), once alone and once after the rotations, in this process, calibrating
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rotations", nargs="+", default=["R1", "R2"])
     parser.add_argument("--transform-type", default="hadamard")
+    parser.add_argument("--transform-block-size", type=int, help="block-diagonal rotations of this size (llmpress only)")
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--peer-transform-type")
     args = parser.parse_args()
@@ -83,7 +85,8 @@ def main() -> None:
     group = 128 if all(c % 128 == 0 for c in columns) else 64
     dense = perplexity(base, windows, progress=False).perplexity
     print(f"{args.model}: unquantized perplexity {dense:.3f}; {len(batches)} x {args.seq_len} calibration tokens; "
-          f"weights in groups of {group} (w8a8: per channel); rotations {' + '.join(args.rotations)} ({args.transform_type})")
+          f"weights in groups of {group} (w8a8: per channel); rotations {' + '.join(args.rotations)} ({args.transform_type}"
+          f"{f', blocks of {args.transform_block_size}' if args.transform_block_size else ''})")
     data = Path(tempfile.mkdtemp(prefix="rotation-")) / "data.pt"
     torch.save({"batches": batches, "windows": windows}, data)
     peer = " llm-compressor GPTQ | its SpinQuant + GPTQ | its time |" if args.peer else ""
@@ -97,7 +100,8 @@ def main() -> None:
             groups = config_groups(weight_bits, activation_bits, None if row == "w8a8" else group)
         figures = []
         for rotate in (False, True):
-            modifiers = [SpinQuantModifier(rotations=args.rotations, transform_type=args.transform_type)] if rotate else []
+            modifiers = [SpinQuantModifier(rotations=args.rotations, transform_type=args.transform_type,
+                                           transform_block_size=args.transform_block_size)] if rotate else []
             modifiers.append(quantizer(groups))
             start = time.perf_counter()
             model = llmpress.oneshot(load(args.model), modifiers, batches)
