@@ -145,20 +145,27 @@ def finish_restored_layer(block: CalibrationBlock, pending: dict[str, tuple[nn.M
         kv_cache.layer_restored(block)
 
 
-def untie_shared_weights(model: nn.Module, modules: list[nn.Module]) -> None:
-    """Give each of ``modules`` a weight of its own where it shares one with another module."""
+def untie_shared_weights(model: nn.Module, modules: list[nn.Module], why: str = "quantized") -> int:
+    """Give each of ``modules`` a weight of its own where it shares one with another module (the
+    config, and a multimodal model's text config, then say the embeddings are not tied); returns
+    how many it untied."""
     owners: dict[int, int] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
             owners[id(weight)] = owners.get(id(weight), 0) + 1
+    untied = 0
     for module in modules:
         if owners.get(id(module.weight), 0) > 1:
             module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
             config = getattr(model, "config", None)
-            if config is not None and getattr(config, "tie_word_embeddings", False):
-                config.tie_word_embeddings = False
-            logger.info("untied a shared weight so it can be quantized on its own")
+            text = getattr(config, "get_text_config", lambda: None)() if config is not None else None
+            for each in (config, text):
+                if each is not None and getattr(each, "tie_word_embeddings", False):
+                    each.tie_word_embeddings = False
+            logger.info("untied a shared weight so it can be %s on its own", why)
+            untied += 1
+    return untied
 
 
 @MODIFIERS.register("QuantizationModifier")

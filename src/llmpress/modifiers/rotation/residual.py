@@ -30,6 +30,7 @@ from llmpress.contract.observation import primary_input, with_primary_input
 from llmpress.errors import UnsupportedModelError
 from llmpress.models.experts import mixing_all_experts
 from llmpress.models.linear import input_major
+from llmpress.modifiers.quantization.modifier import untie_shared_weights
 from llmpress.modifiers.rotation.fold import fold_gain_and_rotate_inputs, rotate_embedding, rotate_outputs, unit_gain
 from llmpress.modifiers.rotation.hadamard import Rotation
 from llmpress.modifiers.smoothing.mappings import MappingMemo, find_mappings, reads_columns
@@ -225,15 +226,7 @@ def rotate_ends(model: nn.Module, blocks: nn.ModuleList, r1: Rotation, embedding
     if head is None or not reads_columns(head):
         raise UnsupportedModelError("R1 rotates the residual stream up to the output head, and this model has none",
                                     got=type(model).__name__, expected="a causal LM with an output head (lm_head)")
-    done = []
-    if head.weight is embedding.weight:
-        head.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
-        if getattr(model, "config", None) is not None:
-            model.config.tie_word_embeddings = False
-            text = getattr(model.config, "get_text_config", lambda: None)()
-            if text is not None and text is not model.config:
-                text.tie_word_embeddings = False
-        done.append("untied the output head from the embeddings")
+    done = ["untied the output head from the embeddings"] if untie_shared_weights(model, [head], "rotated") else []
     rotate_embedding(embedding, r1)
     norm = _final_norm(model, blocks, r1.size)
     fold_gain_and_rotate_inputs(head, unit_gain(norm), r1)
