@@ -33,15 +33,21 @@ def main() -> None:
     if args.logits:
         torch.save(model(input_ids=windows[:4]).logits.float(), args.logits)
     scales = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_parameters() if n.endswith(("k_scale", "v_scale"))})
+    import transformers
+
+    print(json.dumps({"perplexity": perplexity(model, windows), "transformers": transformers.__version__, "kv_scales": scales}))
+
+
+@torch.no_grad()
+def perplexity(model, windows: torch.Tensor) -> float:
+    """exp of the mean negative log-likelihood of each window's last ``seq_len - 1`` tokens."""
     total, count = 0.0, 0
     for batch in windows.split(8):
         logits = model(input_ids=batch).logits[:, :-1].float()
         targets = batch[:, 1:]
         total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
         count += targets.numel()
-    import transformers
-
-    print(json.dumps({"perplexity": math.exp(total / count), "transformers": transformers.__version__, "kv_scales": scales}))
+    return math.exp(total / count)
 
 
 if __name__ == "__main__":

@@ -12,23 +12,11 @@ model as llm-compressor leaves it in memory (its fake quantization of weights an
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
 import torch
-
-
-def perplexity(model, windows: torch.Tensor) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in windows.split(8):
-            logits = model(input_ids=batch).logits[:, :-1].float()
-            targets = batch[:, 1:]
-            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                                             reduction="sum"))
-            count += targets.numel()
-    return math.exp(total / count)
+from perplexity_worker import perplexity
 
 
 def run(model_dir: str, data: dict, groups: dict, rotations: list[str] | None, transform_type: str) -> list[float]:
