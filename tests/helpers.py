@@ -91,6 +91,12 @@ def sparsity_record(folder: Path) -> dict:
     return config["llmpress_sparsity"]
 
 
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """A causal LM's logits for ``ids``, in float32, without gradients."""
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a saved checkpoint's shards, by name."""
     from safetensors.torch import load_file

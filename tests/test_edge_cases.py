@@ -9,19 +9,13 @@ import logging
 import pytest
 import torch
 import yaml
-from helpers import make_tiny_llama, token_batches
+from helpers import logits, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress import Recipe, Session
 from llmpress.errors import MissingStateError, RecipeError, SessionError
 from llmpress.lifecycle.state import scheme_of
 from llmpress.modifiers import GPTQModifier, QuantizationModifier
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
 
 IDS = torch.tensor(token_batches(2, 16, seed=9))
 

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 import yaml
-from helpers import REPO, checkpoint_tensors, make_tiny_llama, token_batches
+from helpers import REPO, checkpoint_tensors, logits, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.errors import CheckpointError
@@ -39,11 +39,6 @@ EXPECTED = {
 def compress(preset, output_dir, **kwargs):
     model = make_tiny_llama(**kwargs)
     return llmpress.oneshot(model, preset, token_batches(), output_dir=output_dir)
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
 
 
 @pytest.mark.parametrize("preset", list(PRESET_SCHEMES))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import make_tiny_llama, token_batches
+from helpers import logits, make_tiny_llama, token_batches
 
 import llmpress
 from llmpress.errors import LlmpressError
@@ -27,11 +27,6 @@ quant_stage:
         dynamic: false
         symmetric: true
 """
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
 
 
 def rel(a, b):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, make_tiny_llama, token_batches, trained_model_dir
+from helpers import REPO, logits, make_tiny_llama, token_batches, trained_model_dir
 from torch import nn
 
 import llmpress
@@ -16,11 +16,6 @@ from llmpress.lifecycle.records import applied_recipe, loading_quantizer
 from llmpress.runtime import QuantizedLinear, kernels
 
 LLMC_FIXTURE = REPO / "tests" / "fixtures" / "llmcompressor-w4a16"
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
 
 
 def rel(a, b):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import checkpoint_tensors, make_tiny_llama, text_path, token_batches, trained_model_dir
+from helpers import checkpoint_tensors, logits, make_tiny_llama, text_path, token_batches, trained_model_dir
 
 import llmpress
 from llmpress.errors import RecipeError, UnsupportedModelError
@@ -57,21 +57,16 @@ def _with_norm_gains(model):
     return model.eval()
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma", "phi3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_rotations_keep_the_function_of_each_family(model_type, tmp_path):
     """Grouped KV heads, Qwen3's q/k norms, Gemma's ``1 + weight`` norms, Phi-3's fused
     projections (R2 on qkv_proj's v rows), MoE routers, experts and shared experts."""
     source = save_tiny(model_type, tmp_path / "source")
     ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
-    reference = _logits(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), ids)
+    reference = logits(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), ids)
     rotated = llmpress.oneshot(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), [SpinQuantModifier()],
                                token_batches(4, 32, vocab=4000))
-    assert ((_logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
+    assert ((logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
     layer = rotated.model.layers[0]
     norm = layer.input_layernorm.weight
     assert torch.allclose(norm + (1 if model_type == "gemma" else 0), torch.ones_like(norm))  # folded into q/k/v
@@ -87,16 +82,16 @@ def test_a_residual_stream_that_cannot_be_rotated_is_refused(model_type, why, tm
                          token_batches(4, 32, vocab=4000))
     if model_type == "gemma2":
         ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
-        reference = _logits(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), ids)
+        reference = logits(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), ids)
         rotated = llmpress.oneshot(_with_norm_gains(llmpress.load(source, dtype=torch.float32)), [SpinQuantModifier(rotations=["R2"])],
                                    token_batches(4, 32, vocab=4000))
-        assert ((_logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
+        assert ((logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
 
 
 def test_r2_rotates_the_v_rows_of_a_fused_qkv_projection(tmp_path):
     source = save_tiny("phi3", tmp_path / "source")
     ids = torch.tensor(token_batches(2, 16, vocab=4000, seed=5))
-    reference = _logits(llmpress.load(source, dtype=torch.float32), ids)
+    reference = logits(llmpress.load(source, dtype=torch.float32), ids)
     before = llmpress.load(source, dtype=torch.float32).model.layers[0].self_attn
     rotated = llmpress.oneshot(llmpress.load(source, dtype=torch.float32), [SpinQuantModifier(rotations=["R2"])],
                                token_batches(4, 32, vocab=4000))
@@ -105,7 +100,7 @@ def test_r2_rotates_the_v_rows_of_a_fused_qkv_projection(tmp_path):
     assert torch.equal(after.qkv_proj.weight[:-kv], before.qkv_proj.weight[:-kv])  # q and k rows as they were
     assert not torch.allclose(after.qkv_proj.weight[-kv:], before.qkv_proj.weight[-kv:])
     assert not torch.allclose(after.o_proj.weight, before.o_proj.weight)
-    assert ((_logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
+    assert ((logits(rotated, ids) - reference).norm() / reference.norm()) < 1e-5
 
 
 def test_online_rotations_and_learned_ones_are_refused_with_the_reason():
@@ -122,7 +117,7 @@ def test_a_tied_model_is_untied_and_saved_as_an_ordinary_checkpoint(tmp_path):
 
     model = _with_norm_gains(make_tiny_llama(tie=True, intermediate=256))
     ids = torch.tensor(token_batches(2, 16, seed=5))
-    reference = _logits(model, ids)
+    reference = logits(model, ids)
     source = tmp_path / "source"
     model.save_pretrained(source)
     recipe = """
@@ -141,8 +136,8 @@ quant_stage:
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert not loaded.config.tie_word_embeddings
     assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()
-    ours = _logits(llmpress.load(out, dtype=torch.float32), ids)
-    assert ((_logits(loaded, ids) - ours).norm() / ours.norm()) < 1e-4
+    ours = logits(llmpress.load(out, dtype=torch.float32), ids)
+    assert ((logits(loaded, ids) - ours).norm() / ours.norm()) < 1e-4
     assert ((ours - reference).norm() / reference.norm()) < 0.05  # 8-bit weights on the rotated model
 
 
@@ -183,7 +178,7 @@ def test_rotations_before_a_data_free_scheme_need_no_calibration_data(tmp_path, 
     rotated fp8 checkpoint computes what the dense model does, to fp8's rounding."""
     model = _with_norm_gains(make_tiny_llama(intermediate=256))
     ids = torch.tensor(token_batches(2, 16, seed=5))
-    reference = _logits(model, ids)
+    reference = logits(model, ids)
     model.save_pretrained(tmp_path / "source")
     recipe = """
 quant_stage:
@@ -194,7 +189,7 @@ quant_stage:
     with caplog.at_level("INFO", logger="llmpress.modifiers.rotation.spinquant"):
         llmpress.oneshot(str(tmp_path / "source"), recipe, output_dir=tmp_path / "out")
     assert "R1 and R2 on 2 blocks" in caplog.text
-    ours = _logits(llmpress.load(tmp_path / "out", dtype=torch.float32), ids)
+    ours = logits(llmpress.load(tmp_path / "out", dtype=torch.float32), ids)
     assert ((ours - reference).norm() / reference.norm()) < 0.1  # fp8 weights and inputs: 7% here, rotated or not
     norm = checkpoint_tensors(tmp_path / "out")["model.layers.0.input_layernorm.weight"]
     assert torch.equal(norm, torch.ones_like(norm))  # the gains went into q/k/v: rotated indeed

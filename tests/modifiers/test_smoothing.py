@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_llama, text_path, token_batches, trained_model_dir
+from helpers import logits, make_tiny_llama, text_path, token_batches, trained_model_dir
 
 import llmpress
 from llmpress.contract.block import CalibrationBlock
@@ -22,11 +22,6 @@ def first_block(model, layers, batches):
             model(torch.tensor([batch]), use_cache=False)
     handle.remove()
     return CalibrationBlock(0, layers[0], inputs)
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.float()
 
 
 def rel(a, b):
