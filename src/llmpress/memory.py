@@ -5,7 +5,8 @@ A load frees many temporaries of a few MB (unpacked integers, int32 staging for 
 glibc keeps such blocks in its heap (its mmap threshold grows with each large free), so the
 resident size climbs well past what the model holds (an int4 load's peak: ``bench/README.md``, "Figures behind the code").
 ``malloc_trim(0)`` after each converted tensor returns those pages.
-It is a no-op where glibc is not the allocator.
+It is a no-op where glibc is not the allocator. ``parse_size`` reads the sizes users write
+(``5GB``, ``500MB``, ``1GiB``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import ctypes
 import ctypes.util
 import functools
 
-__all__ = ["release_free_memory"]
+from llmpress.errors import CheckpointError, LlmpressError
+
+__all__ = ["parse_size", "release_free_memory"]
 
 
 @functools.cache
@@ -30,3 +33,17 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def parse_size(size: int | str, error: type[LlmpressError] = CheckpointError) -> int:
+    """``5GB``, ``500MB``, ``1GiB`` or a byte count, as bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * factor)
+    if text.isdigit():
+        return int(text)
+    raise error("cannot read the size", got=size, expected="a byte count or a size like '5GB'")

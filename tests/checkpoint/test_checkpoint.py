@@ -183,7 +183,7 @@ def test_output_path_that_is_a_file(tmp_path):
 
 
 def test_shard_size_parsing():
-    from llmpress.checkpoint.save import parse_size
+    from llmpress.memory import parse_size
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1GiB") == 2**30 and parse_size(10) == 10
     with pytest.raises(CheckpointError):

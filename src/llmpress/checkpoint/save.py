@@ -21,6 +21,7 @@ from llmpress.checkpoint.output import RECORD_NAME, check_output, write_record
 from llmpress.checkpoint.sparsity import SPARSITY_KEY, sparsity_config_for
 from llmpress.errors import CheckpointError
 from llmpress.lifecycle.records import applied_recipe
+from llmpress.memory import parse_size
 from llmpress.models.keys import KeyMap
 from llmpress.parallel.fsdp import is_sharded, unwrap_if_fsdp
 from llmpress.tensorfiles.write import ShardedWriter
@@ -28,7 +29,7 @@ from llmpress.tensorfiles.write import ShardedWriter
 if TYPE_CHECKING:
     from llmpress.recipe import Recipe
 
-__all__ = ["parse_size", "save_checkpoint"]
+__all__ = ["save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,20 +104,6 @@ def is_checkpoint_file(name: str) -> bool:
     """Files a save writes or makes stale (old weight shards, an old recipe); everything else in
     the folder is kept."""
     return bool(_WEIGHT_FILE.fullmatch(name)) or name in (RECIPE_NAME, "config.json", "generation_config.json", RECORD_NAME)
-
-
-def parse_size(size: int | str) -> int:
-    """``5GB``, ``500MB``, ``1GiB`` or a byte count, as bytes."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    if text.isdigit():
-        return int(text)
-    raise CheckpointError("cannot read the shard size", got=size, expected="a byte count or a size like '5GB'")
 
 
 def _write_shards(folder: Path, model: nn.Module, save_compressed: bool, names: KeyMap, limit: int) -> None:

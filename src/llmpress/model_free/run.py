@@ -30,12 +30,12 @@ from tqdm.auto import tqdm
 from llmpress.checkpoint.atomic import atomic_directory
 from llmpress.checkpoint.compressed_state import quantization_config_of
 from llmpress.checkpoint.output import RECORD_NAME, claimed_output, write_record
-from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file, parse_size
+from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file
 from llmpress.compat import own_buffers, own_parameters
 from llmpress.formats import FORMATS, format_for
 from llmpress.formats.hf_fp8 import SCALE_NAME, dequantize_fp8, fp8_source_args
 from llmpress.lifecycle.attach import attach_scheme, set_module_buffer, store_weight_qparams
-from llmpress.memory import release_free_memory
+from llmpress.memory import parse_size, release_free_memory
 from llmpress.model_free.plan import ModelFreePlan, plan_model_free
 from llmpress.quant.observers import weight_global_scale
 from llmpress.quant.scheme import QuantizationScheme
