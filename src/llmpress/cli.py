@@ -25,6 +25,12 @@ def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.recipe import Recipe
 
     recipe = Recipe.from_any(args.recipe)
+    if args.average_bits is not None or args.target_size is not None:
+        from llmpress.modifiers.mixed_precision import MixedPrecision
+        from llmpress.modifiers.mixed_precision.modifier import with_mixed_precision
+
+        choice = {"average_bits": args.average_bits, "size": args.target_size, "schemes": args.schemes}
+        recipe = with_mixed_precision(recipe, MixedPrecision(**{k: v for k, v in choice.items() if v is not None}))
     options = CalibrationOptions(
         num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
         calibrate_all_experts=args.calibrate_all_experts, device=args.device, split=args.split,
@@ -183,13 +189,21 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"  sparsity: {info['sparsity']}")
     print(f"  size:    {info['size_mb']:.2f} MB in {info['files']} safetensors file(s)")
     for group in info["groups"]:
-        print(f"  {group['name']}: {group['summary']} -> {group['modules']} module(s), targets {group['targets']}")
+        targets = group["targets"] if len(group["targets"]) <= 4 else [*group["targets"][:2], f"... {len(group['targets']) - 2} more"]
+        print(f"  {group['name']}: {group['summary']} -> {group['modules']} module(s), targets {targets}")
         if group.get("vllm"):
             print(f"    vLLM / transformers: {group['vllm']}")
         if group.get("cpu_paths"):
             print(f"    on this CPU (llmpress.load): {', '.join(f'{k} x{n}' for k, n in sorted(group['cpu_paths'].items()))}")
     if info["ignore"]:
         print(f"  ignored: {', '.join(info['ignore'])}")
+    if info["mixed_precision"]:
+        from llmpress.modifiers.mixed_precision.report import choice_summary
+
+        for line in choice_summary(info["mixed_precision"]):
+            print(f"  {line}")
+    if args.plot:
+        _plot_choice(info, args.plot)
     if info["recipe"]:
         print("  recipe:")
         for line in info["recipe"].rstrip().splitlines():
@@ -199,6 +213,16 @@ def _inspect(args: argparse.Namespace) -> int:
     for problem in info["problems"]:
         print(f"    {problem}")
     return status
+
+
+def _plot_choice(info: dict, png: str) -> None:
+    from llmpress.errors import CheckpointError
+    from llmpress.modifiers.mixed_precision.report import plot_choice
+
+    if not info["mixed_precision"]:
+        raise CheckpointError("--plot draws a mixed-precision choice, and this checkpoint has none", got=info["path"],
+                              expected="a checkpoint written with mixed_precision (llmpress oneshot --average-bits ...)")
+    print(f"  plot:    {plot_choice(info['mixed_precision'], png)}")
 
 
 def _at_least(minimum: int):
@@ -223,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--model", required=True, help="model folder")
     oneshot.add_argument("--recipe", required=True, help="preset (W4A16, W8A8, FP8, ...) or a YAML/JSON recipe file")
     oneshot.add_argument("--output", required=True, help="folder to write the compressed checkpoint to")
+    oneshot.add_argument("--average-bits", type=_positive_float,
+                         help="mixed precision: choose each module's scheme from --schemes so that the quantized weights average "
+                         "this many bits (scales included), by their sensitivity on the calibration data")
+    oneshot.add_argument("--target-size", help="mixed precision toward a checkpoint of this size (e.g. 60MB) instead")
+    oneshot.add_argument("--schemes", help="the menu for --average-bits / --target-size, comma-separated (default "
+                         "W3A16,W3A16_G32,W4A16,W4A16_G32,W8A16,DENSE)")
     oneshot.add_argument("--dataset", "--data", help="calibration data: text, JSON-lines file, dataset folder, a Hugging Face Hub dataset "
                          "id or llm-compressor's name for one (ultrachat_200k, open_platypus, gsm8k, ...; the local cache first)")
     oneshot.add_argument("--split", help="a Hub dataset's split, sliced as datasets slices it (train_sft[:512])")
@@ -302,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe a checkpoint: format, schemes, sizes, recipe")
     inspect.add_argument("path", help="checkpoint folder")
     inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("--plot", help="write a PNG of a mixed-precision checkpoint's choice (bits and sensitivity by layer) here")
     inspect.add_argument("--verify", action="store_true",
                          help="read every tensor: truncated, zeroed or non-finite data; exit status 1 when something is wrong")
     for command in (oneshot, training, evaluate, generate, inspect):

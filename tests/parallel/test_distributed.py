@@ -7,6 +7,7 @@ thread: matrix products split over threads differently round differently."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,13 @@ quant_stage:
     GPTQModifier: {scheme: W4A16, targets: [Linear], ignore: [lm_head]}
 """
 
+MIXED_GPTQ = """
+quant_stage:
+  quant_modifiers:
+    MixedPrecisionModifier: {average_bits: 4.5, schemes: [W3A16_G32, W4A16_G32, W8A16], ignore: [lm_head]}
+    GPTQModifier: {}
+"""
+
 OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1)
 TWO_PASSES = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1, true_sequential=False)
 
@@ -116,7 +124,8 @@ def two_rank_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("ranks")
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
     recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
-               "sparsegpt": SPARSEGPT_24, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ}
+               "sparsegpt": SPARSEGPT_24, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ,
+               "mixed": MIXED_GPTQ}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
     mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
     for name, recipe in recipes.items():
@@ -124,7 +133,7 @@ def two_rank_runs(tmp_path_factory):
     return work
 
 
-@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda", "spinquant"])
+@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda", "spinquant", "mixed"])
 def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")
@@ -133,6 +142,10 @@ def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     assert not different, different[:5]
     if name == "smooth":  # the reduced statistics are there: static input scales and cache scales
         assert any(k.endswith("input_scale") for k in one) and any(k.endswith("k_scale") for k in one)
+    if name == "mixed":  # the ranks' sensitivities summed: the same choice, a mixed one
+        groups = [json.loads((two_rank_runs / f"{name}-{n}" / "config.json").read_text())["quantization_config"]["config_groups"]
+                  for n in (1, 2)]
+        assert groups[0] == groups[1] and len(groups[0]) >= 2
     if name in ("sparsegpt", "wanda"):  # pruned indeed
         assert (one["model.layers.1.mlp.up_proj.weight"] == 0).float().mean() == 0.5
 

@@ -70,8 +70,10 @@ def test_unknown_field_names_the_offender_and_known_fields():
 def test_scheme_and_config_groups_are_exclusive():
     with pytest.raises(RecipeError, match="exactly one of"):
         QuantizationModifier()
-    with pytest.raises(RecipeError, match="both"):
+    with pytest.raises(RecipeError, match="scheme and config_groups"):
         QuantizationModifier(scheme="W4A16", config_groups={"g": {"weights": {"num_bits": 4}}})
+    with pytest.raises(RecipeError, match="scheme and mixed_precision"):
+        QuantizationModifier(scheme="W4A16", mixed_precision={"average_bits": 4})
 
 
 def test_bad_grammar_is_a_recipe_error():

@@ -4,6 +4,7 @@ from llmpress.contract.modifier import MODIFIERS, Modifier, ModifierConfig, OneS
 from llmpress.modifiers.distillation import OutputDistillationModifier
 from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
+from llmpress.modifiers.mixed_precision.modifier import MixedPrecisionModifier
 from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier, SparseGPTModifier, WandaPruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.modifiers.rotation import SpinQuantModifier
@@ -16,6 +17,7 @@ __all__ = [
     "GPTQModifier",
     "LearningRateModifier",
     "MagnitudePruningModifier",
+    "MixedPrecisionModifier",
     "Modifier",
     "ModifierConfig",
     "OneShotFields",

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 
-__all__ = ["SMALLER_GROUPS", "dividing_groups", "whole_groups"]
+__all__ = ["SMALLER_GROUPS", "dividing_groups", "fitted_weight_group", "whole_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,17 @@ def whole_groups(scheme: QuantizationScheme, columns: int) -> bool:
     if weights is not None and weights.is_grouped and columns % weights.group_size:
         return False
     return not (inputs is not None and inputs.is_grouped and columns > inputs.group_size and columns % inputs.group_size)
+
+
+def fitted_weight_group(scheme: QuantizationScheme, columns: int) -> QuantizationScheme:
+    """``scheme`` with the int weight group ``dividing_groups`` gives a module of ``columns``
+    input features (the scheme itself where its groups divide them or none fits), said nowhere:
+    for estimating a scheme's size and error before it is chosen."""
+    weights = scheme.weights
+    if weights is None or not weights.is_grouped or columns % weights.group_size == 0:
+        return scheme
+    group = _fitting_group(weights, columns)
+    return scheme if group is None else scheme.model_copy(update={"weights": weights.model_copy(update={"group_size": group})})
 
 
 def _fitting_group(args: QuantizationArgs, columns: int) -> int | None:

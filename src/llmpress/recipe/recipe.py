@@ -226,7 +226,7 @@ def _parse_stage(name: str, body: Any) -> RecipeStage:
     return _schemes_from_stage(stage)
 
 
-_SCHEME_FIELDS = ("scheme", "config_groups", "targets", "ignore", "kv_cache_scheme")
+_SCHEME_FIELDS = ("scheme", "config_groups", "mixed_precision", "targets", "ignore", "kv_cache_scheme")
 
 
 def _schemes_from_stage(stage: RecipeStage) -> RecipeStage:

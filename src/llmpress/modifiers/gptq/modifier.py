@@ -49,10 +49,12 @@ from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
 from llmpress.modifiers.gptq.hessians import HessianCollector
+from llmpress.modifiers.mixed_precision.choose import schemes_at_initialize
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
 from llmpress.parallel.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
+from llmpress.quant.observers import weight_global_scale
 from llmpress.quant.scheme import ActivationOrdering, QuantizationScheme
 
 if TYPE_CHECKING:
@@ -113,7 +115,9 @@ class GPTQModifier(Modifier):
         return ("model", "calibration_data")
 
     def on_initialize(self, state: State) -> None:
-        schemes = [_with_gptq_defaults(s, self.config.actorder) for s in self.config.resolved_schemes()]
+        chosen = schemes_at_initialize(self.config, state, type(self).__name__, self._rounding)
+        self._last_factor = None
+        schemes = [_with_gptq_defaults(s, self.config.actorder) for s in chosen]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__)
         self.pending = dict(self.modules)
         self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
@@ -123,6 +127,18 @@ class GPTQModifier(Modifier):
         self.losses: dict[str, float] = {}
         self._note = ""  # the last layer's losses, for the progress bar
         self.seconds = 0.0
+
+    def _rounding(self, weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
+        """``weight`` as this modifier would round it under ``scheme`` given ``hessian``: how a
+        mixed-precision choice weighs each scheme (``modifiers/mixed_precision``)."""
+        args = _with_gptq_defaults(scheme, self.config.actorder).weights
+        key = (id(hessian), args.actorder is not None)  # each menu option of a module (and q/k/v) in a row: one factor
+        cached = getattr(self, "_last_factor", None)
+        if cached is None or cached[0] != key or cached[1] is not hessian:
+            self._last_factor = cached = (key, hessian, factor_hessian(hessian, self.config.dampening_frac, args.actorder is not None))
+        factor = cached[2]
+        global_scale = weight_global_scale([weight]).reshape(1).expand(weight.shape[0]) if args.has_global_scale else None
+        return gptq_quantize(weight, factor, args, block_size=self.config.block_size, global_scale=global_scale).weight
 
     def calibration_targets(self) -> dict[str, nn.Module]:
         return {n: m for n, (m, s) in self.pending.items() if s.weights is not None or has_static_inputs(s)}

@@ -10,15 +10,18 @@ from pydantic import BaseModel, field_validator, model_validator
 from llmpress.contract.modifier import CONFIG, WindowFields
 from llmpress.errors import RecipeError
 from llmpress.lifecycle.kv_cache import kv_cache_args
+from llmpress.modifiers.mixed_precision.menu import MixedPrecision
 from llmpress.quant.scheme import QuantizationScheme, preset_scheme
 
 __all__ = ["QuantizationModifierConfig", "SchemeFields"]
 
 
 class SchemeFields(BaseModel):
-    """What to quantize and how: either ``scheme`` (a preset name, a preset-to-targets map, or
-    a scheme dict) or ``config_groups`` (compressed-tensors groups, each with its own
-    ``targets``), with ``targets`` / ``ignore`` as llm-compressor reads them."""
+    """What to quantize and how: one of ``scheme`` (a preset name, a preset-to-targets map, or
+    a scheme dict), ``config_groups`` (compressed-tensors groups, each with its own ``targets``)
+    and ``mixed_precision`` (a scheme per module chosen from a menu to fit a size, on the
+    calibration data: ``modifiers/mixed_precision``), with ``targets`` / ``ignore`` as
+    llm-compressor reads them."""
 
     model_config = CONFIG
 
@@ -26,6 +29,7 @@ class SchemeFields(BaseModel):
     ignore: list[str] = []
     scheme: str | dict[str, Any] | None = None
     config_groups: dict[str, QuantizationScheme] | None = None
+    mixed_precision: MixedPrecision | None = None
     kv_cache_scheme: dict[str, Any] | None = None
     # Accepted so that recipes llm-compressor saved (0.14 writes both) run and load unchanged:
     # llmpress handles column counts that are not a multiple of the group size, and whether
@@ -54,7 +58,7 @@ class SchemeFields(BaseModel):
 
     @property
     def has_scheme(self) -> bool:
-        return self.scheme is not None or self.config_groups is not None
+        return self.scheme is not None or self.config_groups is not None or self.mixed_precision is not None
 
     @model_validator(mode="after")
     def _check_scheme(self) -> SchemeFields:
@@ -62,20 +66,25 @@ class SchemeFields(BaseModel):
             kv_cache_args(self.kv_cache_scheme)  # refused now, with a clear error, when it cannot apply
         if not self.has_scheme and (self.scheme_from_stage or self.kv_cache_scheme is not None):
             return self  # GPTQ after the stage's scheme; or the KV cache alone
-        if (self.scheme is None) == (self.config_groups is None):
+        given = [n for n in ("scheme", "config_groups", "mixed_precision") if getattr(self, n) is not None]
+        if len(given) != 1:
             raise RecipeError(
-                "QuantizationModifier needs exactly one of 'scheme' and 'config_groups'",
-                got="both" if self.scheme is not None else "neither",
-                expected="scheme: W4A16 (or another preset), or config_groups: {group_0: {...}}",
-                fix="keep one of the two",
+                "QuantizationModifier needs exactly one of 'scheme', 'config_groups' and 'mixed_precision'",
+                got=" and ".join(given) or "none of them",
+                expected="scheme: W4A16 (or another preset), config_groups: {group_0: {...}}, or mixed_precision: {average_bits: 4.25}",
+                fix="keep one of them",
             )
         self.resolved_schemes()  # validate presets and scheme dicts now, not at run time
         return self
 
     def resolved_schemes(self) -> list[QuantizationScheme]:
-        """The schemes this config asks for, each with its own targets."""
+        """The schemes this config asks for, each with its own targets (with ``mixed_precision``:
+        its menu, aimed at ``targets``; which module gets which is chosen at ``initialize``)."""
         if not self.has_scheme:
             return []
+        if self.mixed_precision is not None:
+            return [o.scheme.model_copy(update={"targets": list(self.targets)})
+                    for o in self.mixed_precision.options() if o.scheme is not None]
         if self.config_groups is not None:
             return list(self.config_groups.values())
         if isinstance(self.scheme, str):
@@ -91,7 +100,7 @@ class SchemeFields(BaseModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return self.kv_cache_scheme is not None or any(
+        return self.kv_cache_scheme is not None or self.mixed_precision is not None or any(
             s.input_activations is not None and s.input_activations.observes_range
             for s in self.resolved_schemes()
         )

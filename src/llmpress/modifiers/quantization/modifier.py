@@ -42,6 +42,7 @@ from llmpress.lifecycle.attach import (
 from llmpress.lifecycle.qat import enable_qat, freeze_qat, in_qat
 from llmpress.lifecycle.state import Status, scheme_of, state_of
 from llmpress.models.linear import input_major, is_linear
+from llmpress.modifiers.mixed_precision.choose import schemes_at_initialize
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.config import QuantizationModifierConfig
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
@@ -191,7 +192,7 @@ class QuantizationModifier(Modifier):
         return kv_cache is not None and bool(kv_cache.pending) and not self.training
 
     def on_initialize(self, state: State) -> None:
-        schemes = self.config.resolved_schemes()
+        schemes = schemes_at_initialize(self.config, state, type(self).__name__)
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__) if schemes else {}
         self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         for module, _ in self.modules.values():

@@ -1,0 +1,152 @@
+"""A scheme per module to fit a size: what a quantizing modifier with ``mixed_precision`` does at
+``initialize``, before its algorithm (RTN, GPTQ, AWQ's quantizer) sees any scheme.
+
+The choice is written into the model's config (``llmpress_mixed_precision``: the target, the
+menu, and per group its modules, each option's bits and sensitivity, and the option chosen), so
+the checkpoint says what was chosen and why; ``llmpress inspect`` reads it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+from llmpress.errors import UnsupportedModelError
+from llmpress.lifecycle.compute_dtype import stored_dtype
+from llmpress.models.linear import is_linear
+from llmpress.modifiers.mixed_precision.budget import Group, choose_options
+from llmpress.modifiers.mixed_precision.menu import MixedPrecision, weight_bits
+from llmpress.modifiers.mixed_precision.report import choice_summary
+from llmpress.modifiers.mixed_precision.sensitivity import (
+    Rounding,
+    gather_statistics,
+    module_groups,
+    round_to_nearest,
+    sensitivities,
+    sequences,
+    shape_of,
+)
+from llmpress.quant.scheme import QuantizationScheme
+from llmpress.targets import assign_by_targets
+
+__all__ = ["RECORD_KEY", "choose_schemes", "record_of", "schemes_at_initialize"]
+
+logger = logging.getLogger(__name__)
+
+#: config.json key of the record of a mixed-precision choice
+RECORD_KEY = "llmpress_mixed_precision"
+
+
+def schemes_at_initialize(config: Any, state: Any, modifier: str, rounding: Rounding = round_to_nearest) -> list[QuantizationScheme]:
+    """A quantizing modifier's schemes (``SchemeFields``) as it starts: with ``mixed_precision``,
+    chosen now on the model and its calibration data, each option's error made by ``rounding``
+    (the modifier's own algorithm); otherwise the config's own."""
+    if config.mixed_precision is None:
+        return config.resolved_schemes()
+    return choose_schemes(state.model, state.calibration_data, config.mixed_precision, config.targets, config.ignore, modifier,
+                          rounding)
+
+
+def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecision, targets: list[str], ignore: list[str],
+                   modifier: str, rounding: Rounding = round_to_nearest) -> list[QuantizationScheme]:
+    """The schemes of ``mixed``'s menu, each aimed at the modules (by name) it was chosen for; the
+    modules left as they are get none. Records the choice in ``model.config``."""
+    options = mixed.options()
+    matched = assign_by_targets(model, [(targets, None)], ignore, linear_alias=True)
+    modules = {name: module for name, (module, _) in matched.items() if is_linear(module)}
+    if not modules:
+        raise UnsupportedModelError(f"{modifier}: mixed precision matched no Linear module", got=f"targets={targets}, ignore={ignore}",
+                                    expected="targets that match Linear modules", fix="use targets: [Linear]")
+    rows = sequences(calibration_data, mixed.samples)
+    logger.info("%s: measuring the sensitivity of %d modules on %d sequences", modifier, len(modules), len(rows))
+    stats = gather_statistics(model, modules, rows)
+    names = module_groups(modules, stats)
+    table = sensitivities(modules, stats, options, rounding)
+    del stats
+    groups = [_group(members, modules, table, options) for members in names]
+    weights = sum(rows_ * columns for rows_, columns in (shape_of(modules[n]) for n in modules))
+    budget = _budget(model, mixed, modules, weights)
+    picks = choose_options(groups, budget)
+    spent = sum(g.bits[p] for g, p in zip(groups, picks))
+    counts = Counter(options[p].name for g, p in zip(groups, picks) for _ in g.modules)
+    logger.info("%s: mixed precision chose %s: %.3f bits per weight on average (%s)", modifier,
+                ", ".join(f"{name} for {n} module(s)" for name, n in counts.most_common()), spent / weights, _target(mixed))
+    record = _record(model, mixed, options, groups, picks, spent / weights)
+    logger.info("%s: the choice by layer (llmpress inspect shows it again, --plot draws it):\n%s", modifier, "\n".join(choice_summary(record)[1:]))
+    chosen: dict[int, list[str]] = {}
+    for group, pick in zip(groups, picks):
+        chosen.setdefault(pick, []).extend(group.modules)
+    return [options[k].scheme.model_copy(update={"targets": _targets(members)})
+            for k, members in sorted(chosen.items()) if options[k].scheme is not None]
+
+
+def _group(members: list[str], modules: dict[str, nn.Module], table: dict[str, list[float]], options: list) -> Group:
+    bits = [0] * len(options)
+    weights = 0
+    for name in members:
+        rows, columns = shape_of(modules[name])
+        weights += rows * columns
+        dtype = stored_dtype(modules[name])
+        for k, option in enumerate(options):
+            bits[k] += weight_bits(option.scheme, rows, columns, dtype)
+    sensitivity = [sum(table[name][k] for name in members) for k in range(len(options))]
+    return Group(members, bits, sensitivity, weights)
+
+
+def _budget(model: nn.Module, mixed: MixedPrecision, modules: dict[str, nn.Module], weights: int) -> float:
+    """The bits the targeted weights may take: ``average_bits`` of each, or what ``size`` leaves
+    once every other tensor of the model is counted as it is stored."""
+    if mixed.average_bits is not None:
+        return mixed.average_bits * weights
+    chosen = {id(m.weight) for m in modules.values()}
+    others = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in chosen}
+    fixed = sum(t.numel() * t.element_size() * 8 for t in others.values())
+    return 8 * mixed.size_bytes() - fixed
+
+
+def _target(mixed: MixedPrecision) -> str:
+    return f"target {mixed.average_bits}" if mixed.average_bits is not None else f"to fit {mixed.size}"
+
+
+_EXPERT_NAME = re.compile(r"(.*\.experts)\.\d+\.(.+)")
+
+
+def _targets(names: list[str]) -> list[str]:
+    """Exact module names, except that all the experts of one block with one projection name are
+    one pattern (a block of 256 experts is one target per projection, not 256)."""
+    out: list[str] = []
+    for name in names:
+        found = _EXPERT_NAME.fullmatch(name)
+        target = f"re:{re.escape(found.group(1))}\\.\\d+\\.{re.escape(found.group(2))}$" if found else name
+        if target not in out:
+            out.append(target)
+    return out
+
+
+def _record(model: nn.Module, mixed: MixedPrecision, options: list, groups: list[Group], picks: list[int],
+            average: float) -> dict[str, Any]:
+    """The choice as ``config.json`` keeps it (on ``model.config`` where there is one)."""
+    target = {"average_bits": mixed.average_bits} if mixed.average_bits is not None else {"size": mixed.size}
+    record = {
+        "target": target,
+        "average_bits": round(average, 4),
+        "menu": [o.name for o in options],
+        "samples": mixed.samples,
+        "measure": "1/2 sum_i g_i dW_i H dW_i^T (g: squared output gradients, H: input Hessian, dW: the algorithm's rounding error)",
+        "groups": [{"modules": g.modules, "chosen": options[p].name, "weights": g.weights, "bits": g.bits,
+                    "sensitivity": [float(f"{s:.4g}") for s in g.sensitivity]} for g, p in zip(groups, picks)],
+    }
+    config = getattr(model, "config", None)
+    if config is not None:
+        setattr(config, RECORD_KEY, record)
+    return record
+
+
+def record_of(config: Any) -> dict[str, Any] | None:
+    """The mixed-precision record of a model config (an object or a config.json dict), if any."""
+    record = config.get(RECORD_KEY) if isinstance(config, dict) else getattr(config, RECORD_KEY, None)
+    return record if isinstance(record, dict) else None

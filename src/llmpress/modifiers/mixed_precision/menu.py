@@ -1,0 +1,172 @@
+"""What a mixed-precision run chooses from, and toward what: the menu of schemes, the target
+(average bits per weight, or the checkpoint's size), and what each scheme costs a module.
+
+A menu entry is a preset name (``W4A16``, ``W8A16``, ``NVFP4A16``...), an integer weight-only
+scheme of any width ``W2A16`` .. ``W8A16`` (``_ASYM`` for asymmetric; groups of 128), either
+with ``_G<size>`` for another group size (``W4A16_G32``), ``DENSE`` for "left as it is", or a
+compressed-tensors scheme dict (``{name: ..., weights: {...}}``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, field_validator, model_validator
+
+from llmpress.contract.modifier import CONFIG
+from llmpress.errors import RecipeError
+from llmpress.memory import parse_size
+from llmpress.quant.groups import fitted_weight_group
+from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, QuantizationStrategy
+
+__all__ = ["DEFAULT_MENU", "DENSE", "MenuOption", "MixedPrecision", "menu_option", "weight_bits"]
+
+DENSE = "DENSE"
+DEFAULT_MENU = ("W3A16", "W3A16_G32", "W4A16", "W4A16_G32", "W8A16", DENSE)
+_INT_WEIGHTS = re.compile(r"W([2-8])A16(_ASYM)?")
+_GROUP_SUFFIX = re.compile(r"(.+)_G(\d+)")
+
+
+@dataclass(frozen=True)
+class MenuOption:
+    """One scheme a module may get: ``scheme`` None leaves it as it is."""
+
+    name: str
+    scheme: QuantizationScheme | None
+
+
+def menu_option(entry: str | dict[str, Any]) -> MenuOption:
+    """The option a menu entry names (see the module's docstring)."""
+    if isinstance(entry, dict):
+        fields = dict(entry)
+        name = str(fields.pop("name", "")) or None
+        scheme = QuantizationScheme(**fields)
+        return MenuOption(name or _describe(scheme), scheme)
+    text = str(entry).strip().upper()
+    if text in (DENSE, "NONE"):
+        return MenuOption(DENSE, None)
+    base, group = text, None
+    found = _GROUP_SUFFIX.fullmatch(text)
+    if found and found.group(1) != text:
+        base, group = found.group(1), int(found.group(2))
+    scheme = _base_scheme(base, entry)
+    if group is not None:
+        weights = scheme.weights
+        if weights is None or weights.strategy != QuantizationStrategy.GROUP or weights.is_float:
+            raise RecipeError(f"mixed precision: {entry!r} sets a group size on a scheme without int weight groups",
+                              got=entry, expected="_G<size> after an int weight scheme, e.g. W4A16_G32",
+                              fix=f"use {base} alone")
+        scheme = scheme.model_copy(update={"weights": weights.model_copy(update={"group_size": group})})
+    return MenuOption(text, scheme)
+
+
+def _base_scheme(base: str, entry: Any) -> QuantizationScheme:
+    if base in PRESET_SCHEMES:
+        return QuantizationScheme(**PRESET_SCHEMES[base])
+    found = _INT_WEIGHTS.fullmatch(base)
+    if found is None:
+        raise RecipeError(f"mixed precision: unknown scheme {entry!r} in the menu", got=entry,
+                          expected=f"a preset ({', '.join(PRESET_SCHEMES)}), W2A16 .. W8A16 (optionally _ASYM), "
+                          f"either with _G<group size>, {DENSE}, or a scheme dict",
+                          fix="e.g. schemes: [W3A16, W4A16, W4A16_G32, W8A16]")
+    weights = {"num_bits": int(found.group(1)), "symmetric": not found.group(2), "strategy": "group", "group_size": 128}
+    return QuantizationScheme(weights=weights)
+
+
+def _describe(scheme: QuantizationScheme) -> str:
+    weights = scheme.weights
+    if weights is None:
+        return "INPUTS_ONLY"
+    kind = "FP" if weights.is_float else "W"
+    group = f"_G{weights.group_size}" if weights.is_grouped else f"_{str(weights.strategy).upper()}"
+    return f"{kind}{weights.num_bits}{'' if weights.symmetric else '_ASYM'}{group}"
+
+
+def weight_bits(scheme: QuantizationScheme | None, rows: int, columns: int, dtype: torch.dtype) -> int:
+    """The bits a ``rows`` x ``columns`` weight takes in the checkpoint under ``scheme`` (None:
+    as it is, in ``dtype``): its values as compressed-tensors packs them, its scales (in the
+    weight's dtype unless the scheme names theirs), zero points, global scale and group indices."""
+    if scheme is None or scheme.weights is None:
+        return rows * columns * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits)
+    args = fitted_weight_group(scheme, columns).weights
+    assert args is not None
+    if args.is_float:
+        values = rows * columns * args.num_bits
+    else:  # int32 words, each row padded to whole words
+        values = rows * math.ceil(columns * args.num_bits / 32) * 32
+    if args.is_grouped:
+        scales = rows * math.ceil(columns / args.group_size)
+    elif args.strategy == QuantizationStrategy.CHANNEL:
+        scales = rows
+    elif args.strategy == QuantizationStrategy.BLOCK:
+        block_rows, block_columns = args.block_structure
+        scales = math.ceil(rows / block_rows) * math.ceil(columns / block_columns)
+    else:
+        scales = 1
+    scale_dtype = getattr(torch, args.scale_dtype.removeprefix("torch.")) if args.scale_dtype else dtype
+    scale_bits = torch.finfo(scale_dtype).bits if scale_dtype.is_floating_point else torch.iinfo(scale_dtype).bits
+    total = values + scales * scale_bits
+    if not args.symmetric:
+        total += scales * args.num_bits
+    if args.has_global_scale:
+        total += 32
+    if args.actorder == "group":
+        total += columns * 32
+    return total
+
+
+class MixedPrecision(BaseModel):
+    """A mixed-precision choice: a scheme per module from ``schemes`` so that the targeted
+    weights average ``average_bits`` (scales included), or the checkpoint is ``size`` bytes
+    (``"60MB"``); each module's sensitivity is measured on ``samples`` calibration sequences."""
+
+    model_config = CONFIG
+
+    average_bits: float | None = None
+    size: int | str | None = None
+    schemes: list[str | dict[str, Any]] = list(DEFAULT_MENU)
+    samples: int = 32
+
+    @field_validator("schemes", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> MixedPrecision:
+        if (self.average_bits is None) == (self.size is None):
+            raise RecipeError("mixed precision needs exactly one target: average_bits or size",
+                              got=f"average_bits={self.average_bits}, size={self.size}",
+                              expected="average_bits: 4.25 (bits per targeted weight, scales included) or size: 60MB",
+                              fix="keep one of the two")
+        if self.average_bits is not None and self.average_bits <= 0:
+            raise RecipeError("mixed precision: average_bits must be positive", got=self.average_bits, expected="e.g. 4.25")
+        if self.samples < 1:
+            raise RecipeError("mixed precision: samples must be at least 1", got=self.samples, expected="e.g. 32")
+        self.size_bytes()  # a size that does not read is refused now
+        options = self.options()
+        names = [o.name for o in options]
+        if len(options) < 2 or len(set(names)) != len(names):
+            raise RecipeError("mixed precision needs a menu of at least two different schemes", got=names,
+                              expected="e.g. schemes: [W3A16, W4A16, W4A16_G32, W8A16]")
+        inputs = {None if o.scheme is None or o.scheme.input_activations is None else o.scheme.input_activations.model_dump_json()
+                  for o in options if o.scheme is not None}
+        if len(inputs) > 1:
+            raise RecipeError(
+                "mixed precision chooses weight schemes: every scheme of its menu must quantize the inputs alike",
+                got=names, expected="all weight-only (W4A16, W8A16, ...) or all with the same input activations",
+                fix="keep the input activations of one kind in the menu, e.g. [W4A16, W4A16_G32, W8A16, DENSE]",
+            )
+        return self
+
+    def options(self) -> list[MenuOption]:
+        return [menu_option(entry) for entry in self.schemes]
+
+    def size_bytes(self) -> int | None:
+        if self.size is None:
+            return None
+        return parse_size(self.size, error=RecipeError)
