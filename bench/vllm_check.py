@@ -57,6 +57,9 @@ RECIPES = {
     # rotations folded into the weights (R1, R2) before GPTQ: an ordinary checkpoint for vLLM
     "spinquant-gptq": ("quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {rotations: [R1, R2]}\n"
                        "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
+    # a scheme per module to fit 5 bits per weight, from schemes vLLM serves (int4 g32 / g128, int8), then GPTQ
+    "mixed-gptq": ("quant_stage:\n  quant_modifiers:\n    MixedPrecisionModifier: {average_bits: 5, schemes: [W4A16, W4A16_G32, W8A16], "
+                   "ignore: [lm_head]}\n    GPTQModifier: {}\n"),
     "fp8-kv-cache": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: FP8_DYNAMIC\n      targets: [Linear]\n"
                                                    "      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
                                                    "symmetric: true}\n"),
@@ -75,6 +78,7 @@ ROWS = {
     "sparse24-gptq": ("sparse24-gptq", "tiny-llama-bf16", "bfloat16", True),
     "fp8-kv-cache": ("fp8-kv-cache", "tiny-llama-bf16", "bfloat16", True),
     "spinquant-gptq": ("spinquant-gptq", "tiny-llama-bf16", "bfloat16", True),
+    "mixed-gptq": ("mixed-gptq", "tiny-llama-bf16", "bfloat16", True),
     "moe-w4a16": ("w4a16", "qwen3-moe", "bfloat16", False),
     "gemma-w4a16": ("w4a16", "gemma", "bfloat16", False),
     "qwen3-fp8": ("fp8", "qwen3", "bfloat16", False),
