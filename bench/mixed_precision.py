@@ -2,7 +2,7 @@
 uniform scheme near the same size, all with GPTQ.
 
     python bench/mixed_precision.py [--model DIR] [--dtype bfloat16] [--targets 3.5 4.25] [--seeds 0 1]
-                                    [--samples 64] [--seq-len 256] [--menu W3A16,W3A16_G32,...]
+                                    [--samples 64] [--seq-len 256] [--menu W3A16,W4A16,...]
 
 Every row runs once per seed: GPTQ (static column order, ``lm_head`` as it is) on ``--samples``
 windows of the shared calibration text drawn with that seed, the checkpoint saved, its bytes and
@@ -10,7 +10,8 @@ the perplexity of 40 held-out windows of 256 tokens of the shared evaluation tex
 the model in float32; the table gives each seed's perplexity and their mean. The uniform rows
 are the int weight-only schemes of 3 and 4 bits in groups of 128, 64 and 32 (a group that does
 not divide a module's columns falls back as the recipe would: SmolLM2's 576 takes 64 for 128);
-the mixed rows choose from ``--menu`` at each target of average bits per targeted weight. Last,
+the mixed rows choose from ``--menu`` (default: the modifier's own for the target) at each target
+of average bits per targeted weight. Last,
 how many modules got the same scheme under every seed. The model is read in ``--dtype`` (default the checkpoint's own; the scales, and the
 modules left dense, are stored in it, and bits per weight count them).
 """
@@ -31,7 +32,7 @@ from common import fixture
 import llmpress
 from llmpress.evaluation import evaluation_windows, perplexity
 from llmpress.modifiers import GPTQModifier
-from llmpress.modifiers.mixed_precision.menu import DEFAULT_MENU, menu_option, weight_bits
+from llmpress.modifiers.mixed_precision.menu import default_menu, menu_option, weight_bits
 
 UNIFORM = ("W3A16", "W3A16_G64", "W3A16_G32", "W4A16", "W4A16_G64", "W4A16_G32")
 
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--menu", default=",".join(DEFAULT_MENU))
+    parser.add_argument("--menu", help="comma-separated (default: the modifier's default menu for each target)")
     parser.add_argument("--uniform", nargs="*", default=list(UNIFORM))
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -91,7 +92,8 @@ def main() -> None:
     base = load(args.model, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="mixed-"))
     print(f"{args.model} ({args.dtype or 'its own dtype'}): unquantized perplexity {dense:.3f}; GPTQ on {args.samples} x "
-          f"{args.seq_len} calibration tokens, drawn with seeds {args.seeds}; menu {args.menu}")
+          f"{args.seq_len} calibration tokens, drawn with seeds {args.seeds}; menu "
+          + (args.menu or "; ".join(f"{t}: {','.join(default_menu(t))}" for t in args.targets)))
     rows: dict[str, list[dict]] = {}
     choices: dict[float, list[dict]] = {}
     for seed in args.seeds:
@@ -102,7 +104,8 @@ def main() -> None:
                       work / name)
             rows.setdefault(f"{name} (uniform)", []).append({**row, "bits": average_bits(base, name)})
         for target in args.targets:
-            modifier = GPTQModifier(mixed_precision={"average_bits": target, "schemes": args.menu}, targets=["Linear"], ignore=["lm_head"])
+            choice = {"average_bits": target, **({"schemes": args.menu} if args.menu else {})}
+            modifier = GPTQModifier(mixed_precision=choice, targets=["Linear"], ignore=["lm_head"])
             row = run(args.model, args.dtype, modifier, batches, windows, work / f"mixed-{target}")
             record = row["record"]
             choices.setdefault(target, []).append({m: g["chosen"] for g in record["groups"] for m in g["modules"]})

@@ -251,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="mixed precision: choose each module's scheme from --schemes so that the quantized weights average "
                          "this many bits (scales included), by their sensitivity on the calibration data")
     oneshot.add_argument("--target-size", help="mixed precision toward a checkpoint of this size (e.g. 60MB) instead")
-    oneshot.add_argument("--schemes", help="the menu for --average-bits / --target-size, comma-separated (default "
-                         "W3A16,W3A16_G32,W4A16,W4A16_G32,W8A16,DENSE)")
+    oneshot.add_argument("--schemes", help="the menu for --average-bits / --target-size, comma-separated (default: int weight-only "
+                         "schemes in groups of 128 and 32 from the target's whole bits up to 4, then W8A16 and DENSE; e.g. "
+                         "W4A16,W4A16_G32,W8A16,DENSE for 4.25)")
     oneshot.add_argument("--dataset", "--data", help="calibration data: text, JSON-lines file, dataset folder, a Hugging Face Hub dataset "
                          "id or llm-compressor's name for one (ultrachat_200k, open_platypus, gsm8k, ...; the local cache first)")
     oneshot.add_argument("--split", help="a Hub dataset's split, sliced as datasets slices it (train_sft[:512])")

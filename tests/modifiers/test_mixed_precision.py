@@ -17,7 +17,7 @@ import llmpress
 from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.modifiers import GPTQModifier, MixedPrecisionModifier, QuantizationModifier
 from llmpress.modifiers.mixed_precision.budget import Group, choose_options
-from llmpress.modifiers.mixed_precision.menu import DENSE, MixedPrecision, menu_option, weight_bits
+from llmpress.modifiers.mixed_precision.menu import DEFAULT_MENU, DENSE, MixedPrecision, default_menu, menu_option, weight_bits
 from llmpress.modifiers.mixed_precision.report import choice_summary, plot_choice
 from llmpress.modifiers.mixed_precision.sensitivity import gather_statistics, module_groups, round_to_nearest, sensitivities
 from llmpress.recipe import Recipe
@@ -52,6 +52,15 @@ def test_a_choice_needs_one_target_and_a_menu_of_one_input_kind():
     with pytest.raises(RecipeError, match="inputs alike"):
         MixedPrecision(average_bits=4, schemes=["W4A16", "W8A8"])
     assert [o.name for o in MixedPrecision(size="2MB", schemes="W4A16, W8A16").options()] == ["W4A16", "W8A16"]
+
+
+def test_the_default_menu_starts_at_the_targets_whole_bits():
+    assert default_menu(4.25) == ["W4A16", "W4A16_G32", "W8A16", DENSE]
+    assert default_menu(3.5) == ["W3A16", "W3A16_G32", "W4A16", "W4A16_G32", "W8A16", DENSE]
+    assert default_menu(2.2)[:2] == ["W2A16", "W2A16_G32"] and default_menu(6.0) == default_menu(4.0)
+    assert [o.name for o in MixedPrecision(size="1MB").options(4.6)] == default_menu(4.6)
+    assert [o.name for o in MixedPrecision(size="1MB").options()] == list(DEFAULT_MENU)
+    assert [o.name for o in MixedPrecision(average_bits=3.9, schemes=["W8A16", "W2A16"]).options()] == ["W8A16", "W2A16"]
 
 
 def test_a_schemes_bits_count_values_scales_and_zero_points_as_stored():

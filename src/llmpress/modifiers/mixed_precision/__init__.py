@@ -2,4 +2,4 @@
 that the weights fit a target size (``MixedPrecisionModifier``, or ``mixed_precision`` on any
 quantizing modifier)."""
 
-from llmpress.modifiers.mixed_precision.menu import DEFAULT_MENU, MixedPrecision  # noqa: F401
+from llmpress.modifiers.mixed_precision.menu import DEFAULT_MENU, MixedPrecision, default_menu  # noqa: F401

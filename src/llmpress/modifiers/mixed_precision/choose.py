@@ -55,12 +55,14 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
                    modifier: str, rounding: Rounding = round_to_nearest) -> list[QuantizationScheme]:
     """The schemes of ``mixed``'s menu, each aimed at the modules (by name) it was chosen for; the
     modules left as they are get none. Records the choice in ``model.config``."""
-    options = mixed.options()
     matched = assign_by_targets(model, [(targets, None)], ignore, linear_alias=True)
     modules = {name: module for name, (module, _) in matched.items() if is_linear(module)}
     if not modules:
         raise UnsupportedModelError(f"{modifier}: mixed precision matched no Linear module", got=f"targets={targets}, ignore={ignore}",
                                     expected="targets that match Linear modules", fix="use targets: [Linear]")
+    weights = sum(rows_ * columns for rows_, columns in (shape_of(modules[n]) for n in modules))
+    budget = _budget(model, mixed, modules, weights)
+    options = mixed.options(budget / weights)
     rows = sequences(calibration_data, mixed.samples)
     logger.info("%s: measuring the sensitivity of %d modules on %d sequences", modifier, len(modules), len(rows))
     stats = gather_statistics(model, modules, rows)
@@ -68,8 +70,6 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     table = sensitivities(modules, stats, options, rounding)
     del stats
     groups = [_group(members, modules, table, options) for members in names]
-    weights = sum(rows_ * columns for rows_, columns in (shape_of(modules[n]) for n in modules))
-    budget = _budget(model, mixed, modules, weights)
     picks = choose_options(groups, budget)
     spent = sum(g.bits[p] for g, p in zip(groups, picks))
     counts = Counter(options[p].name for g, p in zip(groups, picks) for _ in g.modules)

@@ -23,10 +23,24 @@ from llmpress.memory import parse_size
 from llmpress.quant.groups import fitted_weight_group
 from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, QuantizationStrategy
 
-__all__ = ["DEFAULT_MENU", "DENSE", "MenuOption", "MixedPrecision", "menu_option", "weight_bits"]
+__all__ = ["DEFAULT_MENU", "DENSE", "MenuOption", "MixedPrecision", "default_menu", "menu_option", "weight_bits"]
 
 DENSE = "DENSE"
+#: the menu where the target is not known in bits before the model is seen (a size target)
 DEFAULT_MENU = ("W3A16", "W3A16_G32", "W4A16", "W4A16_G32", "W8A16", DENSE)
+
+
+def default_menu(average_bits: float | None) -> list[str]:
+    """The menu when a recipe names none: int weight-only schemes in groups of 128 and 32 from
+    the target's whole bits up to 4, then 8 bits and ``DENSE`` (4.25: ``W4A16, W4A16_G32, W8A16,
+    DENSE``; 3.5: from ``W3A16``). Widths under the target buy bits for other modules with
+    errors far from where the second-order estimate holds: at 4.25 bits, a menu from 3 bits
+    chose worse than uniform W4A16 in groups of 64 on both models measured, one from 4 bits
+    better (``bench/README.md``, "Mixed precision")."""
+    if average_bits is None:
+        return list(DEFAULT_MENU)
+    low = min(max(int(average_bits), 2), 4)
+    return [name for bits in range(low, 5) for name in (f"W{bits}A16", f"W{bits}A16_G32")] + ["W8A16", DENSE]
 _INT_WEIGHTS = re.compile(r"W([2-8])A16(_ASYM)?")
 _GROUP_SUFFIX = re.compile(r"(.+)_G(\d+)")
 
@@ -128,7 +142,7 @@ class MixedPrecision(BaseModel):
 
     average_bits: float | None = None
     size: int | str | None = None
-    schemes: list[str | dict[str, Any]] = list(DEFAULT_MENU)
+    schemes: list[str | dict[str, Any]] | None = None  # None: ``default_menu`` of the target
     samples: int = 32
 
     @field_validator("schemes", mode="before")
@@ -163,8 +177,11 @@ class MixedPrecision(BaseModel):
             )
         return self
 
-    def options(self) -> list[MenuOption]:
-        return [menu_option(entry) for entry in self.schemes]
+    def options(self, average_bits: float | None = None) -> list[MenuOption]:
+        """The menu: the recipe's, else the default for ``average_bits`` (by default the target's;
+        a size target's once the model says what it means in bits)."""
+        entries = self.schemes if self.schemes is not None else default_menu(average_bits or self.average_bits)
+        return [menu_option(entry) for entry in entries]
 
     def size_bytes(self) -> int | None:
         if self.size is None:
