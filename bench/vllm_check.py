@@ -57,8 +57,9 @@ RECIPES = {
     # rotations folded into the weights (R1, R2) before GPTQ: an ordinary checkpoint for vLLM
     "spinquant-gptq": ("quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {rotations: [R1, R2]}\n"
                        "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
-    # a scheme per module to fit 5 bits per weight, from schemes vLLM serves (int4 g32 / g128, int8), then GPTQ
-    "mixed-gptq": ("quant_stage:\n  quant_modifiers:\n    MixedPrecisionModifier: {average_bits: 5, schemes: [W4A16, W4A16_G32, W8A16], "
+    # a scheme per module to fit 5 bits per weight, from what vLLM's CPU build serves (int4 in groups of 128 or 32, and
+    # bf16 left as it is: its WNA16 kernel takes 4-bit weights only), then GPTQ
+    "mixed-gptq": ("quant_stage:\n  quant_modifiers:\n    MixedPrecisionModifier: {average_bits: 5, schemes: [W4A16, W4A16_G32, DENSE], "
                    "ignore: [lm_head]}\n    GPTQModifier: {}\n"),
     "fp8-kv-cache": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: FP8_DYNAMIC\n      targets: [Linear]\n"
                                                    "      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
