@@ -132,10 +132,10 @@ class GPTQModifier(Modifier):
         """``weight`` as this modifier would round it under ``scheme`` given ``hessian``: how a
         mixed-precision choice weighs each scheme (``modifiers/mixed_precision``)."""
         args = _with_gptq_defaults(scheme, self.config.actorder).weights
-        key = (id(hessian), args.actorder is not None)  # each menu option of a module (and q/k/v) in a row: one factor
-        cached = getattr(self, "_last_factor", None)
-        if cached is None or cached[0] != key or cached[1] is not hessian:
-            self._last_factor = cached = (key, hessian, factor_hessian(hessian, self.config.dampening_frac, args.actorder is not None))
+        ordered = args.actorder is not None
+        cached = getattr(self, "_last_factor", None)  # a module's menu options (and q/k/v's) come in a row: one factor
+        if cached is None or cached[0] is not hessian or cached[1] != ordered:
+            self._last_factor = cached = (hessian, ordered, factor_hessian(hessian, self.config.dampening_frac, ordered))
         factor = cached[2]
         global_scale = weight_global_scale([weight]).reshape(1).expand(weight.shape[0]) if args.has_global_scale else None
         return gptq_quantize(weight, factor, args, block_size=self.config.block_size, global_scale=global_scale).weight
