@@ -270,3 +270,17 @@ def test_gptq_takes_the_choice_of_the_mixed_precision_modifier_before_it():
     [modifier] = recipe.modifiers
     assert isinstance(modifier, GPTQModifier) and modifier.config.mixed_precision.size == "3MB"
     assert modifier.config.ignore == ["lm_head"] and modifier.config.block_size == 64
+
+
+def test_awq_searches_each_mapping_against_the_scheme_chosen_for_it():
+    from llmpress.lifecycle.state import scheme_of
+    from llmpress.modifiers import AWQModifier
+
+    batches = [torch.tensor(b) for b in token_batches(4, 32)]
+    choice = {"average_bits": 5.5, "schemes": ["W4A16_G32", "W8A16"], "ignore": ["lm_head"]}
+    alone = llmpress.oneshot(make_tiny_llama(), [MixedPrecisionModifier(**choice)], batches)
+    smoothed = llmpress.oneshot(make_tiny_llama(), [AWQModifier(), MixedPrecisionModifier(**choice)], batches)
+    bits = {scheme_of(m).weights.num_bits for m in smoothed.modules() if scheme_of(m) is not None}
+    assert bits == {4, 8}
+    ids = torch.tensor([token_batches(1, 24, seed=3)[0]])
+    assert not torch.equal(logits(alone, ids), logits(smoothed, ids))  # AWQ moved the scales before the rounding
