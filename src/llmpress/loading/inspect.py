@@ -117,10 +117,13 @@ def _deploys(members: dict[str, nn.Module], scheme: QuantizationScheme) -> str:
     groups whole over every member's input features (``quant/groups.py``)."""
     columns = {n: m.weight.shape[0 if input_major(m) else -1] for n, m in members.items()}
     split = {n: c for n, c in columns.items() if not whole_groups(scheme, c)}
+    weights = scheme.weights
     if not split:
+        if weights is not None and not weights.is_float and scheme.input_activations is None and weights.num_bits != 4:
+            return (f"loads (every group whole); vLLM's CPU build refuses int{weights.num_bits} weight-only layers "
+                    "(its WNA16 kernel takes 4-bit weights only)")
         return "loads (every group whole)"
     name, width = next(iter(split.items()))
-    weights = scheme.weights
     group = weights.group_size if weights is not None and weights.is_grouped and width % weights.group_size else scheme.input_activations.group_size
     return (f"refused: {len(split)} module(s) with input features not a multiple of the group size {group} "
             f"(e.g. {name}: {width}); llmpress reads them")
