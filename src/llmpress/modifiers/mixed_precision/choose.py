@@ -97,15 +97,23 @@ def _group(members: list[str], modules: dict[str, nn.Module], table: dict[str, l
     return Group(members, bits, sensitivity, weights)
 
 
+#: bytes a tensor's entry takes in a safetensors header beyond its name (dtype, shape, offsets), at most
+_HEADER_ENTRY = 128
+#: tensors a quantized module may write: packed weight, scale, zero point, shape (int64 x 2), group indices
+_QUANTIZED_TENSORS = 5
+
+
 def _budget(model: nn.Module, mixed: MixedPrecision, modules: dict[str, nn.Module], weights: int) -> float:
-    """The bits the targeted weights may take: ``average_bits`` of each, or what ``size`` leaves
-    once every other tensor of the model is counted as it is stored."""
+    """The bits the targeted weights may take: ``average_bits`` of each, or what ``size`` (the
+    safetensors files' bytes) leaves once every other tensor of the model is counted as it is
+    stored, and every tensor's header entry and each quantized module's ``weight_shape``."""
     if mixed.average_bits is not None:
         return mixed.average_bits * weights
     chosen = {id(m.weight) for m in modules.values()}
-    others = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in chosen}
-    fixed = sum(t.numel() * t.element_size() * 8 for t in others.values())
-    return 8 * mixed.size_bytes() - fixed
+    others = {id(t): (n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) not in chosen}
+    fixed = sum(t.numel() * t.element_size() + len(n) + _HEADER_ENTRY for n, t in others.values())
+    fixed += sum(16 + _QUANTIZED_TENSORS * (len(n) + 16 + _HEADER_ENTRY) for n in modules)
+    return 8 * (mixed.size_bytes() - fixed)
 
 
 def _target(mixed: MixedPrecision) -> str:
