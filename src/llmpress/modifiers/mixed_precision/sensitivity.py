@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from llmpress.errors import DataError
 from llmpress.models.linear import features, linear_weight
+from llmpress.modifiers.gptq.hessians import HessianCollector
 from llmpress.modifiers.mixed_precision.menu import MenuOption
 from llmpress.parallel.distributed import sum_across_ranks
 from llmpress.quant.groups import fitted_weight_group
@@ -76,23 +77,16 @@ class Statistics:
 def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Tensor]) -> Statistics:
     """``Statistics`` of ``modules`` over ``rows`` (one forward and backward a row; no weight
     gradient is computed and the model is left as it was), summed over the ranks under
-    torch.distributed."""
-    hessians: dict[str, torch.Tensor] = {}
+    torch.distributed. The Hessians are GPTQ's (``HessianCollector``: one per distinct input,
+    float64 sums of per-sequence products), brought back to ``sum_t x_t x_t^T``."""
+    collector = HessianCollector()
     grads = {name: torch.zeros(linear_weight(m.weight, m).shape[0], dtype=torch.float64, device=m.weight.device)
              for name, m in modules.items()}
-    owner: dict[str, str] = {}  # module -> the first module that read its input (whose Hessian it shares)
-    seen: dict[int, tuple[torch.Tensor, str]] = {}  # this forward's inputs by id (held, so no id is reused)
     starts: list[torch.Tensor] = []
 
     def watch(name: str):
         def hook(_module: nn.Module, args: tuple, output: Any) -> None:
-            first = seen.setdefault(id(args[0]), (args[0], name))[1]
-            owner.setdefault(name, first)
-            if owner[name] == name:
-                flat = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-                if name not in hessians:
-                    hessians[name] = torch.zeros(flat.shape[1], flat.shape[1], dtype=torch.float32, device=flat.device)
-                hessians[name].addmm_(flat.t(), flat)
+            collector.add(name, args[0])
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(squared_into(grads[name]))
         return hook
@@ -118,16 +112,23 @@ def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: lis
                 loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
                 torch.autograd.grad(loss, starts)  # through every module's output, firing their hooks
                 starts.clear()
-                seen.clear()
+                collector.end_of_first_pass()
                 tokens += ids.shape[1]
     finally:
         for handle in handles:
             handle.remove()
-    for tensor in (*hessians.values(), *grads.values()):
-        sum_across_ranks(tensor)
+        collector.end_of_first_pass()
+    collector.agree(list(modules), device)  # an expert one rank's tokens never reached: zeros there
+    hessians: dict[int, torch.Tensor] = {}
+    for accumulator in {id(a): a for a in collector.of_module.values()}.values():
+        accumulator.reduce()
+        hessians[id(accumulator)] = accumulator.result().mul_(accumulator.samples / 2)  # 2/n X^T X back to X^T X
+    for total in grads.values():
+        sum_across_ranks(total)
     tokens = int(sum_across_ranks(torch.tensor([tokens], dtype=torch.float64)).item())
-    shared = {name: hessians[owner[name]] for name in modules if owner.get(name) in hessians}
-    return Statistics(shared, grads, tokens, owner)
+    of_module = collector.of_module
+    return Statistics({n: hessians[id(a)] for n, a in of_module.items()}, grads, tokens,
+                      {n: a.members[0] for n, a in of_module.items()})
 
 
 #: ``(weight [out, in] float32, its inputs' Hessian, scheme) -> the weight as the algorithm rounds it``
