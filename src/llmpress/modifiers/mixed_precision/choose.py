@@ -22,6 +22,7 @@ from llmpress.modifiers.mixed_precision.budget import Group, choose_options
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision, weight_bits
 from llmpress.modifiers.mixed_precision.report import choice_summary
 from llmpress.modifiers.mixed_precision.sensitivity import (
+    EXPERT_NAME,
     Rounding,
     gather_statistics,
     module_groups,
@@ -120,15 +121,12 @@ def _target(mixed: MixedPrecision) -> str:
     return f"target {mixed.average_bits}" if mixed.average_bits is not None else f"to fit {mixed.size}"
 
 
-_EXPERT_NAME = re.compile(r"(.*\.experts)\.\d+\.(.+)")
-
-
 def _targets(names: list[str]) -> list[str]:
     """Exact module names, except that all the experts of one block with one projection name are
     one pattern (a block of 256 experts is one target per projection, not 256)."""
     out: list[str] = []
     for name in names:
-        found = _EXPERT_NAME.fullmatch(name)
+        found = EXPERT_NAME.fullmatch(name)
         target = f"re:{re.escape(found.group(1))}\\.\\d+\\.{re.escape(found.group(2))}$" if found else name
         if target not in out:
             out.append(target)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llmpress.errors import MissingDependencyError
+from llmpress.modifiers.mixed_precision.sensitivity import EXPERT_NAME
 
 __all__ = ["choice_rows", "choice_summary", "plot_choice"]
 
@@ -17,7 +18,7 @@ _LAYER = re.compile(r"\.(\d+)\.")
 def _kind(modules: list[str]) -> str:
     """A group's short name: its modules' last names without ``_proj`` (``q/k/v``, ``gate/up``),
     or ``experts`` for an experts block."""
-    if any(".experts." in m for m in modules):
+    if any(EXPERT_NAME.fullmatch(m) for m in modules):
         return "experts"
     names = dict.fromkeys(m.rpartition(".")[2].removesuffix("_proj") or m for m in modules)
     return "/".join(names)

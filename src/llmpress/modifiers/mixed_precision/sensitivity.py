@@ -34,9 +34,10 @@ from llmpress.quant.groups import fitted_weight_group
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationScheme
 
-__all__ = ["Rounding", "Statistics", "gather_statistics", "module_groups", "round_to_nearest", "sensitivities", "sequences"]
+__all__ = ["EXPERT_NAME", "Rounding", "Statistics", "gather_statistics", "module_groups", "round_to_nearest", "sensitivities", "sequences"]
 
-_EXPERT = re.compile(r"(.*\.experts)\.\d+\..+")
+#: an expert's module: (its experts block, its own name in the expert)
+EXPERT_NAME = re.compile(r"(.*\.experts)\.\d+\.(.+)")
 
 
 def sequences(calibration_data: Any, samples: int) -> list[torch.Tensor]:
@@ -168,7 +169,7 @@ def module_groups(modules: dict[str, nn.Module], stats: Statistics) -> list[list
     same input tensor (``stats.input_of``), and every expert's modules of one experts block."""
     key: dict[str, str] = {}
     for name in modules:
-        found = _EXPERT.fullmatch(name)
+        found = EXPERT_NAME.fullmatch(name)
         key[name] = found.group(1) if found else stats.input_of.get(name, name)
     groups: dict[str, list[str]] = {}
     for name in modules:
