@@ -21,7 +21,7 @@ from llmpress.contract.modifier import CONFIG
 from llmpress.errors import RecipeError
 from llmpress.memory import parse_size
 from llmpress.quant.groups import fitted_weight_group
-from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, QuantizationStrategy
+from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, QuantizationStrategy, preset_scheme
 
 __all__ = ["DEFAULT_MENU", "DENSE", "MenuOption", "MixedPrecision", "default_menu", "menu_option", "weight_bits"]
 
@@ -80,7 +80,7 @@ def menu_option(entry: str | dict[str, Any]) -> MenuOption:
 
 def _base_scheme(base: str, entry: Any) -> QuantizationScheme:
     if base in PRESET_SCHEMES:
-        return QuantizationScheme(**PRESET_SCHEMES[base])
+        return preset_scheme(base)
     found = _INT_WEIGHTS.fullmatch(base)
     if found is None:
         raise RecipeError(f"mixed precision: unknown scheme {entry!r} in the menu", got=entry,
@@ -105,7 +105,7 @@ def weight_bits(scheme: QuantizationScheme | None, rows: int, columns: int, dtyp
     as it is, in ``dtype``): its values as compressed-tensors packs them, its scales (in the
     weight's dtype unless the scheme names theirs), zero points, global scale and group indices."""
     if scheme is None or scheme.weights is None:
-        return rows * columns * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits)
+        return rows * columns * _bits(dtype)
     args = fitted_weight_group(scheme, columns).weights
     assert args is not None
     if args.is_float:
@@ -122,8 +122,7 @@ def weight_bits(scheme: QuantizationScheme | None, rows: int, columns: int, dtyp
     else:
         scales = 1
     scale_dtype = getattr(torch, args.scale_dtype.removeprefix("torch.")) if args.scale_dtype else dtype
-    scale_bits = torch.finfo(scale_dtype).bits if scale_dtype.is_floating_point else torch.iinfo(scale_dtype).bits
-    total = values + scales * scale_bits
+    total = values + scales * _bits(scale_dtype)
     if not args.symmetric:
         total += scales * args.num_bits
     if args.has_global_scale:
@@ -131,6 +130,10 @@ def weight_bits(scheme: QuantizationScheme | None, rows: int, columns: int, dtyp
     if args.actorder == "group":
         total += columns * 32
     return total
+
+
+def _bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
 
 
 class MixedPrecision(BaseModel):
