@@ -88,8 +88,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, 40)
     base = load(args.model, args.dtype)
+    uniform_bits = {name: average_bits(base, name) for name in args.uniform}  # in the stored dtype, before the cast
     dense = perplexity(base.float(), windows, progress=False).perplexity
-    base = load(args.model, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="mixed-"))
     print(f"{args.model} ({args.dtype or 'its own dtype'}): unquantized perplexity {dense:.3f}; GPTQ on {args.samples} x "
           f"{args.seq_len} calibration tokens, drawn with seeds {args.seeds}; menu "
@@ -102,7 +102,7 @@ def main() -> None:
             scheme = menu_option(name).scheme.model_copy(update={"targets": ["Linear"]})
             row = run(args.model, args.dtype, GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]), batches, windows,
                       work / name)
-            rows.setdefault(f"{name} (uniform)", []).append({**row, "bits": average_bits(base, name)})
+            rows.setdefault(f"{name} (uniform)", []).append({**row, "bits": uniform_bits[name]})
         for target in args.targets:
             choice = {"average_bits": target, **({"schemes": args.menu} if args.menu else {})}
             modifier = GPTQModifier(mixed_precision=choice, targets=["Linear"], ignore=["lm_head"])
