@@ -61,6 +61,8 @@ RECIPES = {
     # bf16 left as it is: its WNA16 kernel takes 4-bit weights only), then GPTQ
     "mixed-gptq": ("quant_stage:\n  quant_modifiers:\n    MixedPrecisionModifier: {average_bits: 5, schemes: [W4A16, W4A16_G32, DENSE], "
                    "ignore: [lm_head]}\n    GPTQModifier: {}\n"),
+    # AutoRound's tuned rounding: symmetric int4 on the whole grid, so half the group scales are negative
+    "autoround": _quant("AutoRoundModifier", "      ignore: [lm_head]\n      scheme: W4A16\n      iters: 50\n"),
     "fp8-kv-cache": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: FP8_DYNAMIC\n      targets: [Linear]\n"
                                                    "      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
                                                    "symmetric: true}\n"),
@@ -80,6 +82,7 @@ ROWS = {
     "fp8-kv-cache": ("fp8-kv-cache", "tiny-llama-bf16", "bfloat16", True),
     "spinquant-gptq": ("spinquant-gptq", "tiny-llama-bf16", "bfloat16", True),
     "mixed-gptq": ("mixed-gptq", "tiny-llama-bf16", "bfloat16", True),
+    "autoround": ("autoround", "tiny-llama-bf16", "bfloat16", True),
     "moe-w4a16": ("w4a16", "qwen3-moe", "bfloat16", False),
     "gemma-w4a16": ("w4a16", "gemma", "bfloat16", False),
     "qwen3-fp8": ("fp8", "qwen3", "bfloat16", False),

@@ -91,6 +91,13 @@ quant_stage:
     GPTQModifier: {}
 """
 
+#: AutoRound with every sample in each step: the ranks' summed gradients have the one process's signs
+AUTOROUND_W4 = """
+quant_stage:
+  quant_modifiers:
+    AutoRoundModifier: {scheme: W4A16, ignore: [lm_head], iters: 6, batch_size: 8}
+"""
+
 OPTIONS = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1)
 TWO_PASSES = CalibrationOptions(num_samples=None, seq_len=32, batch_size=1, true_sequential=False)
 
@@ -125,7 +132,7 @@ def two_rank_runs(tmp_path_factory):
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
     recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
                "sparsegpt": SPARSEGPT_24, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ,
-               "mixed": MIXED_GPTQ}
+               "mixed": MIXED_GPTQ, "autoround": AUTOROUND_W4}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
     mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
     for name, recipe in recipes.items():
@@ -150,11 +157,12 @@ def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
         assert (one["model.layers.1.mlp.up_proj.weight"] == 0).float().mean() == 0.5
 
 
-def test_two_ranks_of_awq_choose_the_one_process_scales(two_rank_runs):
-    """AWQ's channel means are float sums in another order: equal to rounding, and the grid
-    search picks the same candidates."""
-    one = checkpoint_tensors(two_rank_runs / "awq-1")
-    two = checkpoint_tensors(two_rank_runs / "awq-2")
+@pytest.mark.parametrize("name", ["awq", "autoround"])
+def test_two_ranks_of_awq_and_autoround_choose_the_one_process_values(two_rank_runs, name):
+    """AWQ's channel means, AutoRound's gradients: float sums in another order, equal to
+    rounding; the grid search picks the same candidates, the signed steps go the same way."""
+    one = checkpoint_tensors(two_rank_runs / f"{name}-1")
+    two = checkpoint_tensors(two_rank_runs / f"{name}-2")
     for key in one:
         if one[key].is_floating_point():
             torch.testing.assert_close(one[key], two[key], rtol=1e-3, atol=1e-5)

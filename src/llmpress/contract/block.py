@@ -76,7 +76,7 @@ class CalibrationBlock:
         seen: Inputs = []
         handle = submodule.register_forward_pre_hook(lambda m, a, k: seen.append((a, k)), with_kwargs=True)
         try:
-            with self._unobserved():
+            with self.unobserved():
                 for args, kwargs in self.inputs:
                     self.module(*args, **kwargs)
         finally:
@@ -94,10 +94,12 @@ class CalibrationBlock:
         """``submodule``'s output for each of ``inputs`` (default: ``inputs_to(submodule)``),
         with nothing observed."""
         inputs = self.inputs_to(submodule) if inputs is None else inputs
-        with self._unobserved():
+        with self.unobserved():
             return [submodule(*args, **kwargs) for args, kwargs in inputs]
 
-    def _unobserved(self) -> AbstractContextManager[None]:
+    def unobserved(self) -> AbstractContextManager[None]:
+        """Runs of the block (or its modules) inside it are not observed: a modifier's own
+        forwards (AWQ's search, AutoRound's tuning)."""
         return self.observation.paused() if self.observation is not None else nullcontext()
 
 

@@ -1,6 +1,7 @@
 """Modifiers: one folder per algorithm, registered by class name for recipes."""
 
 from llmpress.contract.modifier import MODIFIERS, Modifier, ModifierConfig, OneShotFields, Window, WindowFields
+from llmpress.modifiers.autoround import AutoRoundModifier
 from llmpress.modifiers.distillation import OutputDistillationModifier
 from llmpress.modifiers.gptq import GPTQModifier
 from llmpress.modifiers.learning_rate import LearningRateModifier
@@ -13,6 +14,7 @@ from llmpress.modifiers.smoothing import AWQModifier, SmoothQuantModifier
 __all__ = [
     "MODIFIERS",
     "AWQModifier",
+    "AutoRoundModifier",
     "ConstantPruningModifier",
     "GPTQModifier",
     "LearningRateModifier",

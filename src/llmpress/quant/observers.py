@@ -14,7 +14,16 @@ from llmpress import native
 from llmpress.quant.qdq import compute_qparams, fake_quantize, global_scale_of, num_groups, reduce_min_max, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
 
-__all__ = ["fake_quantize_weight", "weight_global_scale", "weight_qparams"]
+__all__ = ["fake_quantize_weight", "searched_range", "weight_global_scale", "weight_qparams"]
+
+
+def searched_range(args: QuantizationArgs) -> QuantizationArgs:
+    """``args`` with the squared-error range search as its observer where it names none, as
+    GPTQ and AutoRound apply weights (not int8, whose fine grid gains nothing from clipping;
+    ``GPTQModifier``'s ``_with_gptq_defaults`` has the measurements)."""
+    if args.observer is not None or (args.type == "int" and args.num_bits >= 8):
+        return args
+    return args.model_copy(update={"observer": "mse", "observer_kwargs": {"norm": 2.0}})
 
 
 def weight_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:

@@ -237,7 +237,7 @@ def _schemes_from_stage(stage: RecipeStage) -> RecipeStage:
     for group, modifiers in list(stage.groups.items()):
         for modifier in list(modifiers):
             config = modifier.config
-            if isinstance(modifier, QuantizationModifier):
+            if isinstance(modifier, QuantizationModifier) and modifier.gives_scheme_to_stage:
                 donors.append((group, modifier))
             elif getattr(type(config), "scheme_from_stage", False) and not config.has_scheme:
                 if not donors:

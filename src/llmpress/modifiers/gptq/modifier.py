@@ -54,7 +54,7 @@ from llmpress.modifiers.quantization.activations import InputRangeObserver, has_
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
 from llmpress.parallel.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
-from llmpress.quant.observers import weight_global_scale
+from llmpress.quant.observers import searched_range, weight_global_scale
 from llmpress.quant.scheme import ActivationOrdering, QuantizationScheme
 
 if TYPE_CHECKING:
@@ -87,12 +87,10 @@ def _with_gptq_defaults(scheme: QuantizationScheme, actorder: ActivationOrdering
     weights = scheme.weights
     if weights is None:
         return scheme
-    update: dict = {}
     if weights.actorder is None and actorder is not None and weights.strategy in ORDERED_STRATEGIES:
-        update["actorder"] = actorder
-    if weights.observer is None and not (weights.type == "int" and weights.num_bits >= 8):
-        update.update(observer="mse", observer_kwargs={"norm": 2.0})
-    return scheme.model_copy(update={"weights": weights.model_copy(update=update)}) if update else scheme
+        weights = weights.model_copy(update={"actorder": actorder})
+    weights = searched_range(weights)
+    return scheme if weights is scheme.weights else scheme.model_copy(update={"weights": weights})
 
 
 def _labels(names: list[str]) -> dict[str, str]:

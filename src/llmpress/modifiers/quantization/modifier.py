@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -172,6 +172,8 @@ def untie_shared_weights(model: nn.Module, modules: list[nn.Module], why: str = 
 @MODIFIERS.register("QuantizationModifier")
 class QuantizationModifier(Modifier):
     Config = QuantizationModifierConfig
+    #: a GPTQ after it in its stage takes its scheme (llm-compressor's grammar); not AutoRound's
+    gives_scheme_to_stage: ClassVar[bool] = True
     reduces_across_ranks = True  # static input ranges and KV-cache magnitudes reduced over the ranks
 
     def required_state(self) -> tuple[str, ...]:
@@ -192,7 +194,7 @@ class QuantizationModifier(Modifier):
         return kv_cache is not None and bool(kv_cache.pending) and not self.training
 
     def on_initialize(self, state: State) -> None:
-        schemes = schemes_at_initialize(self.config, state, type(self).__name__)
+        schemes = [self.with_defaults(s) for s in schemes_at_initialize(self.config, state, type(self).__name__)]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__) if schemes else {}
         self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         for module, _ in self.modules.values():
@@ -203,6 +205,10 @@ class QuantizationModifier(Modifier):
         self.calibrated = False
         self.training = False
         self.errors: dict[str, float] = {}
+
+    def with_defaults(self, scheme: QuantizationScheme) -> QuantizationScheme:
+        """The scheme as this modifier applies it (a subclass fills in what the recipe left out)."""
+        return scheme
 
     def on_window_start(self, state: State) -> None:
         """Training reached the window: quantization-aware training from here on."""

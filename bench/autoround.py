@@ -1,0 +1,108 @@
+"""AutoRound against GPTQ and against llm-compressor's AutoRound (issue 44): perplexity on
+held-out text, and each tool's time.
+
+    python bench/autoround.py [--model DIR] [--rows w4a16 w3a16 w4a8 nvfp4] [--samples 64] [--seq-len 256]
+                              [--iters 200] [--batch-size 8] [--peer] [--no-gptq]
+
+Each row quantizes a fresh float32 copy of the model (default: the shared tiny trained Llama;
+``--model`` a bf16 SmolLM2-135M copy, say, loaded in float32 as the peer loads it) with
+llmpress's GPTQ and its ``AutoRoundModifier``, calibrating on ``--samples`` windows of the shared
+calibration text, and measures the perplexity of 40 held-out windows of 256 tokens of the shared
+evaluation text. Weights symmetric in groups of 128 where the columns divide, else 64; int
+activations dynamic per token; ``nvfp4``: the NVFP4 preset; ``lm_head`` left as it is.
+
+``--peer``: llm-compressor 0.14's ``AutoRoundModifier`` (auto-round 0.15 underneath) runs the
+same row in its environment (``autoround_peer_worker.py``) on the same ids, iterations and batch
+size. Times are each tool's ``oneshot`` in its process (auto-round runs its loop in bf16 under
+autocast where the CPU has bf16 units, and compiles it; llmpress runs the model's dtype, eagerly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import PEER_PYTHON, fixture
+from rotation import ROWS, config_groups, load, quantizer
+
+import llmpress
+from llmpress.evaluation import evaluation_windows, perplexity
+from llmpress.modifiers import AutoRoundModifier
+
+
+def autoround(groups: dict, iters: int, batch_size: int) -> AutoRoundModifier:
+    fields = dict(iters=iters, batch_size=batch_size, ignore=["lm_head"])
+    if "preset" in groups:
+        return AutoRoundModifier(scheme=groups["preset"], targets=["Linear"], **fields)
+    return AutoRoundModifier(config_groups=groups, **fields)
+
+
+def peer_cells(args, data: Path, groups: dict, dense: float) -> str:
+    command = [str(PEER_PYTHON), str(Path(__file__).with_name("autoround_peer_worker.py")), args.model, str(data),
+               json.dumps(groups), str(args.iters), str(args.batch_size)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        return f" failed: {done.stderr.strip().splitlines()[-1][:120]} | |"
+    value, seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    return f" {value:.3f} ({value - dense:+.3f}) | {seconds:.0f} s |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=str(fixture("tiny-llama")))
+    parser.add_argument("--rows", nargs="+", default=["w4a16", "w3a16", "w4a8", "nvfp4"], choices=list(ROWS))
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--no-gptq", action="store_true", help="skip llmpress's GPTQ column")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ids = tokenizer(fixture("text", "calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
+    batches = [ids[i * args.seq_len:(i + 1) * args.seq_len] for i in range(min(args.samples, len(ids) // args.seq_len))]
+    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, 40)
+    base = load(args.model)
+    columns = {m.in_features for m in base.modules() if isinstance(m, torch.nn.Linear)}
+    group = 128 if all(c % 128 == 0 for c in columns) else 64
+    dense = perplexity(base, windows, progress=False).perplexity
+    del base
+    print(f"{args.model}: unquantized perplexity {dense:.3f}; {len(batches)} x {args.seq_len} calibration tokens; "
+          f"weights in groups of {group}; AutoRound {args.iters} steps of {args.batch_size} samples")
+    data = Path(tempfile.mkdtemp(prefix="autoround-")) / "data.pt"
+    torch.save({"batches": batches, "windows": windows}, data)
+    peer = " llm-compressor AutoRound | its time |" if args.peer else ""
+    print(f"| scheme | GPTQ | AutoRound | rise, GPTQ / AutoRound | time GPTQ / AutoRound |{peer}")
+    print("|---|---|---|---|---|" + "---|---|" * args.peer)
+    for row in args.rows:
+        if isinstance(ROWS[row], str):
+            groups = {"preset": ROWS[row]}
+        else:
+            weight_bits, activation_bits = ROWS[row]
+            groups = config_groups(weight_bits, activation_bits, None if row == "w8a8" else group)
+        figures = []
+        for modifier in ([] if args.no_gptq else [quantizer(groups)]) + [autoround(groups, args.iters, args.batch_size)]:
+            start = time.perf_counter()
+            model = llmpress.oneshot(load(args.model), [modifier], batches)
+            seconds = time.perf_counter() - start
+            figures.append((perplexity(model, windows, progress=False).perplexity, seconds))
+            del model
+        if args.no_gptq:
+            figures.insert(0, (float("nan"), float("nan")))
+        (gptq, t_gptq), (tuned, t_tuned) = figures
+        line = (f"| {row.upper()} | {gptq:.3f} | **{tuned:.3f}** | {gptq - dense:+.3f} / {tuned - dense:+.3f} | "
+                f"{t_gptq:.0f} / {t_tuned:.0f} s |")
+        if args.peer:
+            line += peer_cells(args, data, groups, dense)
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

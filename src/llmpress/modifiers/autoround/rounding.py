@@ -1,0 +1,146 @@
+"""One weight under tuning: AutoRound's rounding offsets and range scales, and the weight they give.
+
+The weight ``W`` is rounded as ``q = round(W / s + V) (+ zero point)`` on its
+scheme's grid, ``V`` (the rounding offset, one per weight, in [-0.5, 0.5]) tuned, and the scale
+``s`` and zero point computed by ``quant.qdq.compute_qparams`` from the unit's range
+``[min * min_scale, max * max_scale]``, ``min_scale`` / ``max_scale`` (one per group, channel or
+tile, in [0, 1]) tuned too: clipping learned from the block's output. With ``V = 0`` and both
+scales 1 the weight is round-to-nearest with a min/max observer (symmetric integers on the
+whole grid: ``_exact_qparams``).
+
+The values are always the exact ones the checkpoint stores (compute_qparams's scale, fp8 group
+scales for NVFP4, powers of two for MX); gradients reach the scales through a smooth stand-in of
+the same value (``absmax / half range``, the fp8 or power-of-two rounding left out) and pass the
+grid's rounding unchanged (straight-through), as in Cheng et al., "Optimize Weight Rounding via
+Signed Gradient Descent" (2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmpress.quant.qdq import (
+    compute_qparams,
+    effective_scale,
+    expand_to_columns,
+    expand_to_weight,
+    reduce_min_max,
+    round_to_grid,
+)
+from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
+
+__all__ = ["TunedWeight"]
+
+_EPS = torch.finfo(torch.float32).eps  # the smallest scale magnitude, as compute_qparams clamps it
+
+
+def _straight_through(value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """``exact``'s values with ``value``'s gradient."""
+    return value + (exact.to(value.dtype) - value).detach()
+
+
+class TunedWeight:
+    """``weight`` (a module's, as stored: ``[out, in]``, a Conv1D's ``[in, out]``, its qparams
+    along the last dimension either way) with its tunable offsets and range scales."""
+
+    def __init__(self, weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None) -> None:
+        self.args = args
+        self.global_scale = None if global_scale is None else global_scale.to(torch.float32)
+        self.weight = weight.detach().to(torch.float32)
+        low, high = reduce_min_max(self.weight, args)
+        self.low, self.high = low.clamp(max=0.0), high.clamp(min=0.0)
+        self.offset = torch.zeros_like(self.weight, requires_grad=True)
+        self.min_scale = torch.ones_like(self.low, requires_grad=True)
+        self.max_scale = torch.ones_like(self.high, requires_grad=True)
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.offset, self.min_scale, self.max_scale]
+
+    def state(self) -> list[torch.Tensor]:
+        """A copy of the tuned values (the best so far)."""
+        return [p.detach().clone() for p in self.parameters]
+
+    def load(self, state: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, value in zip(self.parameters, state):
+                p.copy_(value)
+
+    @torch.no_grad()
+    def clamp_(self) -> None:
+        """Keep the offsets within half a step and the scales within the observed range."""
+        self.offset.clamp_(-0.5, 0.5)
+        self.min_scale.clamp_(0.0, 1.0)
+        self.max_scale.clamp_(0.0, 1.0)
+
+    def _exact_qparams(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scale and zero point of the range ``[low, high]`` as stored. Symmetric integers
+        use the whole grid: the larger side of each unit lands on the grid's end, ``-2^(b-1)``
+        (a negative scale where that side is positive), so 4 bits give 16 levels of ``absmax / 8``
+        rather than ``absmax / 7.5`` with the top one clipped, as auto-round does."""
+        args = self.args
+        if not (args.symmetric and not args.is_float):
+            return compute_qparams(low, high, args, self.global_scale)
+        q_min = args.q_range[0]
+        scale = torch.where(high > -low, high, low) / q_min
+        return torch.where(scale < 0, scale.clamp(max=-_EPS), scale.clamp(min=_EPS)), None
+
+    def _qparams(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scale (NVFP4: relative to the global scale) and zero point of the tuned range:
+        exact values, smooth gradients."""
+        args = self.args
+        low, high = self.low * self.min_scale, self.high * self.max_scale
+        scale, zero_point = self._exact_qparams(low.detach(), high.detach())
+        q_min, q_max = args.q_range
+        if args.symmetric and not args.is_float:
+            return _straight_through(torch.where(high > -low, high, low) / q_min, scale), None
+        if args.symmetric:
+            absmax = torch.maximum(-low, high)
+            smooth = absmax / q_max
+            if args.has_global_scale:
+                smooth = smooth * self.global_scale
+            return _straight_through(smooth, scale), None
+        smooth = (high - low) / (q_max - q_min)
+        scale = _straight_through(smooth, scale)
+        return scale, _straight_through(q_min - low / scale, zero_point.to(torch.float32))
+
+    def _expand(self, qparam: torch.Tensor) -> torch.Tensor:
+        """A per-unit qparam broadcast against the weight."""
+        args = self.args
+        if args.strategy == QuantizationStrategy.BLOCK:
+            return expand_to_weight(qparam, self.weight.shape, args)
+        if args.is_grouped:
+            return expand_to_columns(qparam, self.weight.shape[-1], args)
+        return qparam
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight on its grid under the current offsets and scales (float32), differentiable
+        in them."""
+        scale, zero_point = self._qparams()
+        step = self._expand(effective_scale(scale, self.args, self.global_scale))
+        x = self.weight / step + self.offset
+        if zero_point is not None:
+            zero_point = self._expand(zero_point)
+            x = x + zero_point
+        x = x.clamp(*self.args.q_range)
+        q = _straight_through(x, round_to_grid(x.detach().clone(), self.args).to(torch.float32))
+        if zero_point is not None:
+            q = q - zero_point
+        return q * step
+
+    @torch.no_grad()
+    def final(self, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The weight on its grid (float32), its scale in ``scale_dtype`` (what the checkpoint
+        stores, so the weight is rounded with that very scale) and its zero point (int8, or None)."""
+        low, high = self.low * self.min_scale.clamp(0, 1), self.high * self.max_scale.clamp(0, 1)
+        scale, zero_point = self._exact_qparams(low, high)
+        scale = scale.to(scale_dtype)
+        step = self._expand(effective_scale(scale, self.args, self.global_scale))
+        x = self.weight / step + self.offset.clamp(-0.5, 0.5)
+        if zero_point is not None:
+            x = x + self._expand(zero_point.to(torch.float32))
+        q = round_to_grid(x, self.args).to(torch.float32)
+        q = q.add_(0.0)  # a -0.0 rounding becomes 0.0, as through int8
+        if zero_point is not None:
+            q = q - self._expand(zero_point.to(torch.float32))
+        return q * step, scale, zero_point
