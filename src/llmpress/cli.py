@@ -202,6 +202,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
         for line in choice_summary(info["mixed_precision"]):
             print(f"  {line}")
+    if info["autoround"]:
+        from llmpress.modifiers.autoround.record import record_summary
+
+        for line in record_summary(info["autoround"]):
+            print(f"  {line}")
     if args.plot:
         _plot_choice(info, args.plot)
     if info["recipe"]:

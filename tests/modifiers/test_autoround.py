@@ -129,7 +129,7 @@ def test_stacked_samples_and_batches_run_one_by_one_tune_alike(monkeypatch, capl
         assert runs[True][layer][1] == pytest.approx(runs[False][layer][1], rel=1e-2)
 
 
-def test_the_checkpoint_loads_with_the_tuned_model_s_logits(tmp_path):
+def test_the_checkpoint_loads_with_the_tuned_model_s_logits(tmp_path, capsys):
     """Negative scales and all: llmpress.load runs what the session left in memory."""
     ids = torch.tensor(token_batches(1, 24, seed=5))
     model = llmpress.oneshot(make_tiny_llama(intermediate=256), [_autoround(iters=10)], token_batches(8, 32),
@@ -140,6 +140,24 @@ def test_the_checkpoint_loads_with_the_tuned_model_s_logits(tmp_path):
     assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 128, True)
     loaded = llmpress.load(tmp_path / "out", dtype=torch.float32)
     torch.testing.assert_close(logits(loaded, ids), expected, rtol=1e-3, atol=1e-3)
+    from transformers import AutoModelForCausalLM  # transformers + compressed-tensors decompress them alike
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(theirs, ids), expected, rtol=1e-3, atol=1e-3)
+    from llmpress.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert "AutoRound: 2 layer(s), 10 steps of 4 samples each" in shown and "layer 1: " in shown
+
+
+def test_the_example_recipe_reads_as_llm_compressor_writes_it():
+    from helpers import REPO
+
+    modifiers = Recipe.from_file(REPO / "examples" / "recipes" / "autoround_w4a16.yaml").modifiers
+    assert [type(m).__name__ for m in modifiers] == ["AutoRoundModifier"]
+    assert (modifiers[0].config.iters, modifiers[0].config.batch_size, modifiers[0].config.scheme) == (200, 8, "W4A16")
 
 
 @pytest.mark.parametrize("scheme", ["W4A16_ASYM", "NVFP4", "W8A8"])

@@ -15,6 +15,7 @@ from llmpress.formats import format_for
 from llmpress.loading.remote_code import require_trust_for_remote_code
 from llmpress.models import build, model_class
 from llmpress.models.linear import input_major, is_linear
+from llmpress.modifiers.autoround.record import record_of as autoround_record_of
 from llmpress.modifiers.mixed_precision.choose import record_of
 from llmpress.quant.groups import whole_groups
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
@@ -90,6 +91,7 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False, verif
         "recipe": recipe_path.read_text(encoding="utf-8") if recipe_path.is_file() else None,
         "sparsity": _describe_sparsity(qcfg.get("sparsity_config") or config.get(SPARSITY_KEY)),
         "mixed_precision": record_of(config),
+        "autoround": autoround_record_of(config),
         "problems": [str(problem) for problem in problems],
     }
 

@@ -32,6 +32,7 @@ from llmpress.errors import SessionError
 from llmpress.lifecycle.attach import scale_dtype_for, set_weight_qparams, share_global_scales
 from llmpress.lifecycle.compute_dtype import stored_dtype
 from llmpress.modifiers.autoround.config import AutoRoundModifierConfig
+from llmpress.modifiers.autoround.record import RECORD_KEY, autoround_record
 from llmpress.modifiers.autoround.rounding import TunedWeight
 from llmpress.modifiers.autoround.tuning import tune_block
 from llmpress.modifiers.quantization.activations import has_static_inputs
@@ -124,6 +125,8 @@ class AutoRoundModifier(QuantizationModifier):
         if self.config.iters and rounded:
             logger.warning("%s: %d module(s) outside the model's repeated blocks were rounded to nearest, not tuned: %s",
                            type(self).__name__, len(rounded), ", ".join(rounded[:8]))
+        if self.losses and state.model is not None and getattr(state.model, "config", None) is not None:
+            setattr(state.model.config, RECORD_KEY, autoround_record(self.config.iters, self.config.batch_size, self.losses))
         if self.losses:
             cut = [1 - best / first for first, best, _ in self.losses.values() if first > 0]
             logger.info("%s: %d layer(s) tuned in %.1fs (%d steps each); the block loss fell by %.0f%% on average "
