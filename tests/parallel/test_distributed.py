@@ -163,6 +163,10 @@ def test_two_ranks_of_awq_and_autoround_choose_the_one_process_values(two_rank_r
     rounding; the grid search picks the same candidates, the signed steps go the same way."""
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")
+    if name == "autoround":  # the loss of the ranks' samples together: the one process's
+        records = [json.loads((two_rank_runs / f"{name}-{n}" / "config.json").read_text())["llmpress_autoround"]["layers"]
+                   for n in (1, 2)]
+        assert len(records[0]) == 2 and torch.allclose(torch.tensor(records[0]), torch.tensor(records[1]), rtol=1e-3, atol=0)
     for key in one:
         if one[key].is_floating_point():
             torch.testing.assert_close(one[key], two[key], rtol=1e-3, atol=1e-5)

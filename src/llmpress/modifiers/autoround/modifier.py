@@ -57,9 +57,10 @@ class AutoRoundModifier(QuantizationModifier):
         super().on_initialize(state)
         self.tuned: set[str] = set()
         self.fp_hidden: list[torch.Tensor] | None = None  # the unquantized model's stream, block to block
-        self.losses: dict[int, tuple[float, float, int]] = {}  # block: (round to nearest, best, best step)
+        self.losses: dict[int, tuple[float, float, int]] = {}  # block: (untuned rounding's loss, best, best step)
         self.seconds = 0.0
         self._note = ""
+        self.resumed = False
 
     def with_defaults(self, scheme: QuantizationScheme) -> QuantizationScheme:
         """Weights the tuning does not reach (``iters: 0``, modules outside the blocks) round
@@ -85,7 +86,8 @@ class AutoRoundModifier(QuantizationModifier):
         modules = {}
         for name in names:
             module, scheme = self.pending[name]
-            tuned = TunedWeight(module.weight, scheme.weights, getattr(module, "weight_global_scale", None))
+            tuned = TunedWeight(module.weight, scheme.weights, getattr(module, "weight_global_scale", None),
+                                scale_dtype_for(scheme.weights, stored_dtype(module)))
             modules[module] = (tuned, scheme.input_activations)
         fp_hidden = self.fp_hidden if self.fp_hidden is not None and len(self.fp_hidden) == len(block.inputs) else None
         bits = min((s.weights.num_bits for _, s in (self.pending[n] for n in names)), default=8)
@@ -95,7 +97,7 @@ class AutoRoundModifier(QuantizationModifier):
         for name in names:
             module, scheme = self.pending[name]
             tuned = modules[module][0]
-            weight, scale, zero_point = tuned.final(scale_dtype_for(scheme.weights, stored_dtype(module)))
+            weight, scale, zero_point = tuned.final()
             set_weight_qparams(module, weight, scale, zero_point)
             self.errors[name] = float((weight - tuned.weight).norm() / tuned.weight.norm().clamp(min=1e-12))
             self.tuned.add(name)
@@ -108,6 +110,20 @@ class AutoRoundModifier(QuantizationModifier):
 
     def step_note(self) -> str:
         return self._note
+
+    def resume_note(self) -> dict[str, list]:
+        return {str(index): list(losses) for index, losses in self.losses.items()}
+
+    def take_resume_note(self, note: dict[str, list] | None) -> None:
+        self.losses.update({int(index): (float(a), float(b), int(c)) for index, (a, b, c) in (note or {}).items()})
+
+    def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
+        super().on_layer_restored(state, block)
+        if not self.resumed:
+            logger.warning("%s: a resumed run tunes the layers after the restored ones toward the unquantized layers on the "
+                           "restored layers' outputs (the unquantized model's own are not kept): the checkpoint differs slightly "
+                           "from an uninterrupted run's", type(self).__name__)
+        self.resumed = True
 
     def quantize_pending(self, names: list[str]) -> None:
         """Tuned modules are on their grid already: only their input quantization is left."""
@@ -130,5 +146,5 @@ class AutoRoundModifier(QuantizationModifier):
         if self.losses:
             cut = [1 - best / first for first, best, _ in self.losses.values() if first > 0]
             logger.info("%s: %d layer(s) tuned in %.1fs (%d steps each); the block loss fell by %.0f%% on average "
-                        "from round-to-nearest", type(self).__name__, len(self.losses), self.seconds, self.config.iters,
+                        "from the untuned rounding", type(self).__name__, len(self.losses), self.seconds, self.config.iters,
                         100 * sum(cut) / max(len(cut), 1))

@@ -11,7 +11,8 @@ RECORD_KEY = "llmpress_autoround"
 
 
 def autoround_record(iters: int, batch_size: int, losses: dict[int, tuple[float, float, int]]) -> dict[str, Any]:
-    """``losses``: per layer, round-to-nearest's block loss, the best one, and its step."""
+    """``losses``: per layer, the block loss of the untuned rounding (round-to-nearest over the
+    min/max range; symmetric integers on the whole grid), the best one, and its step."""
     return {"iters": iters, "batch_size": batch_size,
             "layers": [[index, rtn, best, step] for index, (rtn, best, step) in sorted(losses.items())]}
 
@@ -27,7 +28,7 @@ def record_summary(record: dict[str, Any]) -> list[str]:
     layers = record["layers"]
     cuts = [1 - best / rtn for _, rtn, best, _ in layers if rtn > 0]
     lines = [f"AutoRound: {len(layers)} layer(s), {record['iters']} steps of {record['batch_size']} samples each; "
-             f"the block loss {100 * sum(cuts) / max(len(cuts), 1):.0f}% below round-to-nearest's on average"]
+             f"the block loss {100 * sum(cuts) / max(len(cuts), 1):.0f}% below the untuned rounding's on average"]
     shown = layers if len(layers) <= 8 else [*layers[:4], *layers[-4:]]
     lines += [f"  layer {index}: {rtn:.3g} -> {best:.3g} (step {step})" for index, rtn, best, step in shown]
     if len(shown) < len(layers):

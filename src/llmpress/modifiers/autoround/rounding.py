@@ -41,10 +41,13 @@ def _straight_through(value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 class TunedWeight:
     """``weight`` (a module's, as stored: ``[out, in]``, a Conv1D's ``[in, out]``, its qparams
-    along the last dimension either way) with its tunable offsets and range scales."""
+    along the last dimension either way) with its tunable offsets and range scales. Scales are
+    rounded to ``scale_dtype`` (what the checkpoint stores) while tuning too, so the weight kept
+    is the one tuned."""
 
-    def __init__(self, weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None) -> None:
-        self.args = args
+    def __init__(self, weight: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor | None,
+                 scale_dtype: torch.dtype = torch.float32) -> None:
+        self.args, self.scale_dtype = args, scale_dtype
         self.global_scale = None if global_scale is None else global_scale.to(torch.float32)
         self.weight = weight.detach().to(torch.float32)
         low, high = reduce_min_max(self.weight, args)
@@ -74,16 +77,18 @@ class TunedWeight:
         self.max_scale.clamp_(0.0, 1.0)
 
     def _exact_qparams(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The scale and zero point of the range ``[low, high]`` as stored. Symmetric integers
-        use the whole grid: the larger side of each unit lands on the grid's end, ``-2^(b-1)``
-        (a negative scale where that side is positive), so 4 bits give 16 levels of ``absmax / 8``
-        rather than ``absmax / 7.5`` with the top one clipped, as auto-round does."""
+        """The scale (float32 holding ``scale_dtype`` values) and zero point of the range
+        ``[low, high]`` as stored. Symmetric integers use the whole grid: the larger side of each
+        unit lands on the grid's end, ``-2^(b-1)`` (a negative scale where that side is
+        positive), so 4 bits give 16 levels of ``absmax / 8`` rather than ``absmax / 7.5`` with
+        the top one clipped, as auto-round does."""
         args = self.args
-        if not (args.symmetric and not args.is_float):
-            return compute_qparams(low, high, args, self.global_scale)
-        q_min = args.q_range[0]
-        scale = torch.where(high > -low, high, low) / q_min
-        return torch.where(scale < 0, scale.clamp(max=-_EPS), scale.clamp(min=_EPS)), None
+        if args.symmetric and not args.is_float:
+            scale = torch.where(high > -low, high, low) / args.q_range[0]
+            scale, zero_point = torch.where(scale < 0, scale.clamp(max=-_EPS), scale.clamp(min=_EPS)), None
+        else:
+            scale, zero_point = compute_qparams(low, high, args, self.global_scale)
+        return scale.to(self.scale_dtype).to(torch.float32), zero_point
 
     def _qparams(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scale (NVFP4: relative to the global scale) and zero point of the tuned range:
@@ -95,13 +100,11 @@ class TunedWeight:
         if args.symmetric and not args.is_float:
             return _straight_through(torch.where(high > -low, high, low) / q_min, scale), None
         if args.symmetric:
-            absmax = torch.maximum(-low, high)
-            smooth = absmax / q_max
+            smooth = torch.maximum(-low, high) / q_max
             if args.has_global_scale:
                 smooth = smooth * self.global_scale
             return _straight_through(smooth, scale), None
-        smooth = (high - low) / (q_max - q_min)
-        scale = _straight_through(smooth, scale)
+        scale = _straight_through((high - low) / (q_max - q_min), scale)
         return scale, _straight_through(q_min - low / scale, zero_point.to(torch.float32))
 
     def _expand(self, qparam: torch.Tensor) -> torch.Tensor:
@@ -113,34 +116,28 @@ class TunedWeight:
             return expand_to_columns(qparam, self.weight.shape[-1], args)
         return qparam
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight on its grid under the current offsets and scales (float32), differentiable
-        in them."""
-        scale, zero_point = self._qparams()
+    def _on_grid(self, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+        """``round(W / scale + V) (+ zero point)`` on the grid, dequantized (float32): the
+        rounding's gradient passes straight through."""
         step = self._expand(effective_scale(scale, self.args, self.global_scale))
         x = self.weight / step + self.offset
         if zero_point is not None:
-            zero_point = self._expand(zero_point)
+            zero_point = self._expand(zero_point.to(torch.float32))
             x = x + zero_point
         x = x.clamp(*self.args.q_range)
-        q = _straight_through(x, round_to_grid(x.detach().clone(), self.args).to(torch.float32))
+        q = _straight_through(x, round_to_grid(x.detach().clone(), self.args).to(torch.float32)) + 0.0  # -0.0 -> 0.0
         if zero_point is not None:
             q = q - zero_point
         return q * step
 
+    def dequantized(self) -> torch.Tensor:
+        """The weight on its grid under the current offsets and scales, differentiable in them."""
+        return self._on_grid(*self._qparams())
+
     @torch.no_grad()
-    def final(self, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The weight on its grid (float32), its scale in ``scale_dtype`` (what the checkpoint
-        stores, so the weight is rounded with that very scale) and its zero point (int8, or None)."""
-        low, high = self.low * self.min_scale.clamp(0, 1), self.high * self.max_scale.clamp(0, 1)
-        scale, zero_point = self._exact_qparams(low, high)
-        scale = scale.to(scale_dtype)
-        step = self._expand(effective_scale(scale, self.args, self.global_scale))
-        x = self.weight / step + self.offset.clamp(-0.5, 0.5)
-        if zero_point is not None:
-            x = x + self._expand(zero_point.to(torch.float32))
-        q = round_to_grid(x, self.args).to(torch.float32)
-        q = q.add_(0.0)  # a -0.0 rounding becomes 0.0, as through int8
-        if zero_point is not None:
-            q = q - self._expand(zero_point.to(torch.float32))
-        return q * step, scale, zero_point
+    def final(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The weight on its grid (float32), its scale in ``scale_dtype`` and its zero point
+        (int8, or None): what the module stores."""
+        self.clamp_()
+        scale, zero_point = self._exact_qparams(self.low * self.min_scale, self.high * self.max_scale)
+        return self._on_grid(scale, zero_point), scale.to(self.scale_dtype), zero_point

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from llmpress.contract.block import CalibrationBlock, Inputs, hidden_of
 from llmpress.contract.observation import primary_input, with_primary_input
+from llmpress.models.experts import routed_experts_only
 from llmpress.models.linear import input_major
 from llmpress.modifiers.autoround.rounding import TunedWeight
 from llmpress.parallel.distributed import is_main_process, sum_across_ranks, world_size
@@ -40,7 +41,7 @@ __all__ = ["TuningResult", "sample_order", "tune_block"]
 
 @dataclass
 class TuningResult:
-    first_loss: float  # round-to-nearest's loss on the first step's samples
+    first_loss: float  # the untuned rounding's loss on the first step's samples
     best_loss: float
     best_step: int
     fp_outputs: list[torch.Tensor]  # the unquantized block's hidden states: the next block's targets' inputs
@@ -63,27 +64,36 @@ def sample_order(units: int, batch_size: int, steps: int, seed: int) -> list[lis
 
 class _Samples:
     """The block's inputs as units a step draws from: single samples stacked into one tensor
-    (``stacked``), or whole batches run one by one."""
+    kept where the pipeline keeps its inputs (``home``; each step's rows go to the block's
+    device), or whole batches run one by one."""
 
     def __init__(self, inputs: Inputs) -> None:
         self.inputs = inputs
-        self.stacked = _stackable(inputs)
-        self.shared: tuple[tuple, dict] | None = None
+        self.home = getattr(inputs, "home", None)  # on a device: the pipeline's inputs stay home
+        stored = getattr(inputs, "inner", inputs)
+        self.stacked = _stackable(stored)
         if self.stacked:
-            self.hidden = torch.cat([primary_input(*batch) for batch in inputs])
-            self.shared = inputs[0]
+            self.hidden = torch.cat([primary_input(*stored[i]) for i in range(len(stored))])
             self.rows = [1] * self.hidden.shape[0]
         else:
-            self.rows = [primary_input(*batch).shape[0] for batch in inputs]
+            self.rows = [primary_input(*stored[i]).shape[0] for i in range(len(stored))]
 
     @property
     def units(self) -> int:
         return len(self.rows)
 
-    def forwards(self, indices: list[int]) -> Iterator[tuple[tuple, dict, slice | list[int]]]:
+    def per_step(self, samples: int) -> int:
+        """Units a step takes for ``samples`` samples (whole batches: as many as hold them)."""
+        return samples if self.stacked else max(1, math.ceil(samples / max(self.rows[0], 1)))
+
+    def forwards(self, indices: list[int]) -> Iterator[tuple[tuple, dict, list[int]]]:
         """``(args, kwargs, which targets)`` for the forwards of one step."""
         if self.stacked:
-            args, kwargs = with_primary_input(*self.shared, self.hidden[indices])
+            hidden = self.hidden[indices]
+            if self.home is not None:  # as OnDevice reads a batch: to the device, in the compute dtype
+                compute, stored = self.inputs.dtype, self.inputs.stored
+                hidden = hidden.to(self.inputs.device, compute) if compute is not None and hidden.dtype == stored else hidden.to(self.inputs.device)
+            args, kwargs = with_primary_input(*self.inputs[0], hidden)
             yield args, kwargs, indices
             return
         for index in indices:
@@ -135,13 +145,16 @@ def _tuned_forwards(modules: dict[nn.Module, tuple[TunedWeight, QuantizationArgs
             return F.linear(x, weight, module.bias)
         return forward
 
+    own = {module: module.__dict__.get("forward") for module in modules}  # an instance's own forward (a dispatch hook's)
     for module, (tuned, inputs) in modules.items():
         module.forward = forward_of(module, tuned, inputs)
     try:
         yield
     finally:
-        for module in modules:
+        for module, forward in own.items():
             del module.forward
+            if forward is not None:
+                module.forward = forward
 
 
 @contextmanager
@@ -161,11 +174,18 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
                fp_hidden: list[torch.Tensor] | None, iters: int, batch_size: int, lr: float, seed: int) -> TuningResult:
     """Tune ``modules`` (the block's, each with its ``TunedWeight`` and its input args or None)
     to reproduce the unquantized block, which runs on ``fp_hidden`` (default: the block's inputs).
-    Leaves each ``TunedWeight`` at its best values."""
-    inputs = list(block.inputs)
-    with block.unobserved(), torch.no_grad():
-        fp_hidden = fp_hidden if fp_hidden is not None else [primary_input(*batch) for batch in inputs]
-        targets = [hidden_of(_call(block.module, with_primary_input(*batch, hidden))) for batch, hidden in zip(inputs, fp_hidden)]
+    Leaves each ``TunedWeight`` at its best values. Under torch.distributed each rank draws
+    ``batch_size / ranks`` samples a step from its share, and the loss and gradients are those of
+    the ranks' samples together. An MoE block's experts see only their routed tokens."""
+    inputs = block.inputs
+    home = getattr(inputs, "home", None)  # on a device: what is kept stays where the pipeline keeps its inputs
+    with block.unobserved(), routed_experts_only(block.module), torch.no_grad():
+        targets = []
+        for index in range(len(inputs)):
+            batch = inputs[index]
+            hidden = primary_input(*batch) if fp_hidden is None else fp_hidden[index].to(primary_input(*batch).device)
+            output = hidden_of(_call(block.module, with_primary_input(*batch, hidden)))
+            targets.append(output if home is None else output.to(home))
     if not modules or iters <= 0:
         return TuningResult(math.inf, math.inf, -1, targets)
     samples = _Samples(inputs)
@@ -177,20 +197,21 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
     params = [p for tuned, _ in modules.values() for p in tuned.parameters]
     best = (math.inf, -1, [tuned.state() for tuned, _ in modules.values()])
     first = math.inf
-    order = sample_order(samples.units, batch_size, iters, seed)
-    with block.unobserved(), _frozen(block.module), _tuned_forwards(modules), torch.enable_grad():
+    order = sample_order(samples.units, samples.per_step(math.ceil(batch_size / world_size())), iters, seed)
+    with block.unobserved(), routed_experts_only(block.module), _frozen(block.module), _tuned_forwards(modules), \
+            torch.enable_grad():
         bar = tqdm(order, desc=f"AutoRound layer {block.index}", unit="step", leave=False, disable=not is_main_process())
         for step, indices in enumerate(bar):
-            elements = sum(numel[i] for i in indices)
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            elements = _summed(torch.tensor([float(sum(numel[i] for i in indices))], dtype=torch.float64))
+            squared = torch.zeros(1, dtype=torch.float64)
             for args, kwargs, which in samples.forwards(indices):
                 output = hidden_of(block.module(*args, **kwargs)).float()
-                expected = (target[which] if target is not None else targets[which[0]]).float()
-                loss = F.mse_loss(output, expected, reduction="sum") / elements
-                loss.backward()
-                loss_sum += loss.detach().double().cpu()
+                expected = target[which] if target is not None else targets[which[0]]
+                loss = F.mse_loss(output, expected.to(output.device, torch.float32), reduction="sum")
+                (loss / float(elements)).backward()
+                squared += loss.detach().double().cpu()
             _reduce_gradients(params)
-            loss_value = float(sum_across_ranks(loss_sum) if world_size() > 1 else loss_sum)
+            loss_value = float(_summed(squared)) / float(elements)
             if step == 0:
                 first = loss_value
             if loss_value < best[0]:
@@ -209,15 +230,22 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
     return TuningResult(first, best[0], best[1], targets)
 
 
+def _summed(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a host tensor) summed over the ranks (itself in one process)."""
+    return sum_across_ranks(value) if world_size() > 1 else value
+
+
 def _call(module: nn.Module, inputs: tuple[tuple, dict]) -> Any:
     args, kwargs = inputs
     return module(*args, **kwargs)
 
 
 def _reduce_gradients(params: list[torch.Tensor]) -> None:
-    """Under torch.distributed: every rank steps on the gradient summed over the ranks' samples
-    (a tensor no sample of a rank reached counts zero there)."""
+    """Under torch.distributed: every rank steps on the gradient summed over the ranks' samples,
+    in one reduction (a tensor no sample of a rank reached counts zero there)."""
     if world_size() == 1:
         return
-    for p in params:
-        p.grad = sum_across_ranks(p.grad if p.grad is not None else torch.zeros_like(p))
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    sum_across_ranks(flat)
+    for p, grad in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = grad.view_as(p)
