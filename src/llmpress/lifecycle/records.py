@@ -21,10 +21,17 @@ from torch import nn
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HeldWeights", "ModelRecord", "applied_recipe", "held_weights", "keep_held_weights", "loading_quantizer", "record_loading_quantizer",
+__all__ = ["HeldWeights", "ModelRecord", "applied_recipe", "config_entry", "held_weights", "keep_held_weights", "loading_quantizer", "record_loading_quantizer",
            "record_recipe", "release_held_weights"]
 
 _RECORD = "llmpress_record"
+
+
+def config_entry(config: Any, key: str) -> dict[str, Any] | None:
+    """What an algorithm wrote into a model config under ``key`` (mixed precision's choice,
+    AutoRound's losses), from the config object or a config.json dict; None when absent."""
+    entry = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return entry if isinstance(entry, dict) else None
 
 
 @dataclass(eq=False)

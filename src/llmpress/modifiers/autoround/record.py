@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmpress.lifecycle.records import config_entry
+
 __all__ = ["RECORD_KEY", "autoround_record", "record_of", "record_summary"]
 
 RECORD_KEY = "llmpress_autoround"
@@ -19,8 +21,8 @@ def autoround_record(iters: int, batch_size: int, losses: dict[int, tuple[float,
 
 def record_of(config: Any) -> dict[str, Any] | None:
     """The AutoRound record of a model config (an object or a config.json dict), if any."""
-    record = config.get(RECORD_KEY) if isinstance(config, dict) else getattr(config, RECORD_KEY, None)
-    return record if isinstance(record, dict) and record.get("layers") else None
+    record = config_entry(config, RECORD_KEY)
+    return record if record and record.get("layers") else None
 
 
 def record_summary(record: dict[str, Any]) -> list[str]:

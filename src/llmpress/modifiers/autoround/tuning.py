@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from llmpress.contract.block import CalibrationBlock, Inputs, hidden_of
 from llmpress.contract.observation import primary_input, with_primary_input
 from llmpress.models.experts import routed_experts_only
-from llmpress.models.linear import input_major
+from llmpress.models.linear import linear_weight
 from llmpress.modifiers.autoround.rounding import TunedWeight
 from llmpress.parallel.distributed import is_main_process, sum_across_ranks, world_size
 from llmpress.quant.qdq import fake_quantize_activation
@@ -137,9 +137,7 @@ def _tuned_forwards(modules: dict[nn.Module, tuple[TunedWeight, QuantizationArgs
 
     def forward_of(module: nn.Module, tuned: TunedWeight, inputs: QuantizationArgs | None):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            weight = tuned.dequantized().to(x.dtype)
-            if input_major(module):  # GPT-2's Conv1D: stored [in, out], its qparams along that last dim
-                weight = weight.t()
+            weight = linear_weight(tuned.dequantized().to(x.dtype), module)  # a Conv1D's [in, out] as [out, in]
             if inputs is not None:
                 x = fake_quantize_activation(x, inputs)
             return F.linear(x, weight, module.bias)

@@ -17,6 +17,7 @@ from torch import nn
 
 from llmpress.errors import UnsupportedModelError
 from llmpress.lifecycle.compute_dtype import stored_dtype
+from llmpress.lifecycle.records import config_entry
 from llmpress.models.linear import is_linear
 from llmpress.modifiers.mixed_precision.budget import Group, choose_options
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision, weight_bits
@@ -154,5 +155,4 @@ def _record(model: nn.Module, mixed: MixedPrecision, options: list, groups: list
 
 def record_of(config: Any) -> dict[str, Any] | None:
     """The mixed-precision record of a model config (an object or a config.json dict), if any."""
-    record = config.get(RECORD_KEY) if isinstance(config, dict) else getattr(config, RECORD_KEY, None)
-    return record if isinstance(record, dict) else None
+    return config_entry(config, RECORD_KEY)
