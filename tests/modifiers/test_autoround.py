@@ -291,3 +291,15 @@ def test_a_resumed_run_keeps_the_finished_layers_losses_and_says_what_differs(tm
     layers = json.loads((out / "config.json").read_text())["llmpress_autoround"]["layers"]
     assert [layer[0] for layer in layers] == [0, 1, 2, 3]
     assert any("resumed run" in r.getMessage() for r in caplog.records)
+
+
+def test_float32_blocks_tune_under_bf16_autocast_only_where_the_device_computes_bf16(monkeypatch):
+    from llmpress import native
+
+    block = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(native, "bf16_native", lambda: True)
+    assert isinstance(tuning._autocast(block, True), torch.autocast)
+    assert not isinstance(tuning._autocast(block, False), torch.autocast)
+    assert not isinstance(tuning._autocast(block.to(torch.bfloat16), True), torch.autocast)  # bf16 already
+    monkeypatch.setattr(native, "bf16_native", lambda: False)
+    assert not isinstance(tuning._autocast(torch.nn.Linear(4, 4), True), torch.autocast)

@@ -17,6 +17,8 @@ class AutoRoundModifierConfig(SchemeFields, OneShotFields):
     ``batch_size``: samples per step. ``lr``: the signed step, falling linearly to zero (default
     ``1 / iters``; ``2 / iters`` for 3 bits or fewer and 1000 steps or more, as auto-round sets
     it). ``seed``: the order samples are drawn in (llmpress's; auto-round's is 42 as well).
+    ``autocast`` (llmpress's): a float32 model's tuning passes run in bf16 where the device
+    computes bf16 natively, as auto-round's ``amp`` does; the targets and the loss stay float32.
     ``disable_opt_rtn``: with ``iters: 0``, round to nearest over the min/max range rather than
     the searched one.
 
@@ -29,6 +31,7 @@ class AutoRoundModifierConfig(SchemeFields, OneShotFields):
     batch_size: int = 8
     lr: float | None = None
     seed: int = 42
+    autocast: bool = True
     disable_opt_rtn: bool = False
     enable_torch_compile: bool = True
     device_ids: str | None = None

@@ -92,7 +92,7 @@ class AutoRoundModifier(QuantizationModifier):
         fp_hidden = self.fp_hidden if self.fp_hidden is not None and len(self.fp_hidden) == len(block.inputs) else None
         bits = min((s.weights.num_bits for _, s in (self.pending[n] for n in names)), default=8)
         result = tune_block(block, modules, fp_hidden, self.config.iters, self.config.batch_size,
-                            self.config.step_size(bits), self.config.seed)
+                            self.config.step_size(bits), self.config.seed, self.config.autocast)
         self.fp_hidden = result.fp_outputs
         for name in names:
             module, scheme = self.pending[name]

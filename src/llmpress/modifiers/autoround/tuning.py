@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmpress import native
 from llmpress.contract.block import CalibrationBlock, Inputs, hidden_of
 from llmpress.contract.observation import primary_input, with_primary_input
 from llmpress.models.experts import routed_experts_only
@@ -169,12 +170,15 @@ def _frozen(block: nn.Module) -> Iterator[None]:
 
 
 def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeight, QuantizationArgs | None]],
-               fp_hidden: list[torch.Tensor] | None, iters: int, batch_size: int, lr: float, seed: int) -> TuningResult:
+               fp_hidden: list[torch.Tensor] | None, iters: int, batch_size: int, lr: float, seed: int,
+               autocast: bool = False) -> TuningResult:
     """Tune ``modules`` (the block's, each with its ``TunedWeight`` and its input args or None)
     to reproduce the unquantized block, which runs on ``fp_hidden`` (default: the block's inputs).
     Leaves each ``TunedWeight`` at its best values. Under torch.distributed each rank draws
     ``batch_size / ranks`` samples a step from its share, and the loss and gradients are those of
-    the ranks' samples together. An MoE block's experts see only their routed tokens."""
+    the ranks' samples together. An MoE block's experts see only their routed tokens.
+    ``autocast``: a float32 block's tuning forwards and backwards run in bf16 where the device
+    computes it natively (the targets and the loss stay in float32)."""
     inputs = block.inputs
     home = getattr(inputs, "home", None)  # on a device: what is kept stays where the pipeline keeps its inputs
     with block.unobserved(), routed_experts_only(block.module), torch.no_grad():
@@ -197,7 +201,7 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
     first = math.inf
     order = sample_order(samples.units, samples.per_step(math.ceil(batch_size / world_size())), iters, seed)
     with block.unobserved(), routed_experts_only(block.module), _frozen(block.module), _tuned_forwards(modules), \
-            torch.enable_grad():
+            torch.enable_grad(), _autocast(block.module, autocast):
         bar = tqdm(order, desc=f"AutoRound layer {block.index}", unit="step", leave=False, disable=not is_main_process())
         for step, indices in enumerate(bar):
             elements = _summed(torch.tensor([float(sum(numel[i] for i in indices))], dtype=torch.float64))
@@ -226,6 +230,17 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
     for (tuned, _), state in zip(modules.values(), best[2]):
         tuned.load(state)
     return TuningResult(first, best[0], best[1], targets)
+
+
+def _autocast(block: nn.Module, wanted: bool) -> AbstractContextManager:
+    """bf16 autocast for a float32 block on a device with native bf16 products (a CPU with
+    AVX-512 BF16 or AMX; a CUDA GPU that has them), else nothing."""
+    parameter = next(block.parameters(), None)
+    if not wanted or parameter is None or parameter.dtype != torch.float32:
+        return nullcontext()
+    device = parameter.device
+    native_bf16 = native.bf16_native() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if native_bf16 else nullcontext()
 
 
 def _summed(value: torch.Tensor) -> torch.Tensor:
