@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-import torch
 from common import PEER_PYTHON, fixture
-from rotation import ROWS, config_groups, load, quantizer
+from rotation import ROWS, load, prepare, quantizer, row_groups
 
 import llmpress
-from llmpress.evaluation import evaluation_windows, perplexity
+from llmpress.evaluation import perplexity
 from llmpress.modifiers import AutoRoundModifier
 
 
@@ -63,30 +61,14 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--no-gptq", action="store_true", help="skip llmpress's GPTQ column")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = tokenizer(fixture("text", "calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
-    batches = [ids[i * args.seq_len:(i + 1) * args.seq_len] for i in range(min(args.samples, len(ids) // args.seq_len))]
-    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, 40)
-    base = load(args.model)
-    columns = {m.in_features for m in base.modules() if isinstance(m, torch.nn.Linear)}
-    group = 128 if all(c % 128 == 0 for c in columns) else 64
-    dense = perplexity(base, windows, progress=False).perplexity
-    del base
+    batches, windows, group, dense, data = prepare(args.model, args.samples, args.seq_len)
     print(f"{args.model}: unquantized perplexity {dense:.3f}; {len(batches)} x {args.seq_len} calibration tokens; "
           f"weights in groups of {group}; AutoRound {args.iters} steps of {args.batch_size} samples")
-    data = Path(tempfile.mkdtemp(prefix="autoround-")) / "data.pt"
-    torch.save({"batches": batches, "windows": windows}, data)
     peer = " llm-compressor AutoRound | its time |" if args.peer else ""
     print(f"| scheme | GPTQ | AutoRound | rise, GPTQ / AutoRound | time GPTQ / AutoRound |{peer}")
     print("|---|---|---|---|---|" + "---|---|" * args.peer)
     for row in args.rows:
-        if isinstance(ROWS[row], str):
-            groups = {"preset": ROWS[row]}
-        else:
-            weight_bits, activation_bits = ROWS[row]
-            groups = config_groups(weight_bits, activation_bits, None if row == "w8a8" else group)
+        groups = row_groups(row, group)
         figures = []
         for modifier in ([] if args.no_gptq else [quantizer(groups)]) + [autoround(groups, args.iters, args.batch_size)]:
             start = time.perf_counter()

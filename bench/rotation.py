@@ -56,6 +56,33 @@ def quantizer(groups: dict) -> GPTQModifier:
     return GPTQModifier(config_groups=groups, ignore=["lm_head"])
 
 
+def row_groups(row: str, group: int) -> dict:
+    """A row's config groups (``{"preset": name}`` for a preset row); w8a8 per channel."""
+    if isinstance(ROWS[row], str):
+        return {"preset": ROWS[row]}
+    weight_bits, activation_bits = ROWS[row]
+    return config_groups(weight_bits, activation_bits, None if row == "w8a8" else group)
+
+
+def prepare(model_dir: str, samples: int, seq_len: int) -> tuple[list, torch.Tensor, int, float, Path]:
+    """The calibration ids and the evaluation windows of the shared text for ``model_dir``'s
+    tokenizer, the group size its columns take (128, else 64), the unquantized perplexity, and a
+    file holding ids and windows for a peer's worker."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(fixture("text", "calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
+    batches = [ids[i * seq_len:(i + 1) * seq_len] for i in range(min(samples, len(ids) // seq_len))]
+    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, 40)
+    base = load(model_dir)
+    columns = {m.in_features for m in base.modules() if isinstance(m, torch.nn.Linear)}
+    group = 128 if all(c % 128 == 0 for c in columns) else 64
+    dense = perplexity(base, windows, progress=False).perplexity
+    data = Path(tempfile.mkdtemp(prefix="bench-")) / "data.pt"
+    torch.save({"batches": batches, "windows": windows}, data)
+    return batches, windows, group, dense, data
+
+
 def load(model_dir: str):
     from transformers import AutoModelForCausalLM
 
@@ -74,30 +101,15 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--peer-transform-type")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = tokenizer(fixture("text", "calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
-    batches = [ids[i * args.seq_len:(i + 1) * args.seq_len] for i in range(min(args.samples, len(ids) // args.seq_len))]
-    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, 40)
-    base = load(args.model)
-    columns = {m.in_features for m in base.modules() if isinstance(m, torch.nn.Linear)}
-    group = 128 if all(c % 128 == 0 for c in columns) else 64
-    dense = perplexity(base, windows, progress=False).perplexity
+    batches, windows, group, dense, data = prepare(args.model, args.samples, args.seq_len)
     print(f"{args.model}: unquantized perplexity {dense:.3f}; {len(batches)} x {args.seq_len} calibration tokens; "
           f"weights in groups of {group} (w8a8: per channel); rotations {' + '.join(args.rotations)} ({args.transform_type}"
           f"{f', blocks of {args.transform_block_size}' if args.transform_block_size else ''})")
-    data = Path(tempfile.mkdtemp(prefix="rotation-")) / "data.pt"
-    torch.save({"batches": batches, "windows": windows}, data)
     peer = " llm-compressor GPTQ | its SpinQuant + GPTQ | its time |" if args.peer else ""
     print(f"| scheme | GPTQ | rise | rotated + GPTQ | rise | rise cut | time GPTQ / rotated |{peer}")
     print("|---|---|---|---|---|---|---|" + "---|---|---|" * args.peer)
     for row in args.rows:
-        if isinstance(ROWS[row], str):
-            groups = {"preset": ROWS[row]}
-        else:
-            weight_bits, activation_bits = ROWS[row]
-            groups = config_groups(weight_bits, activation_bits, None if row == "w8a8" else group)
+        groups = row_groups(row, group)
         figures = []
         for rotate in (False, True):
             modifiers = [SpinQuantModifier(rotations=args.rotations, transform_type=args.transform_type,
