@@ -311,7 +311,7 @@ def test_gptq_needs_calibration_data_and_refuses_group_actorder():
 
 @pytest.mark.parametrize("columns", [200, 1100])  # 1100: the blocked upper-triangle path
 def test_hessian_accumulator_matches_the_definition(columns):
-    from llmpress.modifiers.gptq.hessians import HessianAccumulator
+    from llmpress.modifiers.hessians import HessianAccumulator
 
     accumulator = HessianAccumulator(columns, torch.device("cpu"))
     batches = [torch.randn(2, 40, columns) for _ in range(3)]
@@ -323,7 +323,7 @@ def test_hessian_accumulator_matches_the_definition(columns):
 
 @pytest.mark.parametrize("columns", [200, 1100])
 def test_a_hessian_does_not_depend_on_how_its_samples_are_batched_or_ordered(columns):
-    from llmpress.modifiers.gptq.hessians import HessianAccumulator
+    from llmpress.modifiers.hessians import HessianAccumulator
 
     samples = torch.randn(6, 40, columns)
     together, reordered = HessianAccumulator(columns, torch.device("cpu")), HessianAccumulator(columns, torch.device("cpu"))
@@ -355,7 +355,7 @@ def test_a_shuffle_or_another_batch_size_of_the_samples_gives_the_same_checkpoin
 def test_a_hessian_rescaled_after_the_fact_is_the_hessian_of_the_rescaled_inputs(columns):
     """SmoothQuant folds ``1/s`` into the inputs after GPTQ saw them: ``diag(f) H diag(f)``."""
     from llmpress.errors import SessionError
-    from llmpress.modifiers.gptq.hessians import HessianAccumulator
+    from llmpress.modifiers.hessians import HessianAccumulator
 
     batches = [torch.randn(2, 40, columns) for _ in range(3)]
     factor = torch.rand(columns) + 0.1
@@ -371,7 +371,7 @@ def test_a_hessian_rescaled_after_the_fact_is_the_hessian_of_the_rescaled_inputs
 
 
 def test_shared_inputs_share_one_hessian():
-    from llmpress.modifiers.gptq.hessians import HessianCollector
+    from llmpress.modifiers.hessians import HessianCollector
 
     model = make_tiny_llama()
     collector = HessianCollector()

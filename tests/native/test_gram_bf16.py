@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmpress import native
-from llmpress.modifiers.gptq.hessians import HessianAccumulator
+from llmpress.modifiers.hessians import HessianAccumulator
 
 pytestmark = pytest.mark.skipif(
     not (native.available() and {"avx512_bf16", "avx512bw"} <= native.cpu_flags()), reason="needs AVX-512 BF16 and llmpress's CPU operators"

@@ -48,7 +48,7 @@ from llmpress.lifecycle.sparsity import sparsity_structure
 from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
-from llmpress.modifiers.gptq.hessians import HessianCollector
+from llmpress.modifiers.hessians import HessianCollector
 from llmpress.modifiers.mixed_precision.choose import schemes_at_initialize
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from llmpress.errors import DataError
 from llmpress.models.linear import features, linear_weight
+from llmpress.modifiers.hessians import HessianCollector
 from llmpress.modifiers.mixed_precision.menu import MenuOption
 from llmpress.parallel.distributed import sum_across_ranks
 from llmpress.quant.groups import fitted_weight_group
@@ -79,10 +80,6 @@ def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: lis
     gradient is computed and the model is left as it was), summed over the ranks under
     torch.distributed. The Hessians are GPTQ's (``HessianCollector``: one per distinct input,
     float64 sums of per-sequence products), brought back to ``sum_t x_t x_t^T``."""
-    # here, not at the top: the gptq package imports mixed precision's choice (a quantizing
-    # modifier chooses its schemes), so importing it while this module loads is a cycle
-    from llmpress.modifiers.gptq.hessians import HessianCollector
-
     collector = HessianCollector()
     grads = {name: torch.zeros(linear_weight(m.weight, m).shape[0], dtype=torch.float64, device=m.weight.device)
              for name, m in modules.items()}

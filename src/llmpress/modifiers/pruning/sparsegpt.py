@@ -27,7 +27,7 @@ from llmpress.contract.modifier import MODIFIERS
 from llmpress.errors import RecipeError
 from llmpress.models.linear import linear_weight
 from llmpress.modifiers.gptq.algorithm import HessianFactor, factor_hessian
-from llmpress.modifiers.gptq.hessians import HessianCollector
+from llmpress.modifiers.hessians import HessianCollector
 from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier, parse_pruned_structure
 from llmpress.parallel.distributed import is_distributed
 

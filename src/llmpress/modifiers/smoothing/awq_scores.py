@@ -14,7 +14,7 @@ from torch import nn
 from llmpress.contract.block import hidden_of, tokens_per_batch
 from llmpress.contract.observation import primary_input
 from llmpress.models.experts import ExpertMLP, routed_experts_only
-from llmpress.modifiers.gptq.hessians import HessianAccumulator
+from llmpress.modifiers.hessians import HessianAccumulator
 from llmpress.parallel.distributed import sum_across_ranks
 
 if TYPE_CHECKING:
