@@ -70,14 +70,15 @@ class _Samples:
 
     def __init__(self, inputs: Inputs) -> None:
         self.inputs = inputs
-        self.home = getattr(inputs, "home", None)  # on a device: the pipeline's inputs stay home
+        self.home = getattr(inputs, "home", None)  # on a device (OnDevice): the pipeline's inputs stay home
         stored = getattr(inputs, "inner", inputs)
-        self.stacked = _stackable(stored)
+        batches = [stored[i] for i in range(len(stored))]  # read once (spilled ones come back from their file)
+        self.stacked = _stackable(batches)
         if self.stacked:
-            self.hidden = torch.cat([primary_input(*stored[i]) for i in range(len(stored))])
+            self.hidden = torch.cat([primary_input(*batch) for batch in batches])
             self.rows = [1] * self.hidden.shape[0]
         else:
-            self.rows = [primary_input(*stored[i]).shape[0] for i in range(len(stored))]
+            self.rows = [primary_input(*batch).shape[0] for batch in batches]
 
     @property
     def units(self) -> int:
@@ -91,9 +92,8 @@ class _Samples:
         """``(args, kwargs, which targets)`` for the forwards of one step."""
         if self.stacked:
             hidden = self.hidden[indices]
-            if self.home is not None:  # as OnDevice reads a batch: to the device, in the compute dtype
-                compute, stored = self.inputs.dtype, self.inputs.stored
-                hidden = hidden.to(self.inputs.device, compute) if compute is not None and hidden.dtype == stored else hidden.to(self.inputs.device)
+            if self.home is not None:
+                hidden = self.inputs.hidden_over(hidden)
             args, kwargs = with_primary_input(*self.inputs[0], hidden)
             yield args, kwargs, indices
             return
@@ -186,7 +186,8 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
         for index in range(len(inputs)):
             batch = inputs[index]
             hidden = primary_input(*batch) if fp_hidden is None else fp_hidden[index].to(primary_input(*batch).device)
-            output = hidden_of(_call(block.module, with_primary_input(*batch, hidden)))
+            args, kwargs = with_primary_input(*batch, hidden)
+            output = hidden_of(block.module(*args, **kwargs))
             targets.append(output if home is None else output.to(home))
     if not modules or iters <= 0:
         return TuningResult(math.inf, math.inf, -1, targets)
@@ -204,7 +205,7 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
             torch.enable_grad(), _autocast(block.module, autocast):
         bar = tqdm(order, desc=f"AutoRound layer {block.index}", unit="step", leave=False, disable=not is_main_process())
         for step, indices in enumerate(bar):
-            elements = _summed(torch.tensor([float(sum(numel[i] for i in indices))], dtype=torch.float64))
+            elements = sum_across_ranks(torch.tensor([float(sum(numel[i] for i in indices))], dtype=torch.float64))
             squared = torch.zeros(1, dtype=torch.float64)
             for args, kwargs, which in samples.forwards(indices):
                 output = hidden_of(block.module(*args, **kwargs)).float()
@@ -213,7 +214,7 @@ def tune_block(block: CalibrationBlock, modules: dict[nn.Module, tuple[TunedWeig
                 (loss / float(elements)).backward()
                 squared += loss.detach().double().cpu()
             _reduce_gradients(params)
-            loss_value = float(_summed(squared)) / float(elements)
+            loss_value = float(sum_across_ranks(squared)) / float(elements)
             if step == 0:
                 first = loss_value
             if loss_value < best[0]:
@@ -241,16 +242,6 @@ def _autocast(block: nn.Module, wanted: bool) -> AbstractContextManager:
     device = parameter.device
     native_bf16 = native.bf16_native() if device.type == "cpu" else device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16) if native_bf16 else nullcontext()
-
-
-def _summed(value: torch.Tensor) -> torch.Tensor:
-    """``value`` (a host tensor) summed over the ranks (itself in one process)."""
-    return sum_across_ranks(value) if world_size() > 1 else value
-
-
-def _call(module: nn.Module, inputs: tuple[tuple, dict]) -> Any:
-    args, kwargs = inputs
-    return module(*args, **kwargs)
 
 
 def _reduce_gradients(params: list[torch.Tensor]) -> None:

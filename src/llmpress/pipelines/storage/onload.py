@@ -170,7 +170,12 @@ class OnDevice(MutableSequence):
             return [self[i] for i in range(*index.indices(len(self)))]
         item = self.inner[index]
         hidden = primary_input(*item)
-        return _mapped(item, lambda t: _to(t, self.device, self.dtype, self.stored) if t is hidden else self._over(t))
+        return _mapped(item, lambda t: self.hidden_over(t) if t is hidden else self._over(t))
+
+    def hidden_over(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states kept at home (a batch's, or rows of several) as the block reads them:
+        on the device, in the compute dtype."""
+        return _to(hidden, self.device, self.dtype, self.stored)
 
     def __setitem__(self, index: Any, item: Any) -> None:
         if not isinstance(index, int):
