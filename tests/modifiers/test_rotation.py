@@ -13,7 +13,7 @@ from helpers import checkpoint_tensors, logits, make_tiny_llama, text_path, toke
 import llmpress
 from llmpress.errors import RecipeError, UnsupportedModelError
 from llmpress.modifiers import SpinQuantModifier
-from llmpress.modifiers.rotation.hadamard import Rotation, hadamard_factor, hadamard_matrix
+from llmpress.transforms.hadamard import Rotation, hadamard_factor, hadamard_matrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from architectures import save_tiny  # noqa: E402

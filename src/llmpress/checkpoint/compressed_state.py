@@ -19,12 +19,13 @@ from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
 from llmpress.lifecycle.kv_cache import kv_cache_scheme_of
 from llmpress.lifecycle.qat import qat_snapshot
-from llmpress.lifecycle.records import held_weights
+from llmpress.lifecycle.records import held_weights, transform_config_of
 from llmpress.lifecycle.state import Status, quantized_modules, status_of
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import matches
+from llmpress.transforms.online import drop_repeated_matrices
 
 __all__ = ["compressed_state_dict", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
 
@@ -51,6 +52,7 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
     the model's other tensors, and the dict returned is empty: the compressed model never sits in
     memory whole (a save streams it to its files)."""
     state = unique_state_dict(model)
+    drop_repeated_matrices(model, state)  # an online rotation's matrix once, as compressed-tensors writes it
 
     def put(prefix: str, local: dict[str, torch.Tensor]) -> None:
         for k, v in local.items():
@@ -139,6 +141,13 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
     transformers does not."""
     modules = quantized_modules(model)
     kv_cache = kv_cache_scheme_of(model)
+    transforms = transform_config_of(model)
+    if transforms is not None and not modules:
+        raise CheckpointError(
+            "the model rotates activations at run time (QuIP, SpinQuant's R4), which only a compressed-tensors "
+            "checkpoint's transform_config can carry, and nothing in it is quantized",
+            got=f"transform groups {sorted(transforms['config_groups'])} and no quantized module",
+            fix="quantize it in the same recipe (a QuantizationModifier or GPTQModifier after the rotation)")
     if not modules and kv_cache is None:
         return None
     quantized = {id(m) for _, m, _ in modules}
@@ -150,7 +159,14 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
     ignore += [n for n in dense_routers if n not in ignore]
     dense = [(n, m) for n, m in model.named_modules() if id(m) not in quantized and not is_linear(m)]
     reached = {id(s): _reached_targets(s, modules, dense) for _, _, s in modules}  # once per scheme, not per module
-    return quantization_config_of([reached[id(s)] for _, _, s in modules], ignore, kv_cache, save_compressed)
+    config = quantization_config_of([reached[id(s)] for _, _, s in modules], ignore, kv_cache, save_compressed)
+    if transforms is not None:
+        config["transform_config"] = transforms
+        logger.warning(
+            "the checkpoint rotates activations at run time (transform_config groups %s): llmpress.load and vLLM apply "
+            "them; transformers + compressed-tensors (0.19, 0.20) load it without them and compute another function",
+            ", ".join(sorted(transforms["config_groups"])))
+    return config
 
 
 #: the names of an MoE block's router beside its ``experts``: dense, and listed in ``ignore``, since

@@ -83,7 +83,13 @@ class Observation:
         self._enough: Counter | None = None
 
     def _hook_on(self, module: nn.Module) -> Any:
-        return module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+        handle = module.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+        # ...after a rotation of the input the module applies at run time (``runs_first``: QuIP,
+        # SpinQuant's R4), so that what is observed is what the weights multiply
+        hooks = module._forward_pre_hooks
+        for key in [k for k, hook in hooks.items() if getattr(hook, "runs_first", False)]:
+            hooks.move_to_end(key, last=False)
+        return handle
 
     @property
     def targets(self) -> list[nn.Module]:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["HeldWeights", "ModelRecord", "applied_recipe", "config_entry", "held_weights", "keep_held_weights", "loading_quantizer", "record_loading_quantizer",
-           "record_recipe", "release_held_weights"]
+           "record_recipe", "record_transform_group", "release_held_weights", "transform_config_of"]
 
 _RECORD = "llmpress_record"
 
@@ -41,6 +41,9 @@ class ModelRecord:
     recipe: Any = None  # the Recipe it was made with so far
     held: HeldWeights | None = None
     quantizer: Any = None
+    #: compressed-tensors' ``transform_config`` (a ``TransformConfig`` as JSON) of the rotations the
+    #: model applies at run time (``llmpress.transforms``), for the checkpoint
+    transforms: dict[str, Any] | None = None
 
 
 def _record(model: nn.Module, create: bool = False) -> ModelRecord | None:
@@ -95,3 +98,15 @@ def loading_quantizer(model: nn.Module) -> Any:
 
 def record_loading_quantizer(model: nn.Module, quantizer: Any) -> None:
     _record(model, create=True).quantizer = quantizer
+
+
+def transform_config_of(model: nn.Module) -> dict[str, Any] | None:
+    """The ``transform_config`` of the rotations ``model`` applies at run time, or None."""
+    record = _record(model)
+    return None if record is None or not record.transforms else {"config_groups": dict(record.transforms)}
+
+
+def record_transform_group(model: nn.Module, name: str, scheme: Any) -> None:
+    """``model`` applies transform group ``name`` (a ``TransformScheme``, or its JSON)."""
+    record = _record(model, create=True)
+    record.transforms = {**(record.transforms or {}), name: scheme if isinstance(scheme, dict) else scheme.model_dump(mode="json")}

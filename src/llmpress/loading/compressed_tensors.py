@@ -27,6 +27,8 @@ from llmpress.models.linear import features, input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
 from llmpress.targets import assign_by_targets
+from llmpress.transforms.config import read_transform_config
+from llmpress.transforms.load import StoredTransforms
 
 __all__ = ["CompressedTensorsQuantizer"]
 
@@ -48,6 +50,7 @@ class _Target:
 class CompressedTensorsQuantizer(Quantizer):
     requires_calibration = True
     config: CompressedTensorsConfig
+    transforms: StoredTransforms | None = None  # the checkpoint's online rotations (validate_environment reads them)
 
     def validate_environment(self, *, device_map=None) -> None:
         sparsity = self.config._other.get("sparsity_config") or {}
@@ -58,10 +61,14 @@ class CompressedTensorsQuantizer(Quantizer):
                 expected="dense sparsity (zeros stored as zeros)",
             )
         self.config.schemes()  # clear errors for schemes llmpress cannot load, before any work
+        transforms = read_transform_config(self.config._other.get("transform_config"))
+        self.transforms = None if transforms is None else StoredTransforms(transforms, self.config.kv_cache_scheme is not None)
 
     def _process_model_before_weight_loading(self, model: nn.Module) -> None:
         compressed = self.config.quantization_status == "compressed"
         schemes = self.config.schemes()
+        if self.transforms is not None:  # on the skeleton, where class names match as compressed-tensors matches them
+            self.transforms.plan_for(model)
         by_module: dict[str, set[str]] = {}
         for key in self.checkpoint_keys:
             owner, _, local = key.rpartition(".")
@@ -96,9 +103,12 @@ class CompressedTensorsQuantizer(Quantizer):
             logger.warning("the checkpoint's kv_cache_scheme found no attention module that caches keys and values here")
 
     def param_needs_quantization(self, model: nn.Module, param_name: str) -> bool:
-        return param_name.rpartition(".")[0] in self.targets
+        return param_name.rpartition(".")[0] in self.targets or (self.transforms is not None and self.transforms.claims(param_name))
 
     def create_quantized_param(self, model: nn.Module, param_name: str, tensor: torch.Tensor, device: torch.device) -> None:
+        if self.transforms is not None and self.transforms.claims(param_name):
+            self.transforms.keep(param_name, tensor.to(device))
+            return
         owner, _, local = param_name.rpartition(".")
         target = self.targets[owner]
         target.pending[local] = tensor.to(device)
@@ -135,6 +145,9 @@ class CompressedTensorsQuantizer(Quantizer):
         # llmpress's own record (config.json's llmpress_sparsity), else an older file's sparsity_config
         record = getattr(getattr(model, "config", None), SPARSITY_KEY, None)
         mark_sparse_modules(model, record or self.config._other.get("sparsity_config"))
+        if self.transforms is not None:
+            count = self.transforms.attach_all(model)
+            logger.info("%d online rotation(s) attached (transform groups %s)", count, sorted(self.transforms.config.config_groups))
 
     @property
     def is_trainable(self) -> bool:

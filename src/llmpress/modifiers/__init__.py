@@ -8,7 +8,7 @@ from llmpress.modifiers.learning_rate import LearningRateModifier
 from llmpress.modifiers.mixed_precision.modifier import MixedPrecisionModifier
 from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier, SparseGPTModifier, WandaPruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
-from llmpress.modifiers.rotation import SpinQuantModifier
+from llmpress.modifiers.rotation import QuIPModifier, SpinQuantModifier
 from llmpress.modifiers.smoothing import AWQModifier, SmoothQuantModifier
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "ModifierConfig",
     "OneShotFields",
     "OutputDistillationModifier",
+    "QuIPModifier",
     "QuantizationModifier",
     "SmoothQuantModifier",
     "SparseGPTModifier",

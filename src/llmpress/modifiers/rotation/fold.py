@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from llmpress.models.linear import input_major
-from llmpress.modifiers.rotation.hadamard import Rotation
 from llmpress.modifiers.smoothing.fold import gain_offset
+from llmpress.transforms.hadamard import Rotation
 
 __all__ = ["fold_gain_and_rotate_inputs", "rotate_embedding", "rotate_outputs", "unit_gain"]
 

@@ -32,9 +32,9 @@ from llmpress.models.experts import mixing_all_experts
 from llmpress.models.linear import input_major
 from llmpress.modifiers.quantization.modifier import untie_shared_weights
 from llmpress.modifiers.rotation.fold import fold_gain_and_rotate_inputs, rotate_embedding, rotate_outputs, unit_gain
-from llmpress.modifiers.rotation.hadamard import Rotation
 from llmpress.modifiers.smoothing.mappings import MappingMemo, find_mappings, reads_columns
 from llmpress.targets import matches
+from llmpress.transforms.hadamard import Rotation
 
 __all__ = ["FUSED_QKV", "BlockPlan", "head_dim_of", "plan_block", "rotate_block", "rotate_ends"]
 

@@ -18,6 +18,10 @@ norms' gains folded into their readers), ``R2`` each attention head between ``v_
 ``o_proj`` (``residual.py`` says how each is found and checked). Both fold into the weights: the
 model computes the same function and the checkpoint is an ordinary one that vLLM and
 transformers load unchanged, while the outliers a quantizer meets are spread over every channel.
+``R4`` rotates ``down_proj``'s input (the one a 4-bit activation quantizer meets with the largest
+outliers): ``W Q`` is folded and the model computes ``x Q`` at run time, written into the
+checkpoint's ``transform_config`` (``llmpress.transforms``), which ``llmpress.load`` and vLLM
+apply and transformers + compressed-tensors ignore (the save says so).
 The quantizers of the stage then calibrate the rotated blocks (GPTQ's Hessians are of rotated
 inputs).
 
@@ -25,9 +29,9 @@ Rotations happen where each part's turn comes: the embeddings and the head at
 ``calibration_start``, each block at ``block_start`` (a block is read when its turn comes, so
 memory stays one block). Finding a block's norms runs the block once: on the calibration data
 when the recipe has some, else (a data-free scheme after it) on one batch of seeded random
-tokens. ``R3`` and ``R4`` (online rotations of the
-queries/keys and of ``down_proj``'s input, which a reader must apply at run time) and
-``learnable`` rotations (SpinQuant's Cayley optimisation) are refused with that reason.
+tokens. ``R3`` (queries and keys rotated alike after RoPE, which changes nothing unless the KV
+cache is quantized) and ``learnable`` rotations (SpinQuant's Cayley optimisation) are refused
+with that reason.
 """
 
 from __future__ import annotations
@@ -40,18 +44,23 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from llmpress.contract.block import find_blocks
 from llmpress.contract.modifier import MODIFIERS, Modifier, ModifierConfig, OneShotFields, State
 from llmpress.errors import RecipeError, UnsupportedModelError
-from llmpress.modifiers.rotation.hadamard import Rotation
 from llmpress.modifiers.rotation.residual import head_dim_of, plan_block, rotate_block, rotate_ends
 from llmpress.modifiers.smoothing.mappings import MappingMemo
+from llmpress.targets import matches
+from llmpress.transforms.apply import GroupMatrices, apply_group
+from llmpress.transforms.config import TransformArgs, TransformScheme
+from llmpress.transforms.hadamard import Rotation
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from llmpress.contract.block import CalibrationBlock
 
 __all__ = ["SpinQuantMapping", "SpinQuantModifier", "SpinQuantModifierConfig"]
 
 logger = logging.getLogger(__name__)
 
-ONLINE = {"R3": "rotates queries and keys after RoPE at run time", "R4": "rotates down_proj's input at run time"}
+ONLINE = {"R3": "rotates queries and keys alike after RoPE at run time, which changes nothing unless the KV cache is quantized"}
 
 
 class SpinQuantMapping(BaseModel):
@@ -92,9 +101,9 @@ class SpinQuantModifierConfig(ModifierConfig, OneShotFields):
         for name in names:
             if name in ONLINE:
                 raise RecipeError(f"SpinQuantModifier's {name} is an online rotation ({ONLINE[name]}) and is not built yet",
-                                  got=str(value), expected="R1 and R2, which fold into the weights",
+                                  got=str(value), expected="R1, R2 (folded into the weights) and R4 (down_proj's input, at run time)",
                                   fix=f"leave {name} out of rotations")
-            if name not in ("R1", "R2"):
+            if name not in ("R1", "R2", "R4"):
                 raise ValueError(f"unknown rotation {name!r} (R1, R2, R3, R4)")
         if not names:
             raise ValueError("rotations is empty")
@@ -142,6 +151,12 @@ class SpinQuantModifier(Modifier):
         self.r2 = None
         if "R2" in config.rotations:
             self.r2 = Rotation(self.mapping.attn_head_dim or head_dim_of(model), kind, seed + 1)
+        self.r4 = None
+        if "R4" in config.rotations:  # x Q online before down_proj, W Q folded (llm-compressor's R4 group)
+            outs = self.mapping.mlp_out
+            self.r4 = GroupMatrices(TransformScheme(type=kind, head_dim=block, apply=[
+                TransformArgs(targets=outs, location="input"), TransformArgs(targets=outs, location="weight_input", inverse=True)]),
+                seed + 2)
         self.prefix_of = {m: f"{n}." for n, m in model.named_modules()}
         self.memo = MappingMemo()
         self.checked: dict[tuple, bool] = {}
@@ -167,14 +182,26 @@ class SpinQuantModifier(Modifier):
             logger.warning("SpinQuantModifier: no %s / %s pair in block %d: R2 skipped", self.mapping.attn_v,
                            self.mapping.attn_o, block.index)
         rotate_block(block, plan, self.r1, self.r2, self.checked)
+        r4 = self._rotate_down(block, prefix, state.model)
         if self.blocks == 0:
-            logger.info("SpinQuantModifier, block %d: %d norms folded into their readers, %d writers, %d attention v / o pairs%s",
-                        block.index, len(plan.norms), len(plan.writers), len(plan.heads),
+            logger.info("SpinQuantModifier, block %d: %d norms folded into their readers, %d writers, %d attention v / o pairs, "
+                        "%d down_proj inputs rotated at run time%s", block.index, len(plan.norms), len(plan.writers), len(plan.heads), r4,
                         f" (skipped: {'; '.join(plan.skipped)})" if plan.skipped else "")
         self.blocks += 1
 
+    def _rotate_down(self, block: CalibrationBlock, prefix: str, model: nn.Module, online_only: bool = False) -> int:
+        """R4 on the block's ``down_proj`` (``mlp_out``) Linears: how many."""
+        if self.r4 is None:
+            return 0
+        scheme = self.r4.scheme
+        if online_only:  # a restored block: its weights were saved rotated
+            scheme = scheme.model_copy(update={"apply": [a for a in scheme.apply if a.online]})
+        modules = [(prefix + n, m) for n, m in block.module.named_modules() if matches(prefix + n, m, self.mapping.mlp_out)]
+        return apply_group("R4", scheme, modules, self.r4, model) // len(scheme.apply)
+
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
-        """A resumed run put ``block`` back rotated: nothing left to do here."""
+        """A resumed run put ``block`` back rotated: R4's run-time half is attached again."""
+        self._rotate_down(block, self.prefix_of.get(block.module, ""), state.model, online_only=True)
         self.blocks += 1
 
     def on_calibration_end(self, state: State) -> None:
