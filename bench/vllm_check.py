@@ -57,6 +57,11 @@ RECIPES = {
     # rotations folded into the weights (R1, R2) before GPTQ: an ordinary checkpoint for vLLM
     "spinquant-gptq": ("quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {rotations: [R1, R2]}\n"
                        "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
+    # run-time rotations (compressed-tensors' transform_config): SpinQuant's R4 before down_proj, QuIP's on every Linear
+    "spinquant-r4-gptq": ("quant_stage:\n  quant_modifiers:\n    SpinQuantModifier: {rotations: [R1, R2, R4]}\n"
+                          "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
+    "quip-w4a16": ("quant_stage:\n  quant_modifiers:\n    QuIPModifier: {rotations: [v], transform_type: random-hadamard}\n"
+                   "    QuantizationModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n"),
     # a scheme per module to fit 5 bits per weight, from what vLLM's CPU build serves (int4 in groups of 128 or 32, and
     # bf16 left as it is: its WNA16 kernel takes 4-bit weights only), then GPTQ
     "mixed-gptq": ("quant_stage:\n  quant_modifiers:\n    MixedPrecisionModifier: {average_bits: 5, schemes: [W4A16, W4A16_G32, DENSE], "
@@ -81,6 +86,8 @@ ROWS = {
     "sparse24-gptq": ("sparse24-gptq", "tiny-llama-bf16", "bfloat16", True),
     "fp8-kv-cache": ("fp8-kv-cache", "tiny-llama-bf16", "bfloat16", True),
     "spinquant-gptq": ("spinquant-gptq", "tiny-llama-bf16", "bfloat16", True),
+    "spinquant-r4-gptq": ("spinquant-r4-gptq", "tiny-llama-bf16", "bfloat16", True),
+    "quip-w4a16": ("quip-w4a16", "tiny-llama-bf16", "bfloat16", True),
     "mixed-gptq": ("mixed-gptq", "tiny-llama-bf16", "bfloat16", True),
     "autoround": ("autoround", "tiny-llama-bf16", "bfloat16", True),
     "moe-w4a16": ("w4a16", "qwen3-moe", "bfloat16", False),

@@ -197,6 +197,8 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"    on this CPU (llmpress.load): {', '.join(f'{k} x{n}' for k, n in sorted(group['cpu_paths'].items()))}")
     if info["ignore"]:
         print(f"  ignored: {', '.join(info['ignore'])}")
+    for line in info.get("rotations") or []:
+        print(f"  {line}")
     if info["mixed_precision"]:
         from llmpress.modifiers.mixed_precision.report import choice_summary
 

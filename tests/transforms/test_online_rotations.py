@@ -13,6 +13,7 @@ from helpers import checkpoint_tensors, logits, make_tiny_llama, token_batches
 import llmpress
 from llmpress.contract.observation import Observation
 from llmpress.errors import CheckpointError, RecipeError
+from llmpress.loading.inspect import describe_checkpoint
 from llmpress.modifiers import GPTQModifier, QuantizationModifier, QuIPModifier, SpinQuantModifier
 from llmpress.transforms.apply import GroupMatrices, apply_group
 from llmpress.transforms.config import TransformConfig
@@ -65,6 +66,9 @@ def test_quip_round_trip_stores_each_matrix_once_and_loads_back_exactly(rotation
     stored = [k for k in checkpoint_tensors(out) if "_input." in k or "_output." in k]
     # one matrix per (group, size): v on inputs of 128 and 200 columns, u on outputs of 128, 64 and 200 rows
     assert len(stored) == (2 if rotations == ["v"] else 5), stored
+    described = describe_checkpoint(out)["rotations"]
+    assert len(described) == len(rotations) and all("at run time" in line for line in described)
+    assert all(g["type"] == "hadamard" or g["type"] == "random-hadamard" for g in config["transform_config"]["config_groups"].values())
     for dequantize in (True, False):
         loaded = llmpress.load(out, dtype=torch.float32, dequantize=dequantize, compile_decode=False)
         assert _rel(logits(loaded, ids), in_memory) < (1e-6 if dequantize else 1e-3)
@@ -141,3 +145,18 @@ def test_rotations_of_queries_and_keys_are_skipped_at_full_precision_and_refused
     path.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="quantized KV cache"):
         llmpress.load(out, dtype=torch.float32)
+
+
+def test_a_hadamard_group_of_an_order_other_than_a_power_of_two_is_written_as_stored_matrices(tmp_path):
+    """vLLM's GPU kernel builds a ``hadamard`` group's matrix itself (Sylvester's, 2^k only):
+    llmpress's Paley orders are written ``random-hadamard``, whose stored matrix every reader reads."""
+    out = tmp_path / "r4"
+    llmpress.oneshot(make_tiny_llama(intermediate=192), [SpinQuantModifier(rotations=["R4"]), QuantizationModifier(**W4)],
+                     token_batches(4, 32), output_dir=out)  # 192 = 12 x 16
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]["R4"]["type"] \
+        == "random-hadamard"
+    power = tmp_path / "pow2"
+    llmpress.oneshot(make_tiny_llama(intermediate=256), [SpinQuantModifier(rotations=["R4"]), QuantizationModifier(**W4)],
+                     token_batches(4, 32), output_dir=power)
+    assert json.loads((power / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]["R4"]["type"] \
+        == "hadamard"

@@ -25,7 +25,7 @@ from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import matches
-from llmpress.transforms.online import drop_repeated_matrices
+from llmpress.transforms.online import drop_repeated_matrices, written_transform_config
 
 __all__ = ["compressed_state_dict", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
 
@@ -161,10 +161,11 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
     reached = {id(s): _reached_targets(s, modules, dense) for _, _, s in modules}  # once per scheme, not per module
     config = quantization_config_of([reached[id(s)] for _, _, s in modules], ignore, kv_cache, save_compressed)
     if transforms is not None:
-        config["transform_config"] = transforms
+        config["transform_config"] = written_transform_config(model, transforms)
         logger.warning(
-            "the checkpoint rotates activations at run time (transform_config groups %s): llmpress.load and vLLM apply "
-            "them; transformers + compressed-tensors (0.19, 0.20) load it without them and compute another function",
+            "the checkpoint rotates activations at run time (transform_config groups %s): llmpress.load applies them "
+            "(vLLM reads transform_config on a GPU, unchecked here; its CPU build 0.32 refuses the file), and transformers + compressed-tensors (0.19, 0.20) "
+            "load it without them and compute another function",
             ", ".join(sorted(transforms["config_groups"])))
     return config
 

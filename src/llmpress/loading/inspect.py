@@ -23,6 +23,7 @@ from llmpress.runtime import QuantizedLinear
 from llmpress.runtime.decode import path_name
 from llmpress.targets import assign_by_targets
 from llmpress.tensorfiles.verify import structural_problems, verify_checkpoint
+from llmpress.transforms.config import describe_transforms
 
 __all__ = ["describe_args", "describe_checkpoint"]
 
@@ -92,6 +93,7 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False, verif
         "sparsity": _describe_sparsity(qcfg.get("sparsity_config") or config.get(SPARSITY_KEY)),
         "mixed_precision": record_of(config),
         "autoround": autoround_record_of(config),
+        "rotations": describe_transforms(qcfg.get("transform_config")),
         "problems": [str(problem) for problem in problems],
     }
 

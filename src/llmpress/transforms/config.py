@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmpress.errors import CheckpointError
 
-__all__ = ["ONLINE", "TransformArgs", "TransformConfig", "TransformScheme", "read_transform_config"]
+__all__ = ["ONLINE", "TransformArgs", "TransformConfig", "TransformScheme", "describe_transforms", "read_transform_config"]
 
 Location = Literal["input", "weight_input", "weight_output", "output", "k_cache", "q_attn"]
 #: where the reader applies the matrix at run time (the rest are folded into the weights)
@@ -91,3 +91,19 @@ def read_transform_config(data: Any) -> TransformConfig | None:
             raise CheckpointError(f"transform group {name!r} is of a type llmpress cannot apply", got=scheme.type,
                                   expected=" / ".join(KINDS))
     return config
+
+
+def describe_transforms(data: Any) -> list[str]:
+    """One line per group of a ``transform_config`` (JSON), for ``llmpress inspect``."""
+    config = read_transform_config(data)
+    if config is None:
+        return []
+    lines = []
+    for name, scheme in config.config_groups.items():
+        parts = [f"{a.location}{' (inverse)' if a.inverse else ''} of {', '.join(a.targets)}" for a in scheme.apply]
+        online = any(a.online for a in scheme.apply)
+        block = f", blocks of {scheme.head_dim}" if scheme.head_dim else ""
+        where = ("at run time: llmpress.load applies it; vLLM's CPU build 0.32 refuses it; transformers + compressed-tensors ignore it" if online
+                 else "folded into the weights: every reader computes it")
+        lines.append(f"rotation {name} ({scheme.type}{block}): {'; '.join(parts)} -- {where}")
+    return lines

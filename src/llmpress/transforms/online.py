@@ -17,7 +17,7 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 
-__all__ = ["OnlineTransform", "attach", "drop_repeated_matrices", "online_transforms"]
+__all__ = ["OnlineTransform", "attach", "drop_repeated_matrices", "online_transforms", "written_transform_config"]
 
 
 class OnlineTransform(nn.Module):
@@ -122,3 +122,20 @@ def drop_repeated_matrices(model: nn.Module, state: dict[str, torch.Tensor]) -> 
             else:
                 same.append(tensor)
     return dropped
+
+
+def written_transform_config(model: nn.Module, config: dict) -> dict:
+    """``config`` as the checkpoint says it: a ``hadamard`` group whose run-time matrices are not
+    all of an order 2^k is written ``random-hadamard``. Both mean "the stored +-1 matrix over
+    sqrt(n)", but a reader may compute a ``hadamard`` one itself instead of reading it (vLLM's
+    hadacore kernel on a GPU builds Sylvester's, which exists for 2^k only), and llmpress's
+    other orders (Paley's: SmolLM2's 1536 = 12 x 128) are not that matrix."""
+    sizes: dict[str, set[int]] = {}
+    for name, module in online_transforms(model):
+        sizes.setdefault(name.rpartition(".")[2].rpartition("_")[0], set()).add(module.weight.shape[0])
+    groups = {}
+    for group, scheme in config["config_groups"].items():
+        if scheme.get("type") == "hadamard" and any(n & (n - 1) for n in sizes.get(group, ())):
+            scheme = {**scheme, "type": "random-hadamard"}
+        groups[group] = scheme
+    return {**config, "config_groups": groups}

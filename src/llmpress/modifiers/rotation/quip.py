@@ -17,8 +17,9 @@ Example recipe (llm-compressor's, unchanged)::
 ``x V`` at run time; ``u`` rotates its output: ``Uᵀ W`` folded and ``y Uᵀ`` at run time. The
 rotations spread outliers over every channel of what the quantizer sees, weights and inputs
 alike. The run-time halves are written into the checkpoint's ``transform_config``
-(``llmpress.transforms``), which ``llmpress.load`` and vLLM apply; transformers +
-compressed-tensors (0.19, 0.20) ignore it and compute another function, which the save says.
+(``llmpress.transforms``), which ``llmpress.load`` applies (vLLM reads it on a GPU; its CPU
+build 0.32 refuses it); transformers + compressed-tensors (0.19, 0.20) ignore it and compute another
+function, which the save says.
 
 Each block is rotated when its turn comes (``block_start``), Linears outside the blocks at
 ``calibration_start``; a quantizer after it calibrates the rotated weights on rotated inputs.

@@ -20,8 +20,8 @@ model computes the same function and the checkpoint is an ordinary one that vLLM
 transformers load unchanged, while the outliers a quantizer meets are spread over every channel.
 ``R4`` rotates ``down_proj``'s input (the one a 4-bit activation quantizer meets with the largest
 outliers): ``W Q`` is folded and the model computes ``x Q`` at run time, written into the
-checkpoint's ``transform_config`` (``llmpress.transforms``), which ``llmpress.load`` and vLLM
-apply and transformers + compressed-tensors ignore (the save says so).
+checkpoint's ``transform_config`` (``llmpress.transforms``), which ``llmpress.load`` applies (vLLM
+reads it on a GPU; its CPU build 0.32 refuses it) and transformers + compressed-tensors ignore (the save says so).
 The quantizers of the stage then calibrate the rotated blocks (GPTQ's Hessians are of rotated
 inputs).
 
