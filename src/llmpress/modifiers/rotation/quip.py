@@ -36,6 +36,7 @@ from pydantic import field_validator
 from llmpress.contract.block import find_blocks
 from llmpress.contract.modifier import MODIFIERS, Modifier, ModifierConfig, OneShotFields, State
 from llmpress.errors import RecipeError, UnsupportedModelError
+from llmpress.modifiers.rotation.fields import RotationFields
 from llmpress.targets import matches
 from llmpress.transforms.apply import GroupMatrices, apply_group
 from llmpress.transforms.config import TransformArgs, TransformConfig, TransformScheme
@@ -50,16 +51,11 @@ __all__ = ["QuIPModifier", "QuIPModifierConfig"]
 logger = logging.getLogger(__name__)
 
 
-class QuIPModifierConfig(ModifierConfig, OneShotFields):
+class QuIPModifierConfig(ModifierConfig, RotationFields, OneShotFields):
     rotations: list[Literal["v", "u"]] = ["v"]
     transform_type: Literal["hadamard", "random-hadamard", "random-matrix"] = "random-hadamard"
     targets: list[str] | str = "Linear"
-    randomize: bool = False
-    learnable: bool = False
-    precision: str | None = None  # llm-compressor's: folding runs in float64, run-time rotations in float32
-    transform_block_size: int | None = None
     ignore: list[str] | str = "lm_head"
-    seed: int = 0  # the random rotations' (random-hadamard's signs, random-matrix)
     transform_config: dict[str, Any] | None = None
 
     @field_validator("rotations", mode="before")
@@ -67,15 +63,6 @@ class QuIPModifierConfig(ModifierConfig, OneShotFields):
     def _lower(cls, value: Any) -> Any:
         names = [value] if isinstance(value, str) else value
         return [str(v).lower() for v in names]
-
-    @field_validator("randomize", "learnable")
-    @classmethod
-    def _not_yet(cls, value: bool, info: Any) -> bool:
-        if value:
-            raise RecipeError(f"QuIPModifier's {info.field_name}: true is not supported",
-                              got="true", expected="false (as llm-compressor 0.14 also requires)",
-                              fix=f"remove {info.field_name}")
-        return value
 
     def build(self) -> TransformConfig:
         """The ``transform_config`` these fields stand for (``transform_config`` itself when given)."""

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from llmpress.contract.block import find_blocks
 from llmpress.contract.modifier import MODIFIERS, Modifier, ModifierConfig, OneShotFields, State
 from llmpress.errors import RecipeError, UnsupportedModelError
+from llmpress.modifiers.rotation.fields import RotationFields
 from llmpress.modifiers.rotation.residual import head_dim_of, plan_block, rotate_block, rotate_ends
 from llmpress.modifiers.smoothing.mappings import MappingMemo
 from llmpress.targets import matches
@@ -82,14 +83,9 @@ class SpinQuantMapping(BaseModel):
     lm_head: str = "lm_head"
 
 
-class SpinQuantModifierConfig(ModifierConfig, OneShotFields):
+class SpinQuantModifierConfig(ModifierConfig, RotationFields, OneShotFields):
     rotations: list[str] = ["R1", "R2"]
     transform_type: Literal["hadamard", "random-hadamard", "random-matrix"] = "hadamard"
-    randomize: bool = False
-    learnable: bool = False
-    precision: str | None = None  # llm-compressor's (float64): folding is computed in float64 here always
-    transform_block_size: int | None = None
-    seed: int = 0  # the random rotations' (random-hadamard's signs, random-matrix)
     mappings: SpinQuantMapping | None = None
     norm_mappings: list[dict[str, Any]] | None = None  # accepted: the norms are found by data flow
     transform_config: dict[str, Any] | None = None
@@ -108,15 +104,6 @@ class SpinQuantModifierConfig(ModifierConfig, OneShotFields):
         if not names:
             raise ValueError("rotations is empty")
         return list(dict.fromkeys(names))
-
-    @field_validator("learnable", "randomize")
-    @classmethod
-    def _not_yet(cls, value: bool, info: Any) -> bool:
-        if value:
-            raise RecipeError(f"SpinQuantModifier's {info.field_name}: true is not supported",
-                              got="true", expected="false (as llm-compressor 0.14 also requires)",
-                              fix=f"remove {info.field_name}; transform_type: random-hadamard gives seeded random rotations")
-        return value
 
     @field_validator("transform_config")
     @classmethod
