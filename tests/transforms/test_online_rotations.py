@@ -76,6 +76,12 @@ def test_quip_round_trip_stores_each_matrix_once_and_loads_back_exactly(rotation
     llmpress.save_checkpoint(again, llmpress.load(out, dtype=torch.float32, compile_decode=False))
     assert json.loads((again / "config.json").read_text())["quantization_config"]["transform_config"] == config["transform_config"]
     assert _rel(logits(llmpress.load(again, dtype=torch.float32, dequantize=True), ids), in_memory) < 1e-6
+    # in bf16, every module of one stored matrix reads one float32 T, made once (not per call)
+    bf16 = llmpress.load(out, dtype=torch.bfloat16, dequantize=True, compile_decode=False)
+    logits(bf16, ids), logits(bf16, ids)
+    caches = {id(m.shared): m.shared for _, m in online_transforms(bf16)}
+    assert len(caches) == len(stored) and all(len(c.made) == 1 for c in caches.values())
+    assert all(t.dtype == torch.float32 for c in caches.values() for t in c.made.values())
 
 
 def test_r4_with_gptq_w8a8_observes_rotated_inputs_and_round_trips(tmp_path):

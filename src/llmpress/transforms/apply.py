@@ -66,7 +66,7 @@ class GroupMatrices:
         key = (args.location, width)
         first = self._made.get(key)
         if first is not None and first.weight.device == device:
-            return OnlineTransform(first.weight, first.kind, first.location, first.inverse, t=first.t)
+            return OnlineTransform(first.weight, first.kind, first.location, first.inverse, shared=first.shared)
         made = OnlineTransform(self.stored(args.location, width).to(device), self.scheme.type, args.location, args.inverse)
         self._made.setdefault(key, made)
         return made

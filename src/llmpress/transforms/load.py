@@ -87,7 +87,7 @@ class StoredTransforms:
                 key = (id(stored), id(perm), args.inverse)
                 first = made.get(key)
                 transform = OnlineTransform(stored, scheme.type, args.location, args.inverse, perm,
-                                            t=None if first is None else first.t)
+                                            shared=None if first is None else first.shared)
                 made.setdefault(key, transform)
                 attach(module, f"{group}_{args.location}", transform)
                 count += 1

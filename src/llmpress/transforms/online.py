@@ -17,24 +17,40 @@ from torch import nn
 
 from llmpress.errors import CheckpointError
 
-__all__ = ["OnlineTransform", "attach", "drop_repeated_matrices", "online_transforms", "written_transform_config"]
+__all__ = ["OnlineTransform", "SharedMatrix", "attach", "drop_repeated_matrices", "online_transforms", "written_transform_config"]
+
+
+class SharedMatrix:
+    """``T`` of one stored matrix, made once per dtype and device and shared by every module that
+    reads that matrix (30 ``down_proj`` of SmolLM2 hold one 1536 x 1536 ``T``, not 30). Not a
+    buffer: a model cast to bf16 would cast it (and copy it per module), where ``T`` stays in
+    float32. The stored matrix is read when ``T`` is first needed in a dtype and device: it is
+    fixed once attached (a checkpoint's, or the one a modifier made)."""
+
+    def __init__(self) -> None:
+        self.made: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, transform: OnlineTransform, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        if key not in self.made:
+            self.made[key] = transform.matrix(dtype).to(device)
+        return self.made[key]
 
 
 class OnlineTransform(nn.Module):
     """``value @ T`` over the last dimension, block-diagonal when ``T`` is smaller. ``weight`` is
     the stored matrix ``S`` (shared by every module of its size in its group); ``T = S / sqrt(n)``
     (``Sᵀ / sqrt(n)`` when ``inverse``) for the Hadamard kinds, ``T = S`` for ``random-matrix``.
-    ``t``: ``T`` in float32 when another module of the same matrix already made it."""
+    ``shared``: the ``SharedMatrix`` of another module of the same stored matrix and direction."""
 
     def __init__(self, weight: torch.Tensor, kind: str, location: str, inverse: bool, perm: torch.Tensor | None = None,
-                 t: torch.Tensor | None = None) -> None:
+                 shared: SharedMatrix | None = None) -> None:
         super().__init__()
         self.kind, self.location, self.inverse = kind, location, inverse
         self.register_buffer("weight", weight)
         self.perm: torch.Tensor | None
         self.register_buffer("perm", perm)
-        # T in float32, made once (``t``: the one of the modules that share ``weight``)
-        self.register_buffer("t", t if t is not None else self.matrix(torch.float32), persistent=False)
+        self.shared = shared if shared is not None else SharedMatrix()
 
     def matrix(self, dtype: torch.dtype) -> torch.Tensor:
         """``T`` in ``dtype``, from the stored matrix."""
@@ -48,12 +64,12 @@ class OnlineTransform(nn.Module):
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         dtype = value.dtype if value.dtype in (torch.float32, torch.float64) else torch.float32
-        t = self.t if self.t.dtype == dtype else self.matrix(dtype)  # a model cast to bf16 casts t too: made again
+        t = self.shared.get(self, dtype, value.device)
         n = t.shape[0]
         if value.shape[-1] % n:
             raise CheckpointError(f"a {self.location} rotation of size {n} cannot act on {value.shape[-1]} features",
                                   got=f"{value.shape[-1]} features", expected=f"a multiple of {n}")
-        out = value.to(dtype).unflatten(-1, (-1, n)) @ t.to(value.device)
+        out = value.to(dtype).unflatten(-1, (-1, n)) @ t
         return out.flatten(-2).to(value.dtype)
 
     def extra_repr(self) -> str:
