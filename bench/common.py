@@ -53,6 +53,18 @@ def save_random_llama(folder: Path, tokenizer_dir: Path | None = None, dtype: st
     return folder
 
 
+def let_peer_awq_run_without_gpu() -> None:
+    """llm-compressor's AWQ pins host memory for GPU copies, which fails without a GPU: a
+    transfer detail, not the algorithm (no GPU, nothing to copy to), so pinning is made a no-op
+    in the peer's process when no GPU is there."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+
+
 def peak_rss_mb() -> float:
     """This process's peak RSS. VmHWM, not ru_maxrss: on Linux ru_maxrss keeps the high-water
     mark of the parent at fork, so a child started by a big parent would report the parent's."""

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from common import peak_rss_mb
+from common import let_peer_awq_run_without_gpu, peak_rss_mb
 
 START = time.perf_counter()
 
@@ -60,17 +60,12 @@ def run_llmpress_api(recipe: str, model_dir: str, tokens: str, output: str) -> N
 
 
 def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> None:
-    import torch
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if "AWQModifier" in open(recipe, encoding="utf-8").read() and not torch.cuda.is_available():
-        # llm-compressor's AWQ pins host memory for GPU copies, which fails without a GPU: a
-        # transfer detail, not the algorithm (no GPU, nothing to copy to)
-        from llmcompressor.pipelines.cache import IntermediatesCache
-
-        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    if "AWQModifier" in open(recipe, encoding="utf-8").read():
+        let_peer_awq_run_without_gpu()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")  # the checkpoint's own dtype
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = {}
