@@ -290,3 +290,28 @@ def test_kill_9_at_random_points_over_an_old_checkpoint(model_dir, tmp_path):
         got = checkpoint_tensors(out)
         assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got), f"kill after {delay:.2f} s"
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")], "a killed save's folder was left"
+
+
+ROTATED = {
+    "quip": "QuIPModifier: {rotations: [v, u]}",
+    "spinquant-r4": "SpinQuantModifier: {rotations: [R1, R2, R4], transform_type: random-hadamard}",
+}
+
+
+@pytest.mark.parametrize("rotation", list(ROTATED))
+def test_a_stopped_run_with_run_time_rotations_resumes_to_the_uninterrupted_checkpoint(model_dir, monkeypatch, rotation):
+    """Restored layers were saved with their weights rotated: only the run-time half of each
+    rotation is attached again, so the resumed run quantizes, saves and computes what the
+    uninterrupted one does."""
+    recipe = (f"quant_stage:\n  quant_modifiers:\n    {ROTATED[rotation]}\n"
+              "    GPTQModifier: {ignore: [lm_head], scheme: W4A16, targets: [Linear]}\n")
+    whole = run(model_dir, model_dir / "whole", recipe=recipe)
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "cut", stop_after=1, recipe=recipe, monkeypatch=monkeypatch)
+    resumed = run(model_dir, model_dir / "cut", resume=True, recipe=recipe)
+    one, two = checkpoint_tensors(model_dir / "whole"), checkpoint_tensors(model_dir / "cut")
+    assert any("_input." in k for k in one)  # run-time rotations stored
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    ids = torch.tensor([token_batches(count=1, seed=5)[0]])
+    with torch.no_grad():
+        assert torch.equal(resumed(input_ids=ids).logits, whole(input_ids=ids).logits)

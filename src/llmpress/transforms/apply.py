@@ -97,20 +97,27 @@ def _apply_entry(module: nn.Module, name: str, group: str, args: TransformArgs, 
         if isinstance(getattr(module, "bias", None), torch.Tensor):
             module.bias.data = _blocks(module.bias.detach().double(), t.to(weight.device)).to(module.bias.dtype)
     elif args.location in ("input", "output"):
-        attach(module, f"{group}_{args.location}", matrices.online(args, width, module.weight.device))
+        # a finished layer a resumed run restored holds its weight as integers (a meta float weight):
+        # its matrix goes to the host, and T to the activations' device when first used
+        device = torch.device("cpu") if module.weight.is_meta else module.weight.device
+        attach(module, f"{group}_{args.location}", matrices.online(args, width, device))
     else:
         raise RecipeError(f"rotation group {group!r}: {args.location} rotations (of the queries and keys) are not built",
                           got=args.location, expected="input, output, weight_input or weight_output")
 
 
 def apply_group(group: str, scheme: TransformScheme, modules: Iterable[tuple[str, nn.Module]], matrices: GroupMatrices,
-                model: nn.Module | None = None) -> int:
+                model: nn.Module | None = None, online_only: bool = False) -> int:
     """Apply ``scheme``'s entries to those of ``modules`` (full names) they target; with
     ``model``, record the group there for the checkpoint. Returns how many entries were applied.
-    Entries are applied in their order, so one module's weight and online parts agree."""
+    Entries are applied in their order, so one module's weight and online parts agree.
+    ``online_only``: the run-time entries alone (a block a resumed run restored was saved with
+    its weights rotated)."""
     count = 0
     modules = list(modules)
     for args in scheme.apply:
+        if online_only and not args.online:
+            continue
         for name, module in modules:
             if matches(name, module, args.targets, linear_alias=True) and not matches(name, module, args.ignore, linear_alias=True):
                 _apply_entry(module, name, group, args, matrices)

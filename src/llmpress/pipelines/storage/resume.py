@@ -45,6 +45,7 @@ from llmpress.parallel.distributed import gather_objects, is_distributed, is_mai
 from llmpress.pipelines.storage.compact import HELD, CompactWeights, mapped_state, put_tensor
 from llmpress.pipelines.storage.onload import compute_dtype, execution_device
 from llmpress.tensorfiles.read import shards_identity
+from llmpress.transforms.online import OnlineTransform
 from llmpress.version import __version__
 
 __all__ = ["WorkFolder", "run_fingerprint"]
@@ -236,13 +237,16 @@ class WorkFolder:
 
 def _block_state(block: nn.Module, held: CompactWeights) -> dict[str, torch.Tensor]:
     """Every tensor of ``block``'s state dict: held weights as their integers (key + ``@held``),
-    the rest as they are."""
+    the rest as they are. Not a run-time rotation's matrix: its modifier attaches it again when
+    the layer is restored (``on_layer_restored``), from its own seed, and restoring runs first."""
     integers = held.integers_of(block)
     modules = dict(block.named_modules())
     state = {}
     for key, tensor in block.state_dict().items():
         path, _, name = key.rpartition(".")
         module = modules[path]
+        if isinstance(module, OnlineTransform):
+            continue
         if module in integers and name == "weight":
             state[key + HELD] = integers[module]
         elif not tensor.is_meta:
