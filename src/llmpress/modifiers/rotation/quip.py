@@ -106,12 +106,8 @@ class QuIPModifier(Modifier):
         self.blocks = 0
 
     def _apply(self, modules: list[tuple[str, nn.Module]], model: nn.Module | None = None, online_only: bool = False) -> int:
-        count = 0
-        for group, scheme in self.transforms.config_groups.items():
-            if online_only:  # a restored block: its weights were saved rotated
-                scheme = scheme.model_copy(update={"apply": [a for a in scheme.apply if a.online]})
-            count += apply_group(group, scheme, modules, self.matrices[group], model)
-        return count
+        return sum(apply_group(group, scheme, modules, self.matrices[group], model, online_only)
+                   for group, scheme in self.transforms.config_groups.items())
 
     def on_calibration_start(self, state: State) -> None:
         blocks = find_blocks(state.model)

@@ -180,11 +180,9 @@ class SpinQuantModifier(Modifier):
         """R4 on the block's ``down_proj`` (``mlp_out``) Linears: how many."""
         if self.r4 is None:
             return 0
-        scheme = self.r4.scheme
-        if online_only:  # a restored block: its weights were saved rotated
-            scheme = scheme.model_copy(update={"apply": [a for a in scheme.apply if a.online]})
         modules = [(prefix + n, m) for n, m in block.module.named_modules() if matches(prefix + n, m, self.mapping.mlp_out)]
-        return apply_group("R4", scheme, modules, self.r4, model) // len(scheme.apply)
+        apply_group("R4", self.r4.scheme, modules, self.r4, model, online_only)  # both entries target exactly these
+        return len(modules)
 
     def on_layer_restored(self, state: State, block: CalibrationBlock) -> None:
         """A resumed run put ``block`` back rotated: R4's run-time half is attached again."""
