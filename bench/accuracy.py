@@ -27,8 +27,8 @@ llm-compressor where every rotated size is a power of two, else ``random-hadamar
 ``hadamard`` takes powers of two only); QuIP keeps its default ``random-hadamard`` in both.
 
 Results are kept, one JSON line per run with its date and commit, in ``--results`` (default
-``bench/results/accuracy.jsonl``); a run already there is not repeated unless ``--rerun``, so a
-long grid can be measured over several sittings. The tables are printed from that file.
+``bench/results/accuracy.jsonl``); a run already there is not repeated unless ``--rerun`` (one that
+failed, rather than being refused, is), so a long grid can be measured over several sittings. The tables are printed from that file.
 """
 
 from __future__ import annotations
@@ -137,9 +137,9 @@ def main() -> None:
 def measure(args, results: Path, base: dict) -> None:
     batches, _, group, dense, data = prepare(args.model, args.samples, args.seq_len)
     power_of_two = rotated_sizes_power_of_two(args.model)
-    done = {key(r) for r in read_results(results) if r.get("row") != "unquantized"}
+    done = {key(r) for r in read_results(results) if "failed" not in r}  # a run that failed is tried again
     unquantized = {**base, "iters": None, "row": "unquantized", "method": "-", "tool": "-"}
-    if key(unquantized) not in {key(r) for r in read_results(results)} or args.rerun:
+    if key(unquantized) not in done or args.rerun:
         append(results, {**unquantized, "perplexity": dense})
     print(f"{args.model}: unquantized perplexity {dense:.3f}; {len(batches)} x {args.seq_len} calibration tokens; "
           f"weights in groups of {group}", flush=True)

@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from common import let_peer_awq_run_without_gpu, peak_rss_mb
+from common import let_peer_awq_run_without_gpu, peak_rss_mb, peer_calibration
 from perplexity_worker import perplexity
 from transformers import AutoModelForCausalLM
 
@@ -31,15 +31,11 @@ def run_llmpress(model, data: dict, recipe: str) -> None:
 
 
 def run_llm_compressor(model, data: dict, recipe: str) -> None:
-    from datasets import Dataset
     from llmcompressor import oneshot
 
     if "AWQModifier" in recipe:
         let_peer_awq_run_without_gpu()
-    batches = data["batches"]
-    dataset = Dataset.from_dict({"input_ids": batches, "attention_mask": [[1] * len(b) for b in batches]})
-    oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(batches),
-            max_seq_length=len(batches[0]))
+    oneshot(model=model, recipe=recipe, **peer_calibration(data["batches"]))
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from common import PEER_PYTHON, REPO, fixture, work_folder
+from common import PEER_PYTHON, REPO, fixture, peer_calibration, work_folder
 
 sys.path.insert(0, str(REPO / "tests"))
 from architectures import ARCHITECTURES, DENSE_ALLOWED, RECIPE, save_tiny  # noqa: E402
@@ -73,7 +73,6 @@ def run_llmpress(source: Path, recipe: Path, output: Path, modifier: str) -> Non
 def run_llmcompressor(source: Path, recipe: Path, output: Path, modifier: str) -> None:
     import torch
     from architectures import auto_class
-    from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoTokenizer
 
@@ -85,8 +84,7 @@ def run_llmcompressor(source: Path, recipe: Path, output: Path, modifier: str) -
         text = fixture("text", "calibration.txt").read_text(encoding="utf-8")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         samples = [ids[i * SEQ_LEN : (i + 1) * SEQ_LEN] for i in range(SAMPLES)]
-        kwargs = dict(dataset=Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * SEQ_LEN] * SAMPLES}),
-                      num_calibration_samples=SAMPLES, max_seq_length=SEQ_LEN)
+        kwargs = peer_calibration(samples)
     oneshot(model=model, processor=tokenizer, recipe=str(recipe), output_dir=str(output), **kwargs)
 
 

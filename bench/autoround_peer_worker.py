@@ -17,11 +17,11 @@ import sys
 import time
 
 import torch
+from common import peer_calibration
 from perplexity_worker import perplexity
 
 
 def main() -> None:
-    from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.autoround import AutoRoundModifier
     from transformers import AutoModelForCausalLM
@@ -35,10 +35,9 @@ def main() -> None:
     else:
         modifier = AutoRoundModifier(config_groups=groups, **fields)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    dataset = Dataset.from_dict({"input_ids": data["batches"], "attention_mask": [[1] * len(b) for b in data["batches"]]})
+    calibration = peer_calibration(data["batches"])
     start = time.perf_counter()
-    oneshot(model=model, dataset=dataset, recipe=[modifier], num_calibration_samples=len(data["batches"]),
-            max_seq_length=len(data["batches"][0]))
+    oneshot(model=model, recipe=[modifier], **calibration)
     seconds = time.perf_counter() - start
     model.to(torch.float32)  # auto-round leaves the blocks in bf16 where the CPU has bf16 units (its amp)
     print(json.dumps([perplexity(model, data["windows"]), seconds]))

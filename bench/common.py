@@ -53,6 +53,15 @@ def save_random_llama(folder: Path, tokenizer_dir: Path | None = None, dtype: st
     return folder
 
 
+def peer_calibration(samples: list[list[int]]) -> dict:
+    """llm-compressor's ``oneshot`` keywords for calibrating on exactly these token ids (each
+    sample whole, all of them)."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]})
+    return dict(dataset=dataset, num_calibration_samples=len(samples), max_seq_length=len(samples[0]))
+
+
 def let_peer_awq_run_without_gpu() -> None:
     """llm-compressor's AWQ pins host memory for GPU copies, which fails without a GPU: a
     transfer detail, not the algorithm (no GPU, nothing to copy to), so pinning is made a no-op

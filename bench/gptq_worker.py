@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from common import let_peer_awq_run_without_gpu, peak_rss_mb
+from common import let_peer_awq_run_without_gpu, peak_rss_mb, peer_calibration
 
 START = time.perf_counter()
 
@@ -60,7 +60,6 @@ def run_llmpress_api(recipe: str, model_dir: str, tokens: str, output: str) -> N
 
 
 def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> None:
-    from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,8 +70,7 @@ def run_llmcompressor(recipe: str, model_dir: str, tokens: str, output: str) -> 
     data = {}
     if tokens != "-":
         samples = read_tokens(tokens)
-        data = dict(dataset=Dataset.from_dict({"input_ids": samples, "attention_mask": [[1] * len(s) for s in samples]}),
-                    num_calibration_samples=len(samples), max_seq_length=len(samples[0]))
+        data = peer_calibration(samples)
     oneshot(model=model, processor=tokenizer, recipe=recipe, output_dir=output, **data)
     report()
 

@@ -16,18 +16,18 @@ import sys
 import time
 
 import torch
+from common import peer_calibration
 from perplexity_worker import perplexity
 
 
 def run(model_dir: str, data: dict, groups: dict, rotations: list[str] | None, transform_type: str) -> list[float]:
-    from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
     from llmcompressor.modifiers.transform import SpinQuantModifier
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    dataset = Dataset.from_dict({"input_ids": data["batches"], "attention_mask": [[1] * len(b) for b in data["batches"]]})
+    calibration = peer_calibration(data["batches"])
     if "preset" in groups:
         recipe = [GPTQModifier(scheme=groups["preset"], targets=["Linear"], ignore=["lm_head"])]
     else:
@@ -35,8 +35,7 @@ def run(model_dir: str, data: dict, groups: dict, rotations: list[str] | None, t
     if rotations:
         recipe.insert(0, SpinQuantModifier(rotations=rotations, transform_type=transform_type))
     start = time.perf_counter()
-    oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(data["batches"]),
-            max_seq_length=len(data["batches"][0]))
+    oneshot(model=model, recipe=recipe, **calibration)
     seconds = time.perf_counter() - start
     return [perplexity(model, data["windows"]), seconds]
 
