@@ -152,8 +152,7 @@ class WorkFolder:
 
     @property
     def notes(self) -> list | None:
-        """What the run's modifiers asked to keep with the last finished layer
-        (``Session.resume_notes``), or None."""
+        """What the modifiers asked to keep with the last finished layer (``Session.resume_notes``), or None."""
         return self.progress.get("notes")
 
     # -- writing -----------------------------------------------------------------------------
@@ -236,19 +235,16 @@ class WorkFolder:
 
 
 def _block_state(block: nn.Module, held: CompactWeights) -> dict[str, torch.Tensor]:
-    """Every tensor of ``block``'s state dict: held weights as their integers (key + ``@held``),
-    the rest as they are. Not a run-time rotation's matrix: its modifier attaches it again when
-    the layer is restored (``on_layer_restored``), from its own seed, and restoring runs first."""
+    """Every tensor of ``block``'s state dict, held weights as their integers (key + ``@held``), but for run-time
+    rotations: their modifier re-attaches them from its seed in ``on_layer_restored``, after restoring."""
     integers = held.integers_of(block)
     modules = dict(block.named_modules())
     state = {}
     for key, tensor in block.state_dict().items():
         path, _, name = key.rpartition(".")
         module = modules[path]
-        if isinstance(module, OnlineTransform):
-            continue
         if module in integers and name == "weight":
             state[key + HELD] = integers[module]
-        elif not tensor.is_meta:
+        elif not tensor.is_meta and not isinstance(module, OnlineTransform):
             state[key] = tensor
     return state
