@@ -84,6 +84,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_gpu_mb() -> float:
+    """This process's peak of CUDA memory held by PyTorch's tensors (``max_memory_allocated``), 0
+    where it never used a GPU. The allocator's cache on top of it is not counted: both tools
+    allocate through it alike."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
 def median_run(runs: list[dict]) -> dict:
     """Per-figure medians over repeated runs."""
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
@@ -112,7 +124,7 @@ def pair_cells(row: dict, figures: tuple[str, ...] = ("compress_s", "rss_mb")) -
     ours, peer, ratios = row["ours"], row["peer"], row["ratios"]
     cells = []
     for key in figures:
-        if key == "rss_mb":
+        if key in ("rss_mb", "gpu_mb"):
             cells.append(f"{ours[key]:>7.0f}/{peer[key]:<7.0f} {ratios[key]:>6.2f}")
         else:
             cells.append(f"{ours[key]:>6.1f}/{peer[key]:<6.1f} {ratios[key]:>6.2f}")

@@ -67,6 +67,8 @@ def bench_inputs(work: Path, names: list[str]) -> tuple[dict[str, Path], Path, t
     models = {"tiny": tiny}
     if "random-1024" in names:
         models["random-1024"] = make_random_llama(work / "random-1024", tiny)
+    if "llama3-8b-layers" in names:
+        models["llama3-8b-layers"] = make_llama3_8b_layers(work / "llama3-8b-layers", tiny)
     tokens = calibration_tokens(work / "tokens.jsonl", tiny)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny))
     windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(encoding="utf-8"), tokenizer, 256, 200)
@@ -77,6 +79,14 @@ def make_random_llama(folder: Path, tokenizer_dir: Path) -> Path:
     """A randomly initialised Llama, hidden 1024, 8 layers, saved as fp32 safetensors."""
     return save_random_llama(folder, tokenizer_dir, vocab_size=4096, hidden_size=1024, intermediate_size=2816,
                              num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=512)
+
+
+def make_llama3_8b_layers(folder: Path, tokenizer_dir: Path) -> Path:
+    """A randomly initialised Llama with Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32
+    query and 8 key/value heads), 4 layers, the tiny tokenizer's 4096-word vocabulary: GPTQ's work
+    per layer is the 8B model's, the embeddings are small. fp32 safetensors, 3.6 GB."""
+    return save_random_llama(folder, tokenizer_dir, vocab_size=4096, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=512)
 
 
 def calibration_tokens(path: Path, tokenizer_dir: Path, samples: int = 64, seq_len: int = 256) -> Path:
@@ -115,7 +125,10 @@ def run_worker(python: Path, tool: str, recipe: Path, model: Path, tokens: Path,
     if result.returncode != 0:
         raise SystemExit(f"{tool} failed:\n{result.stderr[-3000:]}")
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
+    figures = {"wall_s": wall, "compress_s": report["seconds"], "rss_mb": report["peak_rss_mb"]}
+    if report.get("peak_gpu_mb"):  # on a GPU machine
+        figures["gpu_mb"] = report["peak_gpu_mb"]
+    return figures
 
 
 def run_pairs(ours_tool: str, recipe: Path, model: Path, tokens: Path | list[Path], output: Path, runs: int,
@@ -187,7 +200,7 @@ def rtn_perplexity(model_dir: Path, bits: int, windows: torch.Tensor, symmetric:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["tiny", "random-1024"], choices=["tiny", "random-1024"])
+    parser.add_argument("--models", nargs="+", default=["tiny", "random-1024"], choices=["tiny", "random-1024", "llama3-8b-layers"])
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     parser.add_argument("--work", default=None, help="folder for checkpoints (default: a temporary folder)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per tool on the tiny model (the median is shown)")
@@ -217,6 +230,9 @@ def main() -> None:
     print(f"\nGPTQ, 64 x 256 calibration tokens, group 128; fp32 perplexity of tiny-llama {fp32:.3f}")
     header = (f"{'model':<12} {'bits':>4} {'in-process s':>13} {'ratio':>6} {'peak RSS MB':>15} {'ratio':>6} {'wall s':>13} {'ratio':>6}"
               f" {'ppl llmpress':>12} {'ppl llm-c':>9} {'ppl RTN':>8} {'rise ratio':>10}")
+    gpu = all("gpu_mb" in r["ours"] and "gpu_mb" in r["peer"] for r in rows)
+    if gpu:
+        header += f" {'peak GPU MB':>15} {'ratio':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -224,6 +240,10 @@ def main() -> None:
         if "ppl_ours" in r:
             rise = (r["ppl_ours"] - fp32) / max(r["ppl_peer"] - fp32, 1e-9)
             line += f" {r['ppl_ours']:>12.3f} {r['ppl_peer']:>9.3f} {r['ppl_rtn']:>8.3f} {rise:>10.2f}"
+        elif gpu:
+            line += " " * 44
+        if gpu:
+            line += f" {pair_cells(r, ('gpu_mb',))}"
         print(line)
     how = "llmpress.oneshot from Python" if args.api else "the llmpress oneshot command"
     print(f"\nllmpress ran as {how}, llm-compressor as its oneshot from Python, both on the same recipe file and tokens."

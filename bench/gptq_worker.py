@@ -13,7 +13,7 @@ recipe file, llm-compressor's YAML format, and the same token ids (one JSON line
 TOKENS_JSONL ``-`` is no calibration data (a data-free recipe).
 
 Prints one JSON line: {"seconds": from the tool's first import to the saved checkpoint,
-"peak_rss_mb": the process's peak resident memory}.
+"peak_rss_mb": the process's peak resident memory, "peak_gpu_mb": its peak of CUDA tensors, 0 without}.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import json
 import sys
 import time
 
-from common import let_peer_awq_run_without_gpu, peak_rss_mb, peer_calibration
+from common import let_peer_awq_run_without_gpu, peak_gpu_mb, peak_rss_mb, peer_calibration
 
 START = time.perf_counter()
 
 
 def report() -> None:
-    print(json.dumps({"seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb()}), flush=True)
+    print(json.dumps({"seconds": time.perf_counter() - START, "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb()}),
+          flush=True)
 
 
 def read_tokens(path: str) -> list[list[int]]:

@@ -15,8 +15,10 @@ from helpers import REPO
 PACKAGE = REPO / "src" / "llmpress"
 #: the imports made lazily on purpose, by module (None: any): ``llmpress --help`` answers before
 #: torch is imported; ``oneshot`` imports the model loader (and transformers with it) only when it
-#: reads a model, so a model-free run never imports transformers
-LAZY = {"llmpress.cli": None, "llmpress.entrypoints": {"llmpress.loading.loader"}}
+#: reads a model, so a model-free run never imports transformers; GPTQ's Triton kernel is imported
+#: when a GPU first runs it (Triton is absent from CPU installs)
+LAZY = {"llmpress.cli": None, "llmpress.entrypoints": {"llmpress.loading.loader"},
+        "llmpress.native": {"llmpress.native.gptq_triton"}}
 
 
 def _floors() -> dict[str, int]:

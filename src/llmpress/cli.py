@@ -39,7 +39,7 @@ def _oneshot(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     before = _folder_stamp(args.output)
-    with ranks_from_environment() as main_process:  # under torchrun: one rank of a process group
+    with ranks_from_environment(args.device) as main_process:  # under torchrun: one rank of a process group (on its GPU)
         oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume,
                 return_model=False, trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype),
                 model_free=args.model_free, workers=args.workers, overwrite=args.overwrite)

@@ -12,7 +12,6 @@ from helpers import make_tiny_llama, text_path, trained_llama, trained_model_dir
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError
-from llmpress.pipelines.storage import onload
 from llmpress.pipelines.storage.kept import SpilledInputs
 from llmpress.pipelines.storage.onload import OnDevice, Placement, execution_device
 
@@ -28,25 +27,13 @@ def test_a_gpu_is_picked_only_for_a_model_in_host_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert execution_device(model, None) == torch.device("cuda", 0)
     assert execution_device(model, "cpu") == torch.device("cpu")
-    monkeypatch.setattr(onload, "is_distributed", lambda: True)  # ranks reduce on gloo: host tensors
-    assert execution_device(model, None) == torch.device("cpu")
-    with pytest.raises(DataError, match="where their model is"):
-        execution_device(model, "cuda")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # a rank's GPU, as its group set it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert execution_device(model, None) == torch.device("cuda", 1)
+    assert execution_device(model, "cuda") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(DataError, match=r"no such CUDA device \(got cuda:3; expected cuda:0 .. cuda:0\)"):
         execution_device(model, "cuda:3")
-
-
-def test_ranks_on_a_gpu_machine_are_told_they_calibrate_on_the_cpu(monkeypatch, caplog):
-    from helpers import token_batches
-
-    from llmpress.pipelines import layerwise
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(onload, "is_distributed", lambda: True)
-    monkeypatch.setattr(layerwise, "is_distributed", lambda: True)
-    with caplog.at_level("WARNING", logger="llmpress.pipelines.layerwise"):
-        llmpress.oneshot(make_tiny_llama(), RECIPES["GPTQ W4A16"], token_batches(count=2, length=16))
-    assert "the ranks calibrate where their model is (cpu), not on this machine's GPUs" in caplog.text
 
 
 def test_a_device_that_is_not_there_is_refused(monkeypatch):

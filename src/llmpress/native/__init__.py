@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "int4_dequantize", "int4_linear", "int8_linear",
+    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear",
     "int8_linear_bf16", "transposed",
 ]
 
@@ -157,8 +158,25 @@ def gptq_columns(inner: torch.Tensor, err: torch.Tensor, upper: torch.Tensor, sc
     """One inner block of GPTQ's update, in place: ``inner`` ``[n, rows]`` (the block's columns
     of the weight, as rows) goes onto its integer grid column by column, ``err`` gets each
     column's ``w - q``, later columns take ``-upper[i, k] * (w - q)``. ``scale`` / ``zero``:
-    ``[n, rows]`` (a row may repeat: stride 0)."""
+    ``[n, rows]`` (a row may repeat: stride 0). CUDA tensors go to the Triton kernel
+    (``gptq_triton``, ``n`` at most 128), CPU ones to ``gptq.cpp``'s operator."""
+    if inner.is_cuda:
+        from llmpress.native import gptq_triton
+
+        gptq_triton.gptq_columns(inner, err, upper, scale, zero, q_min, q_max)
+        return
     torch.ops.llmpress.gptq_columns(inner, err, upper, scale, zero, q_min, q_max)
+
+
+def gpu_columns_available(device: torch.device) -> bool:
+    """Whether ``gptq_columns`` runs on ``device``, a CUDA GPU (with Triton installed, as CUDA
+    builds of PyTorch install it); ``LLMPRESS_NATIVE=0`` turns it off too."""
+    return device.type == "cuda" and os.environ.get("LLMPRESS_NATIVE", "1") != "0" and _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def candidate_errors(blocks: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, q_min: float, q_max: float) -> torch.Tensor:

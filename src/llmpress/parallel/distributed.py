@@ -6,7 +6,8 @@ modifier writes its reduction once: ``sum_across_ranks(hessian)`` sums over the 
 ``torchrun`` and does nothing otherwise. Collectives must be called by every rank in the same
 order; the helpers never return early on one rank only.
 
-Backends: gloo on CPU tensors, NCCL on CUDA ones (``init_from_environment`` picks by device).
+Backends: gloo on CPU tensors, NCCL on CUDA ones where each rank has a GPU of its own
+(``init_from_environment``); a tensor the group's backend does not take crosses through a copy.
 """
 
 from __future__ import annotations
@@ -66,21 +67,33 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-def init_from_environment(device: torch.device | str = "cpu") -> bool:
-    """Initialise the default process group from ``torchrun``'s environment (``WORLD_SIZE`` > 1),
-    gloo for CPU and NCCL for CUDA. Returns True when it initialised one (the caller destroys it)."""
+def init_from_environment(device: torch.device | str | None = None) -> bool:
+    """Initialise the default process group from ``torchrun``'s environment (``WORLD_SIZE`` > 1).
+    Returns True when it initialised one (the caller destroys it).
+
+    On a machine with CUDA GPUs (unless ``device`` is the CPU) each rank takes GPU ``LOCAL_RANK``
+    (modulo their number) and calibrates there. Ranks with a GPU each reduce CUDA tensors on NCCL
+    and host ones on gloo (``cpu:gloo,cuda:nccl``); ranks that share a GPU (NCCL refuses two ranks
+    on one device) reduce on gloo, through host memory. Without a GPU: gloo."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    wanted = None if device is None else torch.device(device)
+    on_gpu = torch.cuda.is_available() and (wanted is None or wanted.type == "cuda")
+    backend = "gloo"
+    if on_gpu:
+        count = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % count if wanted is None or wanted.index is None
+                              else wanted.index)
+        if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) <= count and (wanted is None or wanted.index is None):
+            backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend=backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    logger.info("rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+    logger.info("rank %d of %d (%s%s)", dist.get_rank(), dist.get_world_size(), backend,
+                f", calibrating on cuda:{torch.cuda.current_device()}" if on_gpu else "")
     return True
 
 
 @contextmanager
-def ranks_from_environment(device: torch.device | str = "cpu") -> Iterator[bool]:
+def ranks_from_environment(device: torch.device | str | None = None) -> Iterator[bool]:
     """``init_from_environment`` for the length of a ``with`` block, the process group destroyed
     after it (when it made one); yields whether this is the main process."""
     started = init_from_environment(device)
@@ -123,14 +136,35 @@ def share_of(items: Sequence[T], what: str = "calibration samples") -> list[T]:
     return list(items[rank()::size])
 
 
+def _backend_takes(tensor: torch.Tensor) -> bool:
+    """Whether the default group's backend runs collectives on ``tensor``'s device: gloo on host
+    tensors, NCCL on CUDA ones, a ``cpu:gloo,cuda:nccl`` group on both."""
+    backend = str(dist.get_backend())
+    pairs = [part.split(":") for part in backend.split(",")] if ":" in backend else [["cuda" if backend == "nccl" else "cpu", backend]]
+    return any(kind == tensor.device.type for kind, _ in pairs)
+
+
+def _collective(tensor: torch.Tensor, run: Any) -> torch.Tensor:
+    """``run`` (a collective, in place) on ``tensor``, through a copy on a device the backend
+    takes where it does not take the tensor's own (a CUDA tensor on gloo, when ranks share a GPU)
+    or where it is not contiguous; the result copied back."""
+    if _backend_takes(tensor) and tensor.is_contiguous():
+        run(tensor)
+        return tensor
+    device = tensor.device if _backend_takes(tensor) else (
+        torch.device("cpu") if tensor.is_cuda else torch.device("cuda", torch.cuda.current_device()))
+    staged = tensor.to(device, copy=True, memory_format=torch.contiguous_format)
+    run(staged)
+    tensor.copy_(staged)
+    return tensor
+
+
 def _reduce(tensor: torch.Tensor, op: Any, dst: int | None) -> torch.Tensor:
     if not is_distributed():
         return tensor
     if dst is None:
-        dist.all_reduce(tensor, op=op)
-    else:
-        dist.reduce(tensor, dst=dst, op=op)
-    return tensor
+        return _collective(tensor, lambda t: dist.all_reduce(t, op=op))
+    return _collective(tensor, lambda t: dist.reduce(t, dst=dst, op=op))
 
 
 def sum_across_ranks(tensor: torch.Tensor, dst: int | None = None) -> torch.Tensor:
@@ -150,12 +184,7 @@ def max_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
 def broadcast_tensor_(tensor: torch.Tensor, src: int) -> torch.Tensor:
     """``tensor`` overwritten in place by rank ``src``'s (same shape and dtype on every rank)."""
     if is_distributed():
-        if tensor.is_contiguous():
-            dist.broadcast(tensor, src=src)
-        else:  # a transposed view, say: through a contiguous copy
-            staged = tensor.contiguous()
-            dist.broadcast(staged, src=src)
-            tensor.copy_(staged)
+        _collective(tensor, lambda t: dist.broadcast(t, src=src))
     return tensor
 
 

@@ -27,7 +27,7 @@ from llmpress.contract.observation import primary_input
 from llmpress.errors import SessionError
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
-from llmpress.parallel.distributed import is_distributed, is_main_process
+from llmpress.parallel.distributed import is_main_process
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
 from llmpress.pipelines.by_module.plan import BlockPlan, kept_bytes, plan_block
@@ -85,9 +85,6 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
         why = "" if compute_dtype is not None else " (this CPU has no bf16 / fp16 matrix units: PyTorch would emulate them)"
         logger.info("calibrating each layer in %s%s; the model stays in %s", str(place.dtype).replace("torch.", ""), why,
                     str(place.stored).replace("torch.", ""))
-    if device is None and place.device.type == "cpu" and torch.cuda.is_available() and is_distributed() and is_main_process():
-        logger.warning("under torch.distributed the ranks calibrate where their model is (%s), not on this machine's GPUs: "
-                       "the reductions run on gloo with host tensors (GPU ranks are not supported yet)", place.device)
     if blocks is None:
         if place.device != place.home:
             logger.warning("calibrating %s where it is (%s), not on %s: it has no repeated blocks to move one at a time",

@@ -107,13 +107,14 @@ def _kept_columns(keep: torch.Tensor | Sequence[torch.Tensor], parts: list[torch
     return KT
 
 
-INNER_BLOCK = 32
+INNER_BLOCK = 32  # on a CPU: the inner block's rows stay in cache
+GPU_INNER_BLOCK = 128  # on a GPU, with the Triton kernel: one launch per inner block, the fewer the better
 
 
-def _inner_blocks(start: int, end: int, group: int | None) -> list[tuple[int, int]]:
-    """Split ``[start, end)`` at every multiple of ``INNER_BLOCK`` and every group start, so a
+def _inner_blocks(start: int, end: int, group: int | None, inner: int = INNER_BLOCK) -> list[tuple[int, int]]:
+    """Split ``[start, end)`` at every multiple of ``inner`` and every group start, so a
     group's qparams are always taken when all earlier updates have reached its columns."""
-    cuts = set(range(start, end, INNER_BLOCK)) | {start, end}
+    cuts = set(range(start, end, inner)) | {start, end}
     if group:
         cuts |= set(range(-(-start // group) * group, end, group))
     edges = sorted(cuts)
@@ -242,7 +243,9 @@ def gptq_quantize(
         return (g_scale[:, 0] if gs is None else g_scale[:, 0] / gs[:, 0]), (None if g_zp is None else g_zp[:, 0].float())
 
     # llmpress's operator runs the per-column steps of integer grids (not Conv1D's column-wise qparams)
-    native_columns = KT is None and not by_column and on_native_grid(args, WT)
+    native_columns = KT is None and not by_column and (
+        on_native_grid(args, WT) or (not args.is_float and native.gpu_columns_available(WT.device)))
+    inner_width = GPU_INNER_BLOCK if native_columns and WT.is_cuda else INNER_BLOCK
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         Err1 = torch.empty(end - start, rows, dtype=WT.dtype, device=WT.device)
@@ -251,7 +254,7 @@ def gptq_quantize(
         if not native_columns:  # rows made once per block: per column only the arithmetic goes through torch
             w_rows, err_rows = WT[start:end].unbind(0), Err1.unbind(0)
             pruned_rows = None if KT is None else (~KT[start:end]).unbind(0)
-        for inner_start, inner_end in _inner_blocks(start, end, group):
+        for inner_start, inner_end in _inner_blocks(start, end, group, inner_width):
             # rank-1 updates stay inside a narrow inner block; the rest of the block gets one
             # matrix product per inner block: the same arithmetic, far less memory traffic
             a, b = inner_start - start, inner_end - start

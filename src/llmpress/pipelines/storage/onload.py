@@ -9,9 +9,9 @@ cross once per block. What the module-by-module stages keep goes to the spill fi
 host memory too (``kept.py``), and comes back to the device one batch at a time.
 
 ``execution_device(model, None)`` picks the first CUDA GPU when the model is in host memory and
-there is one, as llm-compressor does, else the model's own device. Under torch.distributed the
-ranks calibrate where their model is: the reductions run on gloo, whose collectives take host
-tensors.
+there is one, as llm-compressor does, else the model's own device. Under torch.distributed that
+is the rank's own GPU (``init_from_environment`` sets it from ``LOCAL_RANK``), and the
+reductions run on NCCL, or on gloo through host memory where ranks share a GPU.
 
 A block may also calibrate in another dtype than it is stored in (``compute_dtype``): a bf16
 model on a CPU without bf16 matrix units calibrates each block in float32
@@ -34,7 +34,6 @@ from llmpress.contract.observation import primary_input
 from llmpress.errors import DataError
 from llmpress.lifecycle.compute_dtype import LOW_PRECISION, computing_in
 from llmpress.models.classes import model_dtype
-from llmpress.parallel.distributed import is_distributed
 from llmpress.tensorfiles.dtypes import as_dtype
 
 __all__ = ["OnDevice", "Placement", "compute_dtype", "execution_device", "home_device"]
@@ -50,7 +49,7 @@ def execution_device(model: nn.Module, requested: str | torch.device | None) -> 
     default a CUDA GPU for a model in host memory when there is one, else the model's device."""
     home = home_device(model)
     if requested is None:
-        if home.type == "cpu" and torch.cuda.is_available() and not is_distributed():
+        if home.type == "cpu" and torch.cuda.is_available():  # a rank's: the GPU its group set (LOCAL_RANK's)
             return torch.device("cuda", torch.cuda.current_device())
         return home
     try:
@@ -65,13 +64,6 @@ def execution_device(model: nn.Module, requested: str | torch.device | None) -> 
         if index >= torch.cuda.device_count():
             raise DataError("no such CUDA device", got=str(device), expected=f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
         device = torch.device("cuda", index)
-    if device != home and is_distributed():
-        raise DataError(
-            "under torch.distributed the ranks calibrate where their model is",
-            got=f"model on {home}, calibration device {device}",
-            expected=f"device={str(home)!r} (or None)",
-            fix="run without a device: the ranks calibrate on the CPU (GPU ranks are not supported yet)",
-        )
     return device
 
 
