@@ -257,3 +257,22 @@ def test_hessians_agreed_on_go_where_the_waiting_modules_are():
     assert modifier._device == torch.device("cpu")
     modifier.pending = {"layers.0.q_proj": (finished, None)}
     assert modifier._device == torch.device("cpu")
+
+
+def test_a_solve_is_split_by_rows_over_the_ranks(monkeypatch):
+    """Every rank solves its share of the rows of modules sharing a Hessian (q, k, v stacked):
+    the shares cover each module's rows once, in order; per-tensor qparams and Conv1D weights go
+    whole to one rank instead."""
+    from torch import nn
+
+    from llmpress.modifiers.gptq import ranks
+
+    q, k, v = nn.Linear(8, 10), nn.Linear(8, 4), nn.Linear(8, 4)
+    share = ranks.RowShare([q, k, v], ["q", "k", "v"])
+    monkeypatch.setattr(ranks, "world_size", lambda: 3)
+    pieces = [share.pieces(r) for r in range(3)]
+    assert pieces == [[(q, 0, 6)], [(q, 6, 10), (k, 0, 2)], [(k, 2, 4), (v, 0, 4)]]
+    assert ranks.row_splittable("group", q) and ranks.row_splittable("channel", q)
+    assert not ranks.row_splittable("tensor", q)
+    monkeypatch.setattr(ranks, "world_size", lambda: 1)
+    assert not ranks.row_splittable("group", q)  # one process: nothing to split

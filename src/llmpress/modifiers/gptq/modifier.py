@@ -39,7 +39,6 @@ from llmpress.lifecycle.attach import (
     freeze_weight,
     fused_families,
     scale_dtype_for,
-    set_module_buffer,
     set_weight_qparams,
     share_global_scales,
 )
@@ -48,12 +47,13 @@ from llmpress.lifecycle.sparsity import sparsity_structure
 from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
+from llmpress.modifiers.gptq.ranks import RowShare, owners, row_splittable, share_owned
 from llmpress.modifiers.hessians import HessianCollector
 from llmpress.modifiers.mixed_precision.choose import schemes_at_initialize
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
 from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
-from llmpress.parallel.distributed import assign_owners, broadcast_object, broadcast_tensor_, rank, world_size
+from llmpress.parallel.distributed import rank
 from llmpress.quant.observers import searched_range, weight_global_scale
 from llmpress.quant.scheme import ActivationOrdering, QuantizationScheme
 
@@ -238,16 +238,24 @@ class GPTQModifier(Modifier):
                 continue
             key = (id(accumulator), scheme.weights.model_dump_json(), input_major(self.pending[name][0]))
             groups.setdefault(key, []).append(name)
-        owners = self._owners(groups)
-        for key, members in groups.items():  # each Hessian summed onto the rank that solves with it
-            if owners[key] is not None:
-                self.hessians.of_module[members[0]].reduce(owners[key])
-        mine = [members for key, members in groups.items() if owners[key] in (None, rank())]
+        split = {key for key, members in groups.items()
+                 if row_splittable(self.pending[members[0]][1].weights.strategy, self.pending[members[0]][0])}
+        owner = owners(groups, self.pending, split)
+        for key, members in groups.items():  # each Hessian summed onto the rank(s) that solve with it
+            if owner[key] is not None or key in split:
+                self.hessians.of_module[members[0]].reduce(owner[key])
+        mine = [(key, members) for key, members in groups.items() if owner[key] in (None, rank())]
+        shares = {key: RowShare([self.pending[n][0] for n in members], members) for key, members in mine if key in split}
         bar = tqdm(mine, desc=f"GPTQ {where}", leave=False, disable=True if len(mine) < 2 else None)
-        for members in bar:
-            self._quantize_group(members)
-            bar.set_postfix_str(", ".join(f"{n.rsplit('.', 1)[-1]} {self.losses[n]:.3g}" for n in members))
-        self._share_results(groups, owners)
+        for key, members in bar:
+            self._quantize_group(members, shares.get(key))
+            if key not in shares:
+                bar.set_postfix_str(", ".join(f"{n.rsplit('.', 1)[-1]} {self.losses[n]:.3g}" for n in members))
+        for key, members in groups.items():  # the results onto every rank, in the same order on each
+            if key in shares:
+                shares[key].gather(self.losses)
+            elif owner[key] is not None:
+                share_owned([self.pending[n][0] for n in members], members, owner[key], self.losses)
         self.inputs.reduce([n for n in names if n in self.pending and has_static_inputs(self.pending[n][1])])
         for name in names:  # a module that saw no input stays pending: calibration_end rounds it and says so
             if name in self.pending and (name in self.losses or self.pending[name][1].weights is None):
@@ -262,43 +270,9 @@ class GPTQModifier(Modifier):
         waiting = (module.weight.device for module, _ in self.pending.values())
         return next((d for d in waiting if d.type != "meta"), torch.device("cpu"))
 
-    def _owners(self, groups: dict[tuple, list[str]]) -> dict[tuple, int | None]:
-        """The rank that solves each group: groups sharing a Hessian go to one rank, the
-        Hessians spread over the ranks by the solves' cost (none in one process)."""
-        if world_size() == 1:
-            return dict.fromkeys(groups)
-        by_hessian: dict[int, float] = {}
-        for key, members in groups.items():
-            weight = self.pending[members[0]][0].weight
-            columns = weight.shape[0] if key[2] else weight.shape[-1]
-            rows = sum(self.pending[n][0].weight.numel() for n in members) / columns
-            by_hessian[key[0]] = by_hessian.get(key[0], 0.0) + columns**3 + rows * columns**2
-        hessians = list(by_hessian)
-        owner_of = dict(zip(hessians, assign_owners([by_hessian[h] for h in hessians])))
-        return {key: owner_of[key[0]] for key in groups}
-
-    def _share_results(self, groups: dict[tuple, list[str]], owners: dict[tuple, int | None]) -> None:
-        """Each solved module's weight, qparams and loss, from the rank that solved it to every
-        other rank (nothing to do in one process)."""
-        for key, members in groups.items():
-            owner = owners[key]
-            if owner is None:
-                continue
-            for name in members:
-                module = self.pending[name][0]
-                broadcast_tensor_(module.weight.data, owner)
-                sent = None
-                if rank() == owner:
-                    zero_point = getattr(module, "weight_zero_point", None)
-                    sent = (module.weight_scale.cpu(), None if zero_point is None else zero_point.cpu(), self.losses[name])
-                scale, zero_point, loss = broadcast_object(sent, owner)
-                if rank() != owner:
-                    device = module.weight.device
-                    set_module_buffer(module, "weight_scale", scale.to(device))
-                    set_module_buffer(module, "weight_zero_point", None if zero_point is None else zero_point.to(device))
-                    self.losses[name] = loss
-
-    def _quantize_group(self, names: list[str]) -> None:
+    def _quantize_group(self, names: list[str], share: RowShare | None = None) -> None:
+        """GPTQ on modules that share a Hessian and a scheme: all their rows, or ``share``'s rows
+        of this rank (the results wait in ``share`` for the other ranks')."""
         start = time.perf_counter()
         modules = [self.pending[n][0] for n in names]
         scheme: QuantizationScheme = self.pending[names[0]][1]
@@ -314,39 +288,44 @@ class GPTQModifier(Modifier):
         # an input-major weight's (Conv1D's) qparams run along its columns: it goes alone
         transposed = input_major(modules[0])
         fuse = args.strategy in ("channel", "group", "tensor_group") and not transposed
-        for batch in _row_batches(modules, FUSED_ELEMENTS if fuse else 0):
-            weight = [m.weight.data for m in batch]
+        pieces = share.pieces() if share is not None else [(m, 0, m.weight.shape[0]) for m in modules]
+        for batch in _row_batches(pieces, FUSED_ELEMENTS if fuse else 0):
+            weight = [m.weight.data[a:b] for m, a, b in batch]
             global_scale = None
             if args.has_global_scale:  # one per row of the stacked matrix
-                global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(m.weight.shape[0]) for m in batch])
+                global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(b - a) for m, a, b in batch])
             result = gptq_quantize(weight, factor, args, block_size=self.config.block_size,
-                                   scale_dtype=scale_dtype_for(args, stored_dtype(batch[0])),
+                                   scale_dtype=scale_dtype_for(args, stored_dtype(batch[0][0])),
                                    input_major=transposed, global_scale=global_scale, keep=_kept(batch))
             del weight
-            if len(batch) == 1:  # the whole result is the module's, in its own layout
-                set_weight_qparams(batch[0], result.weight, result.scale, result.zero_point)
-                self.losses[names[modules.index(batch[0])]] = result.loss
+            if len(batch) == 1 and share is None:  # the whole result is the module's, in its own layout
+                set_weight_qparams(batch[0][0], result.weight, result.scale, result.zero_point)
+                self.losses[names[modules.index(batch[0][0])]] = result.loss
                 del result
                 continue
             offset = 0
-            for module in batch:  # each module's rows of the stacked result
-                part = slice(offset, offset + module.weight.shape[0])
+            for module, a, b in batch:  # each module's rows of the stacked result
+                part = slice(offset, offset + b - a)
                 zp = None if result.zero_point is None else result.zero_point[part]
                 scale = result.scale if result.scale.numel() == 1 else result.scale[part]
-                set_weight_qparams(module, result.weight[part], scale, zp)
-                self.losses[names[modules.index(module)]] = float(result.row_loss[part].sum())
+                loss = float(result.row_loss[part].sum())
+                if share is not None:
+                    share.take(module, a, b, result.weight[part], scale, zp, loss)
+                else:
+                    set_weight_qparams(module, result.weight[part], scale, zp)
+                    self.losses[names[modules.index(module)]] = loss
                 offset = part.stop
             del result
         self.seconds += time.perf_counter() - start
 
 
-def _kept(modules: list[nn.Module]) -> list[torch.Tensor] | None:
-    """The nonzero pattern of each module a pruning modifier marked (or a sparse checkpoint
-    named): GPTQ keeps their zeros. None when no module of ``modules`` is marked."""
-    if not any(sparsity_structure(m) for m in modules):
+def _kept(pieces: list[tuple[nn.Module, int, int]]) -> list[torch.Tensor] | None:
+    """The nonzero pattern of the rows ``[a, b)`` of each module a pruning modifier marked (or a
+    sparse checkpoint named): GPTQ keeps their zeros. None when no module of ``pieces`` is marked."""
+    if not any(sparsity_structure(m) for m, _, _ in pieces):
         return None
-    return [m.weight.data != 0 if sparsity_structure(m) else torch.ones_like(m.weight.data, dtype=torch.bool)
-            for m in modules]
+    return [m.weight.data[a:b] != 0 if sparsity_structure(m) else torch.ones_like(m.weight.data[a:b], dtype=torch.bool)
+            for m, a, b in pieces]
 
 
 #: modules sharing a Hessian are solved as one stacked matrix of at most this many weights
@@ -355,15 +334,18 @@ def _kept(modules: list[nn.Module]) -> list[torch.Tensor] | None:
 FUSED_ELEMENTS = 1 << 26
 
 
-def _row_batches(modules: list[nn.Module], bound: int) -> list[list[nn.Module]]:
-    """``modules`` in order, in batches of at most ``bound`` weights (a larger module alone)."""
-    batches: list[list[nn.Module]] = []
+def _row_batches(pieces: list[tuple[nn.Module, int, int]], bound: int) -> list[list[tuple[nn.Module, int, int]]]:
+    """``pieces`` (a module's rows ``[a, b)``) in order, in batches of at most ``bound`` weights
+    (a larger piece alone)."""
+    batches: list[list[tuple[nn.Module, int, int]]] = []
     size = 0
-    for module in modules:
-        if batches and size + module.weight.numel() <= bound:
-            batches[-1].append(module)
-            size += module.weight.numel()
+    for piece in pieces:
+        module, a, b = piece
+        count = (b - a) * module.weight[0].numel()
+        if batches and size + count <= bound:
+            batches[-1].append(piece)
+            size += count
         else:
-            batches.append([module])
-            size = module.weight.numel()
+            batches.append([piece])
+            size = count
     return batches
