@@ -39,7 +39,12 @@ def test_every_exception_llmpress_defines_is_an_llmpress_error_that_says_what_to
     for info in pkgutil.walk_packages(llmpress.__path__, "llmpress."):
         if info.name.endswith("__main__"):
             continue
-        module = importlib.import_module(info.name)
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as missing:  # native.gptq_triton needs Triton, a CUDA machine's package
+            if missing.name != "triton":
+                raise
+            continue
         defined += [c for _, c in inspect.getmembers(module, inspect.isclass)
                     if issubclass(c, BaseException) and c.__module__ == module.__name__]
     assert len(defined) >= 10
