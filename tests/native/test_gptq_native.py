@@ -196,7 +196,7 @@ def test_the_gpu_kernel_interpreted_on_the_cpu(symmetric, tmp_path):
 @pytest.mark.parametrize(("strategy", "actorder"), [("group", False), ("group", True), ("channel", False)])
 def test_gptq_on_the_gpu_is_gptq_on_the_cpu(strategy, actorder):
     """A whole GPTQ on the GPU (inner blocks of 128 columns, one kernel each) against the CPU's
-    (blocks of 32 through the CPU operator): the same loss to 1e-4, nearly the same integers."""
+    (blocks of 32 through the CPU operator): the same loss to 1e-4, nearly the same grid points."""
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(512, 1024, generator=g)
     x = torch.randn(4096, 1024, generator=g) @ torch.randn(1024, 1024, generator=g) * 0.05
@@ -205,6 +205,27 @@ def test_gptq_on_the_gpu_is_gptq_on_the_cpu(strategy, actorder):
     cpu = algorithm.gptq_quantize(weight.clone(), hessian.clone(), args, actorder=actorder)
     gpu = algorithm.gptq_quantize(weight.cuda(), hessian.cuda(), args, actorder=actorder)
     assert gpu.loss == pytest.approx(cpu.loss, rel=1e-4)
-    differ = float((gpu.weight.cpu() != cpu.weight).float().mean())
+    # float32's last bits move with the summation order; a value a grid step away is a rounding
+    # that went the other way (a near tie), allowed for under 1% of the weights
+    differ = float(((gpu.weight.cpu() - cpu.weight).abs() > 1e-4).float().mean())
     print(f"{strategy} actorder={actorder}: loss cpu {cpu.loss:.6g} gpu {gpu.loss:.6g}; {differ:.4%} of weights differ")
     assert differ < 0.01
+
+
+def test_inner_blocks_of_a_gpu_width_are_the_same_gptq(monkeypatch):
+    """On a GPU the inner blocks are 128 columns wide (one kernel launch each), on a CPU 32: the
+    split changes only which updates go through rank-1 steps and which through a matrix product,
+    so the loss agrees to 1e-5 and the weights to float32's last bits (a group's float32 scale is
+    taken from columns updated in another order; run here with the CPU operator)."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 384, generator=g)
+    x = torch.randn(1024, 384, generator=g) @ torch.randn(384, 384, generator=g) * 0.1
+    hessian = 2 / 1024 * x.t() @ x
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=128, symmetric=False)
+    narrow = algorithm.gptq_quantize(weight.clone(), hessian.clone(), args)
+    monkeypatch.setattr(algorithm, "INNER_BLOCK", algorithm.GPU_INNER_BLOCK)
+    assert algorithm._inner_blocks(0, 128, 128, algorithm.INNER_BLOCK) == [(0, 128)]
+    wide = algorithm.gptq_quantize(weight.clone(), hessian.clone(), args)
+    assert wide.loss == pytest.approx(narrow.loss, rel=1e-5)
+    torch.testing.assert_close(wide.weight, narrow.weight, rtol=0, atol=1e-5)
+    torch.testing.assert_close(wide.scale, narrow.scale, rtol=1e-5, atol=0)
