@@ -16,6 +16,8 @@ package, absent from CPU installs, and its import costs a CPU run nothing it nee
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -35,12 +37,13 @@ def _columns_kernel(inner, err, upper, scale, zero, width, scale_step, zero_step
     tile = tl.load(inner + ks[:, None] * width + rows[None, :], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
     for i in range(n):
         this = (ks == i)[:, None]
-        w = tl.sum(tl.where(this, tile, 0.0), axis=0)  # column i, after every earlier column's update
+        w = tl.sum(tl.where(this, tile, -0.0), axis=0)  # column i, after every earlier column's update (-0.0 kept)
         s = tl.load(scale + i * scale_step + rows, mask=row_ok, other=1.0)
         # round half to even: adding and taking away 1.5 * 2^23 leaves no fraction bits, and
         # float addition rounds to even (|x| is kept under 2^22 first: any grid clamps there anyway)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(w, s), -4194304.0), 4194304.0)
-        q = (q + 12582912.0) - 12582912.0
+        x = tl.minimum(tl.maximum(tl.math.div_rn(w, s), -4194304.0), 4194304.0)
+        q = (x + 12582912.0) - 12582912.0
+        q = tl.where(q == 0.0, x * 0.0, q)  # a value rounded to zero keeps its sign, as rint's -0.0
         if HAS_ZERO:
             z = tl.load(zero + i * zero_step + rows, mask=row_ok, other=0.0)
             q = tl.minimum(tl.maximum(q + z, q_min), q_max) - z
@@ -69,6 +72,10 @@ def gptq_columns(inner: torch.Tensor, err: torch.Tensor, upper: torch.Tensor, sc
     if not (inner.is_contiguous() and err.is_contiguous() and upper.is_contiguous() and upper.shape == (n, n) and n <= 128):
         raise ValueError("gptq_columns: inner, err and upper [n, n] must be contiguous, n at most 128")
     grid = (triton.cdiv(width, ROWS_PER_PROGRAM),)
-    _columns_kernel[grid](inner, err, upper, scale, zero if zero is not None else scale, width, scale.stride(0),
-                          zero.stride(0) if zero is not None else 0, float(q_min), float(q_max),
-                          n=n, HAS_ZERO=zero is not None, N=max(16, triton.next_power_of_2(n)), ROWS=ROWS_PER_PROGRAM)
+    # on the tensors' GPU and its current stream; no fused multiply-add but the update's own
+    # (``q * s`` then ``w - q`` round twice, as the CPU operator built with -ffp-contract=off)
+    with torch.cuda.device(inner.device) if inner.is_cuda else contextlib.nullcontext():  # (the interpreter: host tensors)
+        _columns_kernel[grid](inner, err, upper, scale, zero if zero is not None else scale, width, scale.stride(0),
+                              zero.stride(0) if zero is not None else 0, float(q_min), float(q_max),
+                              n=n, HAS_ZERO=zero is not None, N=max(16, triton.next_power_of_2(n)), ROWS=ROWS_PER_PROGRAM,
+                              enable_fp_fusion=False)

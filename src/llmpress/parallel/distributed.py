@@ -78,7 +78,7 @@ def init_from_environment(device: torch.device | str | None = None) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
     wanted = None if device is None else torch.device(device)
-    on_gpu = torch.cuda.is_available() and (wanted is None or wanted.type == "cuda")
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0 and (wanted is None or wanted.type == "cuda")
     backend = "gloo"
     if on_gpu:
         count = torch.cuda.device_count()

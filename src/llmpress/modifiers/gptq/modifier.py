@@ -229,7 +229,7 @@ class GPTQModifier(Modifier):
         self.hessians.end_of_first_pass()
         # NVFP4: global scales from the weights as they are, fixed before any solve changes them
         share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
-        self.hessians.agree([n for n in names if n in self.pending], self._device)
+        self.hessians.agree([n for n in names if n in self.pending], self._device_of(names))
         groups: dict[tuple[int, str, bool], list[str]] = {}
         for name in names:
             accumulator = self.hessians.of_module.get(name)
@@ -241,9 +241,15 @@ class GPTQModifier(Modifier):
         split = {key for key, members in groups.items()
                  if row_splittable(self.pending[members[0]][1].weights.strategy, self.pending[members[0]][0])}
         owner = owners(groups, self.pending, split)
-        for key, members in groups.items():  # each Hessian summed onto the rank(s) that solve with it
+        # each Hessian summed once, onto the rank that solves with it, or onto every rank when
+        # its groups are split by rows or solved by different ranks (mixed schemes on q, k, v)
+        targets: dict[int, tuple] = {}
+        for key, members in groups.items():
             if owner[key] is not None or key in split:
-                self.hessians.of_module[members[0]].reduce(owner[key])
+                _, before = targets.get(key[0], (None, owner[key]))
+                targets[key[0]] = (self.hessians.of_module[members[0]], owner[key] if before == owner[key] else None)
+        for accumulator, target in targets.values():
+            accumulator.reduce(target)
         mine = [(key, members) for key, members in groups.items() if owner[key] in (None, rank())]
         shares = {key: RowShare([self.pending[n][0] for n in members], members) for key, members in mine if key in split}
         bar = tqdm(mine, desc=f"GPTQ {where}", leave=False, disable=True if len(mine) < 2 else None)
@@ -262,6 +268,12 @@ class GPTQModifier(Modifier):
                 module, scheme = self.pending.pop(name)
                 self.inputs.apply_input_quantization(name, module, scheme)
         self.hessians.release([n for n in names if n not in self.pending])
+
+    def _device_of(self, names: list[str]) -> torch.device:
+        """Where this call's Hessians go: the device of one of ``names`` still waiting for its
+        solve (the block's, on a GPU where it calibrates there), else ``_device``'s."""
+        waiting = (self.pending[n][0].weight.device for n in names if n in self.pending)
+        return next((d for d in waiting if d.type != "meta"), self._device)
 
     @property
     def _device(self) -> torch.device:
@@ -289,6 +301,7 @@ class GPTQModifier(Modifier):
         transposed = input_major(modules[0])
         fuse = args.strategy in ("channel", "group", "tensor_group") and not transposed
         pieces = share.pieces() if share is not None else [(m, 0, m.weight.shape[0]) for m in modules]
+        marked = any(sparsity_structure(m) for m in modules)  # masks for every batch or none, however batched
         for batch in _row_batches(pieces, FUSED_ELEMENTS if fuse else 0):
             weight = [m.weight.data[a:b] for m, a, b in batch]
             global_scale = None
@@ -296,7 +309,7 @@ class GPTQModifier(Modifier):
                 global_scale = torch.cat([m.weight_global_scale.reshape(1).expand(b - a) for m, a, b in batch])
             result = gptq_quantize(weight, factor, args, block_size=self.config.block_size,
                                    scale_dtype=scale_dtype_for(args, stored_dtype(batch[0][0])),
-                                   input_major=transposed, global_scale=global_scale, keep=_kept(batch))
+                                   input_major=transposed, global_scale=global_scale, keep=_kept(batch) if marked else None)
             del weight
             if len(batch) == 1 and share is None:  # the whole result is the module's, in its own layout
                 set_weight_qparams(batch[0][0], result.weight, result.scale, result.zero_point)
@@ -319,11 +332,9 @@ class GPTQModifier(Modifier):
         self.seconds += time.perf_counter() - start
 
 
-def _kept(pieces: list[tuple[nn.Module, int, int]]) -> list[torch.Tensor] | None:
+def _kept(pieces: list[tuple[nn.Module, int, int]]) -> list[torch.Tensor]:
     """The nonzero pattern of the rows ``[a, b)`` of each module a pruning modifier marked (or a
-    sparse checkpoint named): GPTQ keeps their zeros. None when no module of ``pieces`` is marked."""
-    if not any(sparsity_structure(m) for m, _, _ in pieces):
-        return None
+    sparse checkpoint named), all ones for the others: GPTQ keeps the zeros."""
     return [m.weight.data[a:b] != 0 if sparsity_structure(m) else torch.ones_like(m.weight.data[a:b], dtype=torch.bool)
             for m, a, b in pieces]
 

@@ -20,6 +20,7 @@ model on a CPU without bf16 matrix units calibrates each block in float32
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, MutableSequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from llmpress.contract.observation import primary_input
 from llmpress.errors import DataError
 from llmpress.lifecycle.compute_dtype import LOW_PRECISION, computing_in
 from llmpress.models.classes import model_dtype
+from llmpress.parallel.distributed import is_distributed
 from llmpress.tensorfiles.dtypes import as_dtype
 
 __all__ = ["OnDevice", "Placement", "compute_dtype", "execution_device", "home_device"]
@@ -49,8 +51,11 @@ def execution_device(model: nn.Module, requested: str | torch.device | None) -> 
     default a CUDA GPU for a model in host memory when there is one, else the model's device."""
     home = home_device(model)
     if requested is None:
-        if home.type == "cpu" and torch.cuda.is_available():  # a rank's: the GPU its group set (LOCAL_RANK's)
-            return torch.device("cuda", torch.cuda.current_device())
+        if home.type == "cpu" and torch.cuda.is_available() and torch.cuda.device_count():
+            index = torch.cuda.current_device()
+            if is_distributed() and "LOCAL_RANK" in os.environ:  # a rank's own GPU, also in a group made without llmpress
+                index = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+            return torch.device("cuda", index)
         return home
     try:
         device = torch.device(requested)

@@ -161,10 +161,10 @@ class WorkFolder:
         """Block ``index`` is finished: its state (rank 0) and, when due (``INPUTS_EVERY_S``), the
         next block's inputs (each rank; empty after the last block when nothing runs after it).
         ``notes``: what the modifiers keep across a resume (plain data, in progress.json).
-        Returns the state file on the process that wrote it (``CompactWeights.page_out``)."""
+        Returns the state file, on every rank once it is whole: the ranks map one copy (``page_out``)."""
         files: dict[str, str] = {}
-        state_file = self.path / f"layer-{index:05d}.state.pt" if is_main_process() else None
-        if state_file is not None:
+        state_file = self.path / f"layer-{index:05d}.state.pt"
+        if is_main_process():
             files[state_file.name] = write_file(state_file, _block_state(block, held))
         due = gather_objects(time.monotonic() - self._inputs_written >= INPUTS_EVERY_S)[0]  # rank 0's clock decides
         if due:
