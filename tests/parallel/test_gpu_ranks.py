@@ -12,22 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, text_path, trained_model_dir
+from helpers import GPTQ_W4_G32, REPO, text_path, trained_model_dir
 
 from llmpress.parallel import distributed
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-GPTQ_W4A16 = """
-quant_stage:
-  quant_modifiers:
-    GPTQModifier:
-      ignore: [lm_head]
-      config_groups:
-        group_0:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 32}
-"""
 
 
 @pytest.mark.parametrize(("backend", "device", "takes"), [
@@ -78,7 +67,7 @@ def test_two_ranks_on_the_gpu_give_the_one_process_perplexity(tmp_path):
     (both on one GPU where there is one: gloo, through host memory) and the checkpoint reads
     within 0.1% of one process's perplexity (float sums in another order on the GPU)."""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(GPTQ_W4A16)
+    recipe.write_text(GPTQ_W4_G32)
     common = ["-v", "oneshot", "--model", str(trained_model_dir()), "--recipe", str(recipe), "--dataset",
               str(text_path("calibration.txt")), "--num-samples", "16", "--seq-len", "256"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
