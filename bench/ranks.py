@@ -2,7 +2,7 @@
 
     python bench/ranks.py [--runs 1] [--work DIR]
 
-GPTQ W4A16 (groups of 128, ``lm_head`` dense) on the random 1024-hidden Llama of ``bench/gptq.py``
+GPTQ W4A16 (groups of 128, ``lm_head`` dense) on the random 1024-hidden Llama of ``bench/gptq.py`` (``--hidden 2048``: a 1.6 GB one)
 (fp32, 8 layers) and its 64 x 256 calibration tokens, by the ``llmpress oneshot`` command: one
 process of one thread, then ``torchrun --nproc-per-node 2`` with one thread a rank
 (``OMP_NUM_THREADS=1``). Sampled every 0.2 s: the proportional set size (PSS, from
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import psutil
-from common import REPO, fixture, work_folder
+from common import REPO, fixture, save_random_llama, work_folder
 from gptq import calibration_tokens, compile_sources, gptq_recipe, make_random_llama
 
 SAMPLE_S = 0.2
@@ -78,10 +78,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1, help="pairs of runs (medians are reported)")
     parser.add_argument("--work", default=None, help="folder for the model and checkpoints (default: a temporary folder)")
+    parser.add_argument("--hidden", type=int, default=1024, choices=[1024, 2048],
+                        help="the random Llama's width: 1024 (bench/gptq.py's, 0.4 GB) or 2048 (MLP 5632, 32/8 heads, 1.6 GB)")
     args = parser.parse_args()
     work = work_folder(args.work, "llmpress-ranks-")
     compile_sources()
-    model = make_random_llama(work / "random-1024", fixture("tiny-llama"))
+    if args.hidden == 1024:
+        model = make_random_llama(work / "random-1024", fixture("tiny-llama"))
+    else:  # where the weights outweigh each process's own memory (imports, Hessians, activations)
+        model = save_random_llama(work / "random-2048", fixture("tiny-llama"), vocab_size=4096, hidden_size=2048,
+                                  intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                                  max_position_embeddings=512)
     tokens = calibration_tokens(work / "tokens.jsonl", fixture("tiny-llama"))
     recipe = gptq_recipe(work / "gptq-w4.yaml", 4)
     samples = [json.loads(line) for line in tokens.read_text().splitlines() if line.strip()]
@@ -100,7 +107,7 @@ def main() -> None:
     equal, total = same_checkpoint(work / "one", work / "ranks")
     one = {k: statistics.median(r[k] for r in rows["one process"]) for k in rows["one process"][0]}
     two = {k: statistics.median(r[k] for r in rows["2 ranks"]) for k in rows["2 ranks"][0]}
-    print(f"\nGPTQ W4A16 g128, random 1024-hidden Llama (8 layers, fp32), 64 x 256 tokens, one thread a process, {args.runs} run(s)")
+    print(f"\nGPTQ W4A16 g128, random {args.hidden}-hidden Llama (8 layers, fp32), 64 x 256 tokens, one thread a process, {args.runs} run(s)")
     print(f"{'':<12} {'wall s':>8} {'peak PSS MB':>12} {'peak RSS MB':>12}")
     for name, row in (("one process", one), ("2 ranks", two)):
         print(f"{name:<12} {row['wall_s']:>8.1f} {row['pss_mb']:>12.0f} {row['rss_mb']:>12.0f}")
