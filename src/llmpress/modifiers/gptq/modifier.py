@@ -224,8 +224,9 @@ class GPTQModifier(Modifier):
         """GPTQ on ``names``; modules that share a Hessian and a scheme go as one matrix.
 
         Under torch.distributed (every rank calls this with the same ``names``) each Hessian is
-        summed onto one rank, the ranks solve their Hessians' modules side by side (balanced by
-        the solves' cost), and each result goes from its rank to the others."""
+        summed over the ranks; a group with row-wise qparams is solved by every rank on its share
+        of the rows, any other by one rank (balanced by the solves' cost); every result then goes
+        to every rank (``ranks.py``)."""
         self.hessians.end_of_first_pass()
         # NVFP4: global scales from the weights as they are, fixed before any solve changes them
         share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
