@@ -186,7 +186,7 @@ class WorkFolder:
                     stale = self.path / f"layer-{previous:05d}.inputs.rank{r}.pt"
                     self.progress["files"].pop(stale.name, None)
                     stale.unlink(missing_ok=True)
-        return state_file
+        return state_file if state_file.exists() else None  # (a rank on another machine, without the folder: None)
 
     def finish(self) -> None:
         """The checkpoint is written: it records the run, and the work folder goes."""
