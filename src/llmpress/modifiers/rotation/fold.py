@@ -25,6 +25,21 @@ def _put(param: torch.Tensor, value: torch.Tensor) -> None:
     param.data = value.to(param.dtype).contiguous()
 
 
+#: rows of a weight taken into float64 at a time where its rows are rotated independently: an
+#: embedding table or output head (SmolLM2's 49152 x 576, 226 MB in float64) never whole in float64
+ROWS_AT_ONCE = 4096
+
+
+def _put_by_rows(param: torch.Tensor, change) -> None:
+    """``param`` replaced by ``change(rows in float64)`` computed ``ROWS_AT_ONCE`` rows at a time,
+    each block rounded once to the weight's dtype: the same values as the whole matrix at once."""
+    source = param.detach()
+    result = torch.empty(source.shape, dtype=source.dtype, device=source.device)
+    for start in range(0, source.shape[0], ROWS_AT_ONCE):
+        result[start : start + ROWS_AT_ONCE] = change(source[start : start + ROWS_AT_ONCE].double())
+    param.data = result
+
+
 @torch.no_grad()
 def unit_gain(norm: nn.Module) -> torch.Tensor:
     """Set the norm's gain to 1 (its weight to ``1 - c`` for a ``c + weight`` gain, Gemma's) and
@@ -38,14 +53,16 @@ def unit_gain(norm: nn.Module) -> torch.Tensor:
 @torch.no_grad()
 def fold_gain_and_rotate_inputs(module: nn.Module, gain: torch.Tensor | None, rotation: Rotation | None) -> None:
     """The module reads ``x * gain`` rotated: ``W diag(gain) Q`` (``Qᵀ diag(gain) W`` for Conv1D)."""
-    weight = module.weight.detach().double()
+
+    def change(weight: torch.Tensor) -> torch.Tensor:
+        if gain is not None:
+            weight = weight * gain.to(weight.device)[None, :]
+        return weight if rotation is None else rotation.rows(weight)
+
     if input_major(module):
-        weight = weight.T
-    if gain is not None:
-        weight = weight * gain.to(weight.device)[None, :]
-    if rotation is not None:
-        weight = rotation.rows(weight)
-    _put(module.weight, weight.T if input_major(module) else weight)
+        _put(module.weight, change(module.weight.detach().double().T).T)
+    else:  # each row on its own: a block of rows at a time (an output head is vocabulary-sized)
+        _put_by_rows(module.weight, change)
 
 
 @torch.no_grad()
@@ -68,5 +85,5 @@ def rotate_outputs(module: nn.Module, rotation: Rotation, rows: tuple[int, int] 
 
 @torch.no_grad()
 def rotate_embedding(embedding: nn.Module, rotation: Rotation) -> None:
-    """Every row of the table ``E`` rotated: ``E Q``."""
-    _put(embedding.weight, rotation.rows(embedding.weight.detach().double()))
+    """Every row of the table ``E`` rotated: ``E Q``, a block of rows at a time."""
+    _put_by_rows(embedding.weight, rotation.rows)
