@@ -78,6 +78,43 @@ def test_gradients_reach_the_offsets_and_both_range_scales():
     assert tuned.offset.max() == 0.5 and tuned.max_scale.max() == 1.0
 
 
+@pytest.mark.parametrize("args", [
+    QuantizationArgs(num_bits=3, symmetric=True, strategy="group", group_size=64),
+    QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=32),
+    QuantizationArgs(num_bits=8, symmetric=True, strategy="channel"),
+    preset_scheme("NVFP4A16", ["Linear"]).weights,
+    preset_scheme("MXFP4A16", ["Linear"]).weights,
+], ids=["int3-sym-g64", "int4-asym-g32", "int8-sym-channel", "nvfp4", "mxfp4"])
+def test_native_operators_give_pytorchs_values_and_gradients(args, monkeypatch):
+    """The fused operators (native/autoround.cpp) against PyTorch's autograd on the same tuned
+    values: the weight bit for bit, the offsets' gradients too, the range scales' to float32
+    rounding (summed in another order), on a tail group (100 columns) and values outside range."""
+    from llmpress import native
+    if not native.available():
+        pytest.skip("llmpress's CPU kernels are not built here")
+    cols = 100 if args.is_grouped and not args.is_fp4 else 96
+    weight, grad = _weight(rows=40, cols=cols), torch.randn(40, cols)
+    global_scale = weight_global_scale([weight]) if args.has_global_scale else None
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(native, "available", (lambda: True) if fused else (lambda: False))
+        tuned = TunedWeight(weight, args, global_scale)
+        assert (tuned._native_group() is not None) == fused
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(1)
+            tuned.offset.uniform_(-0.6, 0.6, generator=generator)  # some past the clamp: their gradient is zero
+            tuned.min_scale.uniform_(0.6, 1.0, generator=generator)
+            tuned.max_scale.uniform_(0.6, 1.0, generator=generator)
+        values = tuned.dequantized()
+        (values * grad).sum().backward()
+        results.append((values.detach(), tuned.final()[0], [p.grad for p in tuned.parameters]))
+    (fused_values, fused_final, fused_grads), (values, final, grads) = results
+    assert torch.equal(fused_values, values) and torch.equal(fused_final, final)
+    assert torch.equal(fused_grads[0], grads[0]) and (grads[0] == 0).any()
+    for fused_grad, grad_ in zip(fused_grads[1:], grads[1:]):
+        torch.testing.assert_close(fused_grad, grad_, rtol=1e-5, atol=1e-5 * grad_.abs().max().item())
+
+
 def test_a_bf16_scale_is_the_one_tuned_and_stored():
     """The scale is rounded to the stored dtype while tuning too: the weight kept is on the grid
     of the bf16 scale the checkpoint holds."""

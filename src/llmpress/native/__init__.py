@@ -7,7 +7,9 @@ per-column update and the MSE observer's scoring, each one call where PyTorch ta
 small ones. ``gram.cpp``: ``gram_bf16_add_``, the Hessians' ``X^T X`` of bf16 inputs on the
 CPU's bf16 units, summed in float32 (PyTorch's bf16 product rounds it to bf16). ``fp4.cpp``:
 ``fp4_quantize_pack``, NVFP4 / MXFP4 rounding and packing in one pass, and ``group_min_max``,
-the ranges of small groups.
+the ranges of small groups. ``autoround.cpp``: ``autoround_qdq`` and its backward, AutoRound's
+tuned weight on its integer grid and the gradients of its offsets, steps and zero points, one
+pass each where PyTorch's autograd takes about thirty.
 
 They are compiled once per source, compiler flags and PyTorch version by
 ``torch.utils.cpp_extension`` into ``$LLMPRESS_CACHE`` (default ``~/.cache/llmpress``): seconds,
@@ -36,13 +38,13 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "add_gram_bf16_", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear",
+    "add_float32_", "add_gram_bf16_", "autoround_qdq", "autoround_qdq_backward", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear",
     "int8_linear_bf16", "transposed",
 ]
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp", "gram.cpp", "fp4.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp", "gram.cpp", "fp4.cpp", "autoround.cpp")]
 HEADERS = [Path(__file__).with_name("blocks64.h")]
 # no contraction into fused multiply-adds: gptq.cpp repeats PyTorch's arithmetic step by step
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
@@ -177,6 +179,26 @@ def gpu_columns_available(device: torch.device) -> bool:
 @functools.cache
 def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def autoround_qdq(weight: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, zero: torch.Tensor | None,
+                  group: int, q_min: float, q_max: float, fp4: bool = False) -> torch.Tensor:
+    """``(round(clamp(weight / step + offset (+ zero), q_min, q_max)) (- zero)) * step`` for a
+    float32 ``weight`` and ``offset`` ``[rows, cols]`` and ``step`` / ``zero`` ``[rows, groups]``
+    (one per ``group`` columns), rounded onto the integers or (``fp4``) the e2m1 values, bit for
+    bit as PyTorch's operators compute it."""
+    return torch.ops.llmpress.autoround_qdq(weight, offset, step, zero, group, q_min, q_max, fp4)
+
+
+def autoround_qdq_backward(grad: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor, step: torch.Tensor,
+                           zero: torch.Tensor | None, group: int, q_min: float, q_max: float,
+                           fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradients of ``autoround_qdq``'s ``offset``, ``step`` and ``zero`` (None without one)
+    for ``grad`` of its output: the rounding passed straight through, the clamp's where the
+    value lies in range."""
+    d_offset, d_step, d_zero = torch.ops.llmpress.autoround_qdq_backward(grad, weight, offset, step, zero, group, q_min, q_max,
+                                                                         fp4)
+    return d_offset, d_step, None if zero is None else d_zero
 
 
 def candidate_errors(blocks: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, q_min: float, q_max: float) -> torch.Tensor:

@@ -82,9 +82,9 @@ def init_from_environment(device: torch.device | str | None = None) -> bool:
     backend = "gloo"
     if on_gpu:
         count = torch.cuda.device_count()
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % count if wanted is None or wanted.index is None
-                              else wanted.index)
-        if int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) <= count and (wanted is None or wanted.index is None):
+        by_local_rank = wanted is None or wanted.index is None  # a named GPU is the user's: every rank on it
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % count if by_local_rank else wanted.index)
+        if by_local_rank and int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) <= count:
             backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend=backend)
     logger.info("rank %d of %d (%s%s)", dist.get_rank(), dist.get_world_size(), backend,
@@ -148,10 +148,11 @@ def _collective(tensor: torch.Tensor, run: Any) -> torch.Tensor:
     """``run`` (a collective, in place) on ``tensor``, through a copy on a device the backend
     takes where it does not take the tensor's own (a CUDA tensor on gloo, when ranks share a GPU)
     or where it is not contiguous; the result copied back."""
-    if _backend_takes(tensor) and tensor.is_contiguous():
+    takes = _backend_takes(tensor)
+    if takes and tensor.is_contiguous():
         run(tensor)
         return tensor
-    device = tensor.device if _backend_takes(tensor) else (
+    device = tensor.device if takes else (
         torch.device("cpu") if tensor.is_cuda else torch.device("cuda", torch.cuda.current_device()))
     staged = tensor.to(device, copy=True, memory_format=torch.contiguous_format)
     run(staged)

@@ -17,8 +17,11 @@ Signed Gradient Descent" (2023).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from llmpress import native
 from llmpress.quant.qdq import (
     compute_qparams,
     effective_scale,
@@ -39,6 +42,25 @@ def _straight_through(value: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return value + (exact.to(value.dtype) - value).detach()
 
 
+class _OnGrid(torch.autograd.Function):
+    """``_on_grid`` for an integer or fp4 grid in groups or channels, as native operators: the
+    same values bit for bit, the gradients in one pass (``native/autoround.cpp``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, zero_point: torch.Tensor | None,
+                group: int, q_min: float, q_max: float, fp4: bool) -> torch.Tensor:
+        ctx.save_for_backward(weight, offset, step, zero_point)
+        ctx.grid = (group, q_min, q_max, fp4)
+        return native.autoround_qdq(weight, offset, step, zero_point, group, q_min, q_max, fp4)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        weight, offset, step, zero_point = ctx.saved_tensors
+        d_offset, d_step, d_zero = native.autoround_qdq_backward(grad.to(torch.float32).contiguous(), weight, offset, step,
+                                                                 zero_point, *ctx.grid)
+        return None, d_offset, d_step, d_zero, None, None, None, None
+
+
 class TunedWeight:
     """``weight`` (a module's, as stored: ``[out, in]``, a Conv1D's ``[in, out]``, its qparams
     along the last dimension either way) with its tunable offsets and range scales. Scales are
@@ -49,7 +71,7 @@ class TunedWeight:
                  scale_dtype: torch.dtype = torch.float32) -> None:
         self.args, self.scale_dtype = args, scale_dtype
         self.global_scale = None if global_scale is None else global_scale.to(torch.float32)
-        self.weight = weight.detach().to(torch.float32)
+        self.weight = weight.detach().to(torch.float32).contiguous()
         low, high = reduce_min_max(self.weight, args)
         self.low, self.high = low.clamp(max=0.0), high.clamp(min=0.0)
         self.offset = torch.zeros_like(self.weight, requires_grad=True)
@@ -116,9 +138,24 @@ class TunedWeight:
             return expand_to_columns(qparam, self.weight.shape[-1], args)
         return qparam
 
+    def _native_group(self) -> int | None:
+        """Columns per qparam where the native operators take this weight (an integer or fp4
+        grid in groups or channels of a 2-D CPU weight), else None."""
+        args = self.args
+        by_rows = (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP, QuantizationStrategy.CHANNEL)
+        if ((args.is_float and not args.is_fp4) or args.strategy not in by_rows or self.weight.dim() != 2
+                or self.weight.device.type != "cpu" or not native.available()):
+            return None
+        return args.group_size if args.is_grouped else self.weight.shape[-1]
+
     def _on_grid(self, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
         """``round(W / scale + V) (+ zero point)`` on the grid, dequantized (float32): the
         rounding's gradient passes straight through."""
+        group = self._native_group()
+        if group is not None:
+            step = effective_scale(scale, self.args, self.global_scale).contiguous()
+            zero = None if zero_point is None else zero_point.to(torch.float32).contiguous()
+            return _OnGrid.apply(self.weight, self.offset, step, zero, group, *map(float, self.args.q_range), self.args.is_fp4)
         step = self._expand(effective_scale(scale, self.args, self.global_scale))
         x = self.weight / step + self.offset
         if zero_point is not None:
