@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import subprocess
 import sys
@@ -85,9 +86,13 @@ def rotated_sizes_power_of_two(model_dir: str) -> bool:
     return all(size & (size - 1) == 0 for size in sizes)
 
 
+@functools.cache
 def commit() -> str:
+    """The commit the run's code is from, read once (the first run's start: a commit made while
+    the grid runs is not the code it runs), ``+changes`` where ``src`` differs from it."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    changed = subprocess.run(["git", "status", "--porcelain", "src"], cwd=REPO, capture_output=True, text=True)
+    return (done.stdout.strip() or "unknown") + ("+changes" if changed.stdout.strip() else "")
 
 
 def run_one(tool: str, model: str, data: Path, plan: dict) -> dict:
@@ -125,6 +130,7 @@ def main() -> None:
     parser.add_argument("--rerun", action="store_true", help="measure again what the results file already has")
     parser.add_argument("--table-only", action="store_true", help="print the tables from the results file, run nothing")
     args = parser.parse_args()
+    commit()  # the code this run starts from
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).name
