@@ -115,6 +115,23 @@ def test_native_operators_give_pytorchs_values_and_gradients(args, monkeypatch):
         torch.testing.assert_close(fused_grad, grad_, rtol=1e-5, atol=1e-5 * grad_.abs().max().item())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["native", "pytorch"])
+def test_a_weight_within_half_a_step_past_the_grid_can_still_round_inward(fused, monkeypatch):
+    """The clamp is taken after the rounding (as auto-round takes it): 3.3 steps rounds to 3, on
+    the 3-bit grid [-4, 3], so its offset gets a gradient (it may go to 2); 3.7 rounds to 4, past
+    the end, and gets none."""
+    from llmpress import native
+    if fused and not native.available():
+        pytest.skip("llmpress's CPU kernels are not built here")
+    monkeypatch.setattr(native, "available", (lambda: True) if fused else (lambda: False))
+    args = QuantizationArgs(num_bits=3, symmetric=True, strategy="channel")
+    tuned = TunedWeight(torch.tensor([[-4.0, 3.3, 3.7, 1.0] * 4]), args, None)  # the scale: 4 / 4 = 1
+    values = tuned.dequantized()
+    assert values[0, :4].tolist() == [-4.0, 3.0, 3.0, 1.0]
+    values.sum().backward()
+    assert tuned.offset.grad[0, :4].tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
 def test_a_bf16_scale_is_the_one_tuned_and_stored():
     """The scale is rounded to the stored dtype while tuning too: the weight kept is on the grid
     of the bf16 scale the checkpoint holds."""

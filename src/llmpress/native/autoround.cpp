@@ -8,9 +8,10 @@
  *     rounds it (built with -ffp-contract=off; -0.0 comes out of the rounding as 0.0), so the
  *     values are the same bit for bit. PyTorch takes about ten passes over the weight for it.
  *   autoround_qdq_backward: the gradients of the offsets v, the steps s and the zero points z,
- *     the rounding passed straight through and the clamp's gradient where lo <= x <= hi:
- *       dv = g s [x in range],  ds = sum over the group of g (q - z) - g [x in range] w / s,
- *       dz = sum over the group of g s ([x in range] - 1).
+ *     the rounding passed straight through and the clamp's where the rounded value r lies in
+ *     [lo, hi] (the clamp taken after the rounding, as auto-round takes it; the same values):
+ *       dv = g s [r in range],  ds = sum over the group of g (q - z) - g [r in range] w / s,
+ *       dz = sum over the group of g s ([r in range] - 1).
  *     In one pass instead of about twenty; the sums run in another order than autograd's, so
  *     ds and dz may differ from it in the last bits (AutoRound steps on their sign).
  */
@@ -144,8 +145,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> autoround_qdq_backward(
                     const __m256 scaled = _mm256_div_ps(_mm256_loadu_ps(g.w + base + c), vs), gv = _mm256_loadu_ps(go + base + c);
                     __m256 x = _mm256_add_ps(scaled, _mm256_loadu_ps(g.v + base + c));
                     if (g.z) x = _mm256_add_ps(x, vz);
-                    const __m256 inside = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), _mm256_cmp_ps(x, hi, _CMP_LE_OQ)), one);
-                    __m256 q = _mm256_add_ps(on_grid(_mm256_min_ps(_mm256_max_ps(x, lo), hi), g.fp4), zero_f);
+                    const __m256 r = on_grid(x, g.fp4);
+                    const __m256 inside = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(r, lo, _CMP_GE_OQ), _mm256_cmp_ps(r, hi, _CMP_LE_OQ)), one);
+                    __m256 q = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(r, lo), hi), zero_f);
                     if (g.z) q = _mm256_sub_ps(q, vz);
                     const __m256 gs = _mm256_mul_ps(gv, vs), passed = _mm256_mul_ps(gs, inside);
                     _mm256_storeu_ps(dv + base + c, passed);
@@ -157,8 +159,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> autoround_qdq_backward(
                     const float scaled = g.w[base + c] / s, gv = go[base + c];
                     float x = scaled + g.v[base + c];
                     if (g.z) x = x + z;
-                    const float inside = (x >= g.lo && x <= g.hi) ? 1.0f : 0.0f;
-                    float q = on_grid(std::min(std::max(x, g.lo), g.hi), g.fp4) + 0.0f;
+                    const float r = on_grid(x, g.fp4), inside = (r >= g.lo && r <= g.hi) ? 1.0f : 0.0f;
+                    float q = std::min(std::max(r, g.lo), g.hi) + 0.0f;
                     if (g.z) q = q - z;
                     const float gs = gv * s, passed = gs * inside;
                     dv[base + c] = passed;

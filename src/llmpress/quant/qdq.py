@@ -57,21 +57,22 @@ def expand_to_weight(qparam: torch.Tensor, shape: torch.Size, args: Quantization
     return qparam.repeat_interleave(rows, dim=0)[: shape[0]].repeat_interleave(cols, dim=1)[:, : shape[1]]
 
 
-def round_to_grid(x: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+def round_to_grid(x: torch.Tensor, args: QuantizationArgs, clamp: bool = True) -> torch.Tensor:
     """``x`` (already divided by its scale, zero point added) rounded onto the grid of
     ``args``, in place where it can be: integers (int8 storage), fp8 (float8_e4m3fn storage) or
     fp4 values (float32; ties to the even mantissa, a negative value rounding to zero keeps its
-    sign, as the packed code does)."""
+    sign, as the packed code does). ``clamp=False`` (integers and fp4, in float32): the grid
+    continued past its ends (fp4 in steps of 2), so the caller sees where a value rounds to."""
     q_min, q_max = args.q_range
     if args.is_fp4:
-        x = x.clamp_(q_min, q_max)
+        x = x.clamp_(q_min, q_max) if clamp else x
         magnitude = x.abs()
         # the grid's step: 0.5 below 2, 1 below 4, 2 above (sums of exact halves; 2.4x faster than nested wheres)
         step = (magnitude >= 2).to(torch.float32).mul_(0.5).add_((magnitude >= 4).to(torch.float32)).add_(0.5)
         return magnitude.div_(step).round_().mul_(step).copysign_(x)
     if args.is_float:
         return x.clamp_(q_min, q_max).to(torch.float8_e4m3fn)
-    return x.round_().clamp_(q_min, q_max)
+    return x.round_().clamp_(q_min, q_max) if clamp else x.round_()
 
 
 def global_scale_of(amax: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,9 @@ class TunedWeight:
 
     def _on_grid(self, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
         """``round(W / scale + V) (+ zero point)`` on the grid, dequantized (float32): the
-        rounding's gradient passes straight through."""
+        rounding's gradient passes straight through, and the grid's clamp passes it where the
+        rounded value lies on the grid (as auto-round clamps after rounding): a weight within
+        half a step past the grid's end can still be rounded inward."""
         group = self._native_group()
         if group is not None:
             step = effective_scale(scale, self.args, self.global_scale).contiguous()
@@ -161,8 +163,12 @@ class TunedWeight:
         if zero_point is not None:
             zero_point = self._expand(zero_point.to(torch.float32))
             x = x + zero_point
-        x = x.clamp(*self.args.q_range)
-        q = _straight_through(x, round_to_grid(x.detach().clone(), self.args).to(torch.float32)) + 0.0  # -0.0 -> 0.0
+        if self.args.is_float and not self.args.is_fp4:  # fp8: the cast's grid ends at the clamp
+            x = x.clamp(*self.args.q_range)
+            q = _straight_through(x, round_to_grid(x.detach().clone(), self.args).to(torch.float32))
+        else:  # rounded, then clamped: the gradient passes where the rounded value lies on the grid
+            q = _straight_through(x, round_to_grid(x.detach().clone(), self.args, clamp=False)).clamp(*self.args.q_range)
+        q = q + 0.0  # -0.0 -> 0.0
         if zero_point is not None:
             q = q - zero_point
         return q * step
