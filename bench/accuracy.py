@@ -172,12 +172,22 @@ def append(results: Path, record: dict) -> None:
 
 def print_tables(records: list[dict], base: dict, iters: int, rows: list[str], methods: list[str],
                  tools: list[str]) -> None:
-    """The best of each tool per scheme, then every method's figure."""
-    mine = {}
+    """The best of each tool per scheme, then every method's figure. llmpress's figure is its
+    latest run (its code changes between commits; each run is deterministic); a peer's is the
+    mean perplexity of all its runs (its code is fixed, and its AutoRound draws samples at
+    random, so one run is one draw), with the latest run's time and peak."""
+    mine: dict[tuple, dict] = {}
+    draws: dict[tuple, list[float]] = {}
     for record in records:  # the latest run of each key wins
         wanted = iters if "autoround" in record["method"] else None
         if all(record[k] == v for k, v in base.items()) and record["iters"] == wanted:
-            mine[(record["row"], record["method"], record["tool"])] = record
+            at = (record["row"], record["method"], record["tool"])
+            mine[at] = dict(record)
+            if "perplexity" in record and record["tool"] != "llmpress":
+                draws.setdefault(at, []).append(record["perplexity"])
+    for at, values in draws.items():
+        if "perplexity" in mine[at] and len(values) > 1:
+            mine[at].update(perplexity=sum(values) / len(values), runs=len(values))
     dense = next((r["perplexity"] for (row, _, _), r in mine.items() if row == "unquantized"), None)
     if dense is None:
         print("no results for this model and calibration yet")
@@ -194,7 +204,8 @@ def print_tables(records: list[dict], base: dict, iters: int, rows: list[str], m
                 cells.append("- | | |")
                 continue
             best = min(measured, key=lambda r: r["perplexity"])
-            cells.append(f"{best['perplexity']:.3f} ({best['method']}) | {best['perplexity'] - dense:+.3f} | "
+            runs = f", mean of {best['runs']} runs" if best.get("runs") else ""
+            cells.append(f"{best['perplexity']:.3f} ({best['method']}{runs}) | {best['perplexity'] - dense:+.3f} | "
                          f"{best['seconds']:.0f} s | {best['peak_mb']:.0f} MB")
         print(f"| {row.upper()} | " + " | ".join(cells) + " |")
     print("\nEvery method, perplexity " + " / ".join(tools) + " (refused: the tool cannot run the recipe):\n")
@@ -206,7 +217,8 @@ def print_tables(records: list[dict], base: dict, iters: int, rows: list[str], m
             figures = []
             for tool in tools:
                 record = mine.get((row, method, tool), {})
-                figures.append(f"{record['perplexity']:.3f}" if "perplexity" in record
+                runs = f" ({record['runs']} runs)" if record.get("runs") else ""
+                figures.append(f"{record['perplexity']:.3f}{runs}" if "perplexity" in record
                                else "refused" if "refused" in record else "failed" if "failed" in record else "-")
             cells.append(" / ".join(figures))
         print(f"| {row.upper()} | " + " | ".join(cells) + " |")
