@@ -8,7 +8,7 @@ small ones. ``gram.cpp``: ``gram_bf16_add_``, the Hessians' ``X^T X`` of bf16 in
 CPU's bf16 units, summed in float32 (PyTorch's bf16 product rounds it to bf16). ``fp4.cpp``:
 ``fp4_quantize_pack``, NVFP4 / MXFP4 rounding and packing in one pass, and ``group_min_max``,
 the ranges of small groups. ``autoround.cpp``: ``autoround_qdq`` and its backward, AutoRound's
-tuned weight on its integer grid and the gradients of its offsets, steps and zero points, one
+tuned weight on its integer or fp4 grid and the gradients of its offsets, steps and zero points, one
 pass each where PyTorch's autograd takes about thirty.
 
 They are compiled once per source, compiler flags and PyTorch version by
@@ -195,7 +195,7 @@ def autoround_qdq_backward(grad: torch.Tensor, weight: torch.Tensor, offset: tor
                            fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The gradients of ``autoround_qdq``'s ``offset``, ``step`` and ``zero`` (None without one)
     for ``grad`` of its output: the rounding passed straight through, the clamp's where the
-    value lies in range."""
+    rounded value lies on the grid (the clamp after the rounding)."""
     d_offset, d_step, d_zero = torch.ops.llmpress.autoround_qdq_backward(grad, weight, offset, step, zero, group, q_min, q_max,
                                                                          fp4)
     return d_offset, d_step, None if zero is None else d_zero
