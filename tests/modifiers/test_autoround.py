@@ -132,6 +132,27 @@ def test_a_weight_within_half_a_step_past_the_grid_can_still_round_inward(fused,
     assert tuned.offset.grad[0, :4].tolist() == [1.0, 1.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["native", "pytorch"])
+def test_fp4_clamps_before_the_rounding_as_auto_rounds_fp4_quantizers_do(fused, monkeypatch):
+    """On fp4's grid (its largest value 6) the clamp comes first: 6.3 steps rounds to 6 but is
+    past the range, so its offset gets no gradient; 5.7 and -6 are in range and get one."""
+    from llmpress import native
+    if fused and not native.available():
+        pytest.skip("llmpress's CPU kernels are not built here")
+    monkeypatch.setattr(native, "available", (lambda: True) if fused else (lambda: False))
+    args = preset_scheme("NVFP4A16", ["Linear"]).weights
+    weight = torch.tensor([[-6.0, 6.3, 5.7, 1.0] * 4])
+    tuned = TunedWeight(weight, args, torch.ones(1))
+    with torch.no_grad():  # steps of exactly 1: the scales' range 6.3 / 6 times 6 / 6.3
+        tuned.max_scale.fill_(6.0 / 6.3)
+        tuned.min_scale.fill_(6.0 / 6.3)
+    assert tuned._native_group() is (16 if fused else None)
+    values = tuned.dequantized()
+    assert values[0, :4].tolist() == [-6.0, 6.0, 6.0, 1.0]
+    values.sum().backward()
+    assert tuned.offset.grad[0, :4].tolist() == [1.0, 0.0, 1.0, 1.0]
+
+
 def test_a_bf16_scale_is_the_one_tuned_and_stored():
     """The scale is rounded to the stored dtype while tuning too: the weight kept is on the grid
     of the bf16 scale the checkpoint holds."""

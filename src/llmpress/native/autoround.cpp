@@ -8,10 +8,12 @@
  *     rounds it (built with -ffp-contract=off; -0.0 comes out of the rounding as 0.0), so the
  *     values are the same bit for bit. PyTorch takes about ten passes over the weight for it.
  *   autoround_qdq_backward: the gradients of the offsets v, the steps s and the zero points z,
- *     the rounding passed straight through and the clamp's where the rounded value r lies in
- *     [lo, hi] (the clamp taken after the rounding, as auto-round takes it; the same values):
- *       dv = g s [r in range],  ds = sum over the group of g (q - z) - g [r in range] w / s,
- *       dz = sum over the group of g s ([r in range] - 1).
+ *     the rounding passed straight through and the clamp's where m lies in [lo, hi]: on integer
+ *     grids m is the rounded value r (the clamp taken after the rounding, as auto-round's int
+ *     quantizers take it; the same values), on fp4 the unrounded x (clamped first, as its fp4
+ *     quantizers do):
+ *       dv = g s [m in range],  ds = sum over the group of g (q - z) - g [m in range] w / s,
+ *       dz = sum over the group of g s ([m in range] - 1).
  *     In one pass instead of about twenty; the sums run in another order than autograd's, so
  *     ds and dz may differ from it in the last bits (AutoRound steps on their sign).
  */
@@ -145,8 +147,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> autoround_qdq_backward(
                     const __m256 scaled = _mm256_div_ps(_mm256_loadu_ps(g.w + base + c), vs), gv = _mm256_loadu_ps(go + base + c);
                     __m256 x = _mm256_add_ps(scaled, _mm256_loadu_ps(g.v + base + c));
                     if (g.z) x = _mm256_add_ps(x, vz);
-                    const __m256 r = on_grid(x, g.fp4);
-                    const __m256 inside = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(r, lo, _CMP_GE_OQ), _mm256_cmp_ps(r, hi, _CMP_LE_OQ)), one);
+                    const __m256 r = on_grid(x, g.fp4), m = g.fp4 ? x : r;
+                    const __m256 inside = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(m, lo, _CMP_GE_OQ), _mm256_cmp_ps(m, hi, _CMP_LE_OQ)), one);
                     __m256 q = _mm256_add_ps(_mm256_min_ps(_mm256_max_ps(r, lo), hi), zero_f);
                     if (g.z) q = _mm256_sub_ps(q, vz);
                     const __m256 gs = _mm256_mul_ps(gv, vs), passed = _mm256_mul_ps(gs, inside);
@@ -159,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> autoround_qdq_backward(
                     const float scaled = g.w[base + c] / s, gv = go[base + c];
                     float x = scaled + g.v[base + c];
                     if (g.z) x = x + z;
-                    const float r = on_grid(x, g.fp4), inside = (r >= g.lo && r <= g.hi) ? 1.0f : 0.0f;
+                    const float r = on_grid(x, g.fp4), m = g.fp4 ? x : r, inside = (m >= g.lo && m <= g.hi) ? 1.0f : 0.0f;
                     float q = std::min(std::max(r, g.lo), g.hi) + 0.0f;
                     if (g.z) q = q - z;
                     const float gs = gv * s, passed = gs * inside;

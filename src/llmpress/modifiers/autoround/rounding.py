@@ -149,10 +149,11 @@ class TunedWeight:
         return args.group_size if args.is_grouped else self.weight.shape[-1]
 
     def _on_grid(self, scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
-        """``round(W / scale + V) (+ zero point)`` on the grid, dequantized (float32): the
-        rounding's gradient passes straight through, and the grid's clamp passes it where the
-        rounded value lies on the grid (as auto-round clamps after rounding): a weight within
-        half a step past the grid's end can still be rounded inward."""
+        """``round(W / scale + V) (+ zero point)`` on the grid, dequantized (float32), the
+        rounding's gradient passed straight through. The clamp is taken where auto-round takes
+        it: after the rounding on integer grids (the gradient passes where the rounded value lies
+        on the grid, so a weight within half a step past its end can still be rounded inward),
+        before it on float grids (fp8's cast, and fp4 as its nv_fp4 and mx_fp4 quantizers do)."""
         group = self._native_group()
         if group is not None:
             step = effective_scale(scale, self.args, self.global_scale).contiguous()
@@ -163,7 +164,7 @@ class TunedWeight:
         if zero_point is not None:
             zero_point = self._expand(zero_point.to(torch.float32))
             x = x + zero_point
-        if self.args.is_float and not self.args.is_fp4:  # fp8: the cast's grid ends at the clamp
+        if self.args.is_float:  # clamped, then rounded: the gradient passes where the value lies in range
             x = x.clamp(*self.args.q_range)
             q = _straight_through(x, round_to_grid(x.detach().clone(), self.args).to(torch.float32))
         else:  # rounded, then clamped: the gradient passes where the rounded value lies on the grid
