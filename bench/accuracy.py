@@ -145,6 +145,11 @@ def measure(args, results: Path, base: dict) -> None:
     power_of_two = rotated_sizes_power_of_two(args.model)
     done = {key(r) for r in read_results(results) if "failed" not in r}  # a run that failed is tried again
     unquantized = {**base, "iters": None, "row": "unquantized", "method": "-", "tool": "-"}
+    kept = [r["perplexity"] for r in read_results(results) if key(r) == key(unquantized)]
+    if kept and abs(kept[-1] - dense) > 1e-5 * dense:  # results are keyed by the folder's name
+        sys.exit(f"{args.results} holds unquantized perplexity {kept[-1]:.4f} for '{base['model']}', and "
+                 f"{args.model} gives {dense:.4f}: another copy of the model (the bundled bf16 one where "
+                 f"../shared is missing?) under the same name. Pass --results another file, or rename the folder.")
     if key(unquantized) not in done or args.rerun:
         append(results, {**unquantized, "perplexity": dense})
     print(f"{args.model}: unquantized perplexity {dense:.3f}; {len(batches)} x {args.seq_len} calibration tokens; "
