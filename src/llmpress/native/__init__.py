@@ -45,7 +45,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "amx.cpp", "gptq.cpp", "gram.cpp", "fp4.cpp", "autoround.cpp")]
-HEADERS = [Path(__file__).with_name("blocks64.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("blocks64.h", "rounding.h")]
 # no contraction into fused multiply-adds: gptq.cpp repeats PyTorch's arithmetic step by step
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]
 

@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "rounding.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -33,9 +35,7 @@
 
 namespace {
 
-constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-
-static inline float round_even(float x) { return _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(x), ROUND)); }
+using llmpress::round_even;
 
 /* fp4 (e2m1): the magnitude rounded half to even in steps of 0.5 below 2, 1 below 4, 2 above,
  * the sign kept, as quant/qdq.py's round_to_grid computes it */
@@ -50,11 +50,11 @@ static inline __m256 round_fp4(__m256 x) {
         _mm256_add_ps(_mm256_and_ps(_mm256_cmp_ps(m, _mm256_set1_ps(2.0f), _CMP_GE_OQ), _mm256_set1_ps(0.5f)),
                       _mm256_and_ps(_mm256_cmp_ps(m, _mm256_set1_ps(4.0f), _CMP_GE_OQ), _mm256_set1_ps(1.0f))),
         _mm256_set1_ps(0.5f));
-    return _mm256_or_ps(_mm256_mul_ps(_mm256_round_ps(_mm256_div_ps(m, step), ROUND), step), _mm256_and_ps(sign, x));
+    return _mm256_or_ps(_mm256_mul_ps(round_even(_mm256_div_ps(m, step)), step), _mm256_and_ps(sign, x));
 }
 
 static inline float on_grid(float x, bool fp4) { return fp4 ? round_fp4(x) : round_even(x); }
-static inline __m256 on_grid(__m256 x, bool fp4) { return fp4 ? round_fp4(x) : _mm256_round_ps(x, ROUND); }
+static inline __m256 on_grid(__m256 x, bool fp4) { return fp4 ? round_fp4(x) : round_even(x); }
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

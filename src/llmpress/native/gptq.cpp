@@ -24,16 +24,17 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "rounding.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
 
 namespace {
 
-constexpr int64_t ROW_CHUNK = 256; /* weight rows taken at a time: the block's columns of them stay in L1/L2 */
-constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+using llmpress::round_even;
 
-static inline float round_even(float x) { return _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(x), ROUND)); }
+constexpr int64_t ROW_CHUNK = 256; /* weight rows taken at a time: the block's columns of them stay in L1/L2 */
 
 /* q = (clamp(round(w / s) + z, lo, hi) - z) * s, as _Rounding computes it (z = 0 when symmetric) */
 static void gptq_columns_rows(float *inner, float *err, const float *upper, const float *scale, int64_t scale_step,
@@ -46,7 +47,7 @@ static void gptq_columns_rows(float *inner, float *err, const float *upper, cons
         int64_t r = r0;
         for (; r + 8 <= r1; r += 8) {
             __m256 vw = _mm256_loadu_ps(w + r), vs = _mm256_loadu_ps(s + r);
-            __m256 q = _mm256_round_ps(_mm256_div_ps(vw, vs), ROUND);
+            __m256 q = round_even(_mm256_div_ps(vw, vs));
             if (z) {
                 __m256 vz = _mm256_loadu_ps(z + r);
                 q = _mm256_sub_ps(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), vlo), vhi), vz);
@@ -119,7 +120,7 @@ static float unit_error(const float *w, int64_t size, float s, const float *zp, 
     for (; j + 8 <= size; j += 8) {
         __m256 vw = _mm256_loadu_ps(w + j), x = _mm256_div_ps(vw, vs);
         if (zp) x = _mm256_add_ps(x, vz);
-        x = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(x, ROUND), vlo), vhi);
+        x = _mm256_min_ps(_mm256_max_ps(round_even(x), vlo), vhi);
         if (zp) x = _mm256_sub_ps(x, vz);
         __m256 d = _mm256_sub_ps(_mm256_mul_ps(x, vs), vw);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(d, d));
