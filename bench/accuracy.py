@@ -28,7 +28,10 @@ llm-compressor where every rotated size is a power of two, else ``random-hadamar
 
 Results are kept, one JSON line per run with its date and commit, in ``--results`` (default
 ``bench/results/accuracy.jsonl``); a run already there is not repeated unless ``--rerun`` (one that
-failed, rather than being refused, is), so a long grid can be measured over several sittings. The tables are printed from that file.
+failed, rather than being refused, is), so a long grid can be measured over several sittings. The tables are printed from that file;
+a tool's best is over every recipe measured for it, the compositions included. A results file
+keys runs by the model folder's name: a run whose unquantized perplexity differs from the one
+filed under that name (another copy of the model) stops before it measures anything.
 """
 
 from __future__ import annotations
@@ -199,6 +202,9 @@ def print_tables(records: list[dict], base: dict, iters: int, rows: list[str], m
         return
     print(f"\n{base['model']}: unquantized {dense:.3f}; {base['samples']} x {base['seq_len']} calibration tokens; "
           f"AutoRound {iters} steps\n")
+    # a tool's best is over every recipe it was measured with (the compositions included); the
+    # second table shows the methods asked for and the compositions measured on these rows
+    methods = [m for m in METHODS if m in methods or any((row, m, tool) in mine for row in rows for tool in tools)]
     print("| scheme | " + " | ".join(f"{t} best | rise | time | peak memory" for t in tools) + " |")
     print("|---|" + "---|---|---|---|" * len(tools))
     for row in rows:
