@@ -21,7 +21,8 @@ it, not).
 Methods (llm-compressor's recipes of the issue, and what composes them): ``gptq``, ``awq``
 (AWQModifier, then QuantizationModifier with the scheme), ``quip-gptq`` (QuIP v + u), ``spinquant-gptq`` (R1 + R2),
 ``spinquant-r4-gptq`` (R1 + R2 + R4), ``autoround`` (``--iters`` steps of 8 samples), and the
-compositions ``quip-autoround``, ``spinquant-autoround``, ``spinquant-r4-autoround``. SpinQuant's transform type is
+compositions ``quip-autoround``, ``spinquant-autoround``, ``spinquant-r4-autoround``, and
+``smoothquant-gptq`` (SmoothQuant at strength 0.8, then GPTQ: llm-compressor's W8A8 example). SpinQuant's transform type is
 ``hadamard`` for llmpress (its Hadamard matrices of any order 2^k, 12 or 20 times 2^k) and for
 llm-compressor where every rotated size is a power of two, else ``random-hadamard`` (its
 ``hadamard`` takes powers of two only); QuIP keeps its default ``random-hadamard`` in both.
@@ -51,7 +52,7 @@ from rotation import ROWS, prepare, row_groups
 
 TOOLS = {"llmpress": sys.executable, "llm-compressor": str(PEER_PYTHON)}
 METHODS = ("gptq", "awq", "quip-gptq", "spinquant-gptq", "spinquant-r4-gptq", "autoround", "quip-autoround",
-           "spinquant-autoround", "spinquant-r4-autoround")
+           "spinquant-autoround", "spinquant-r4-autoround", "smoothquant-gptq")
 DEFAULT_METHODS = METHODS[:6]
 SPINQUANT = {"spinquant": ["R1", "R2"], "spinquant-r4": ["R1", "R2", "R4"]}
 
@@ -67,7 +68,9 @@ def recipe(method: str, groups: dict, tool: str, power_of_two: bool, iters: int)
     """``method``'s recipe for ``tool``, in llm-compressor's grammar."""
     rotation, _, quantizer = method.rpartition("-")
     modifiers: dict = {}
-    if rotation == "quip":
+    if rotation == "smoothquant":  # llm-compressor's W8A8 example: activations' outliers into the weights
+        modifiers["SmoothQuantModifier"] = {"smoothing_strength": 0.8}
+    elif rotation == "quip":
         modifiers["QuIPModifier"] = {"rotations": ["v", "u"], "transform_type": "random-hadamard"}
     elif rotation:
         kind = "hadamard" if tool == "llmpress" or power_of_two else "random-hadamard"
