@@ -3,6 +3,8 @@ weights (the function kept, activation outliers moved into the weights)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import logits, make_tiny_llama, text_path, token_batches, trained_model_dir
@@ -663,3 +665,23 @@ def test_experts_without_tokens_cannot_pass_for_a_mapping(tmp_path):
     mappings, skipped = find_mappings(block, "", [])
     assert not any(m.smooth_name.endswith("post_attention_layernorm") for m in mappings)
     assert any("did not run on the first batch" in s for s in skipped)
+
+
+def test_awq_scores_its_candidates_with_the_inputs_rounded_as_they_will_be(calibration_and_eval, caplog):
+    """With int8 activations per token (W8A8), a candidate's error counts the rounding of the
+    inputs ``x / s`` as well as the weights': the error at ``s = 1`` is above W8A16's (the same
+    weight rounding) on every mapping, and on a model with activation outliers the scales chosen
+    cut the output error of the quantized model several times, as SmoothQuant's do."""
+    batches, ids = calibration_and_eval
+    firsts = {}
+    for scheme in ("W8A16", "W8A8"):
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="llmpress.modifiers.smoothing.awq"):
+            llmpress.oneshot(trained(), [AWQModifier(), QuantizationModifier(scheme=scheme, ignore=["lm_head"])], batches[:4])
+        firsts[scheme] = [float(x) for x in re.findall(r"output error (\S+) at s = 1", caplog.text)]
+    assert len(firsts["W8A8"]) == len(firsts["W8A16"]) > 0
+    assert all(a8 > a16 * 1.5 for a8, a16 in zip(firsts["W8A8"], firsts["W8A16"])), firsts
+    reference = logits(outlier_model(), ids)
+    plain = llmpress.oneshot(outlier_model(), QuantizationModifier(scheme="W8A8", ignore=["lm_head"]), batches[:4])
+    awq = llmpress.oneshot(outlier_model(), [AWQModifier(), QuantizationModifier(scheme="W8A8", ignore=["lm_head"])], batches[:4])
+    assert rel(logits(awq, ids), reference) < rel(logits(plain, ids), reference) / 3
