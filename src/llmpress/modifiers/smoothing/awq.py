@@ -23,14 +23,17 @@ output of the smallest module holding the balance layers (the attention for q/k/
 gate/up, the layer itself for a single one), with the balance weights ``Q(W * s) / s`` (min-max
 grid of the quantizer's scheme), against its full-precision output (mean squared error): run on
 its cached inputs (``search_tokens`` of them, default 4096, spread over the set), or for a single
-Linear computed exactly over every token from its inputs' Gram matrix. Where the scheme rounds the
-balance layers' inputs at run time (dynamic activations: W8A8, W4A8, NVFP4), they are rounded in
-the score too, as ``Q_a(x / s) * s``, and every owner is run: the scales then move activation
-outliers into the weights where that pays, as SmoothQuant's do (an llmpress addition: llm-compressor's
-loss, ``||Q(W s)(X / s) - W X||``, is written with the weights' rounding alone). SmolLM2-135M W8A8, AWQ then round-to-nearest: perplexity
-19.946 -> 19.862 (unquantized 19.640; llm-compressor 19.874). The best scales are folded into the model: the
-quantizer then quantizes ``W * s`` and the smooth layer computes ``x / s``. ``s = 1`` is always a
-candidate, so AWQ never scores worse than plain rounding on the calibration tokens.
+Linear computed exactly over every token from its inputs' Gram matrix. The best scales are
+folded into the model: the quantizer then quantizes ``W * s`` and the smooth layer computes
+``x / s``. ``s = 1`` is always a candidate, so AWQ never scores worse than plain rounding on the
+calibration tokens.
+
+Where the scheme rounds the balance layers' inputs at run time (dynamic activations: W8A8, W4A8,
+NVFP4), they are rounded in the score too, as ``Q_a(x / s) * s``, and every owner is run (a Gram
+matrix cannot see that rounding): the scales then move activation outliers into the weights where
+that pays, as SmoothQuant's do. An llmpress addition: llm-compressor's loss,
+``||Q(W s)(X / s) - W X||``, is written with the weights' rounding alone. SmolLM2-135M W8A8, AWQ
+then round-to-nearest: perplexity 19.946 -> 19.862 (unquantized 19.640; llm-compressor 19.874).
 
 The arithmetic is llm-compressor's: ``x`` summed one sequence at a time in float32, ``w`` in
 float64, so the scales are float64, and ``W * s`` rounded to the weight's dtype before it is
