@@ -66,15 +66,15 @@ def scheme_fields(groups: dict) -> dict:
 
 def recipe(method: str, groups: dict, tool: str, power_of_two: bool, iters: int) -> dict:
     """``method``'s recipe for ``tool``, in llm-compressor's grammar."""
-    rotation, _, quantizer = method.rpartition("-")
+    transform, _, quantizer = method.rpartition("-")
     modifiers: dict = {}
-    if rotation == "smoothquant":  # llm-compressor's W8A8 example: activations' outliers into the weights
+    if transform == "smoothquant":  # llm-compressor's W8A8 example: activations' outliers into the weights
         modifiers["SmoothQuantModifier"] = {"smoothing_strength": 0.8}
-    elif rotation == "quip":
+    elif transform == "quip":
         modifiers["QuIPModifier"] = {"rotations": ["v", "u"], "transform_type": "random-hadamard"}
-    elif rotation:
+    elif transform:
         kind = "hadamard" if tool == "llmpress" or power_of_two else "random-hadamard"
-        modifiers["SpinQuantModifier"] = {"rotations": SPINQUANT[rotation], "transform_type": kind}
+        modifiers["SpinQuantModifier"] = {"rotations": SPINQUANT[transform], "transform_type": kind}
     if quantizer == "gptq":
         modifiers["GPTQModifier"] = scheme_fields(groups)
     elif quantizer == "awq":  # llm-compressor 0.14's AWQ example: the scales, then the scheme's RTN
@@ -149,9 +149,10 @@ def main() -> None:
 def measure(args, results: Path, base: dict) -> None:
     batches, _, group, dense, data = prepare(args.model, args.samples, args.seq_len)
     power_of_two = rotated_sizes_power_of_two(args.model)
-    done = {key(r) for r in read_results(results) if "failed" not in r}  # a run that failed is tried again
+    existing = read_results(results)
+    done = {key(r) for r in existing if "failed" not in r}  # a run that failed is tried again
     unquantized = {**base, "iters": None, "row": "unquantized", "method": "-", "tool": "-"}
-    kept = [r["perplexity"] for r in read_results(results) if key(r) == key(unquantized)]
+    kept = [r["perplexity"] for r in existing if key(r) == key(unquantized)]
     if kept and abs(kept[-1] - dense) > 1e-5 * dense:  # results are keyed by the folder's name
         sys.exit(f"{args.results} holds unquantized perplexity {kept[-1]:.4f} for '{base['model']}', and "
                  f"{args.model} gives {dense:.4f}: another copy of the model (the bundled bf16 one where "
