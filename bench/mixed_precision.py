@@ -7,7 +7,9 @@ uniform scheme near the same size, all with GPTQ.
 Every row runs once per seed: GPTQ (static column order, ``lm_head`` as it is) on ``--samples``
 windows of the shared calibration text drawn with that seed, the checkpoint saved, its bytes and
 the perplexity of 40 held-out windows of 256 tokens of the shared evaluation text measured with
-the model in float32; the table gives each seed's perplexity and their mean. The uniform rows
+the model in float32, and the mean KL divergence of its next-token distributions from the
+unquantized model's on those windows (lower noise than perplexity: it cannot fall below zero by
+luck); the table gives each seed's perplexity, their mean, and the mean KL. The uniform rows
 are the int weight-only schemes of 3 and 4 bits in groups of 128, 64 and 32 (a group that does
 not divide a module's columns falls back as the recipe would: SmolLM2's 576 takes 64 for 128);
 the mixed rows choose from ``--menu`` (default: the modifier's own for the target) at each target
@@ -30,7 +32,7 @@ import torch
 from common import fixture
 
 import llmpress
-from llmpress.evaluation import evaluation_windows, perplexity
+from llmpress.evaluation import evaluation_windows, kl_divergence, perplexity
 from llmpress.modifiers import GPTQModifier
 from llmpress.modifiers.mixed_precision.menu import default_menu, menu_option, weight_bits
 
@@ -61,7 +63,7 @@ def average_bits(model, scheme_name: str) -> float:
     return bits / total
 
 
-def run(model_dir: str, dtype: str | None, modifier: GPTQModifier, batches, windows, out: Path) -> dict:
+def run(model_dir: str, dtype: str | None, modifier: GPTQModifier, batches, windows, out: Path, reference) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     model = llmpress.oneshot(load(model_dir, dtype), [modifier], batches, output_dir=out)
@@ -69,7 +71,8 @@ def run(model_dir: str, dtype: str | None, modifier: GPTQModifier, batches, wind
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     record = json.loads((out / "config.json").read_text()).get("llmpress_mixed_precision")
     ppl = perplexity(model.float(), windows, progress=False).perplexity
-    return {"ppl": ppl, "mb": size / 1e6, "seconds": seconds, "record": record}
+    kl = kl_divergence(reference, model, windows, progress=False)
+    return {"ppl": ppl, "kl": kl, "mb": size / 1e6, "seconds": seconds, "record": record}
 
 
 def main() -> None:
@@ -101,24 +104,24 @@ def main() -> None:
         for name in args.uniform:
             scheme = menu_option(name).scheme.model_copy(update={"targets": ["Linear"]})
             row = run(args.model, args.dtype, GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]), batches, windows,
-                      work / name)
+                      work / name, base)
             rows.setdefault(f"{name} (uniform)", []).append({**row, "bits": uniform_bits[name]})
         for target in args.targets:
             choice = {"average_bits": target, **({"schemes": args.menu} if args.menu else {})}
             modifier = GPTQModifier(mixed_precision=choice, targets=["Linear"], ignore=["lm_head"])
-            row = run(args.model, args.dtype, modifier, batches, windows, work / f"mixed-{target}")
+            row = run(args.model, args.dtype, modifier, batches, windows, work / f"mixed-{target}", base)
             record = row["record"]
             choices.setdefault(target, []).append({m: g["chosen"] for g in record["groups"] for m in g["modules"]})
             rows.setdefault(f"mixed, target {target}", []).append({**row, "bits": record["average_bits"]})
-        print(f"seed {seed} done: " + ", ".join(f"{k} {v[-1]['ppl']:.3f}" for k, v in rows.items()), flush=True)
+        print(f"seed {seed} done: " + ", ".join(f"{k} {v[-1]['ppl']:.3f} (KL {1e3 * v[-1]['kl']:.3f}e-3)" for k, v in rows.items()), flush=True)
     seeds = " | ".join(f"seed {s}" for s in args.seeds)
-    print(f"| scheme | bits per weight | file MB | perplexity, {seeds} | mean | rise | seconds |")
-    print("|---|---|---|" + "---|" * len(args.seeds) + "---|---|---|")
+    print(f"| scheme | bits per weight | file MB | perplexity, {seeds} | mean | rise | KL x 1e3, mean | seconds |")
+    print("|---|---|---|" + "---|" * len(args.seeds) + "---|---|---|---|")
     for name, runs in rows.items():
         mean = sum(r["ppl"] for r in runs) / len(runs)
         cells = " | ".join(f"{r['ppl']:.3f}" for r in runs)
         print(f"| {name} | {runs[0]['bits']:.3f} | {runs[0]['mb']:.2f} | {cells} | {mean:.3f} | {mean - dense:+.3f} | "
-              f"{sum(r['seconds'] for r in runs) / len(runs):.0f} |")
+              f"{1e3 * sum(r['kl'] for r in runs) / len(runs):.3f} | {sum(r['seconds'] for r in runs) / len(runs):.0f} |")
     for target, runs in choices.items():
         used = sorted({c for r in runs for c in r.values()})
         line = f"target {target}: schemes used {', '.join(used)}"

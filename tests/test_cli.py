@@ -39,6 +39,29 @@ def test_eval_json_and_plot(w4a16_checkpoint, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_eval_kl_ranks_each_model_against_the_first(w4a16_checkpoint, capsys):
+    """--kl: the first model's divergence from itself is 0, the 4-bit model's is above 0, and
+    the same as kl_divergence measures between the two models directly."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import llmpress
+    from llmpress.evaluation import evaluation_windows, kl_divergence
+
+    dense = str(trained_model_dir())
+    args = ["eval", "--model", dense, "--model", str(w4a16_checkpoint), "--dataset", str(text_path("evaluation.txt")),
+            "--max-windows", "3", "--kl"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    windows = evaluation_windows(text_path("evaluation.txt").read_text(), AutoTokenizer.from_pretrained(dense), 256, 3)
+    direct = kl_divergence(llmpress.load(dense, dequantize=True, dtype=torch.float32), llmpress.load(w4a16_checkpoint, dequantize=True,
+                                                                                                    dtype=torch.float32), windows, progress=False)
+    assert rows[0]["kl_vs_first"] == 0.0 and rows[1]["kl_vs_first"] == pytest.approx(direct, rel=1e-3) and direct > 0
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "KL vs first" in lines[0] and "KL: mean nats per token" in lines[-1]
+
+
 def test_eval_compares_fp_nvfp4_and_mxfp4_in_one_table_and_plot(tmp_path, capsys):
     """The trained model dense, as NVFP4A16 and as MXFP4A16 (RTN needs no data): one table with
     each one's scheme, size and change against the first, and one plot."""
@@ -77,6 +100,7 @@ def test_inspect(w4a16_checkpoint, capsys):
         (["oneshot", "--model", "MODEL", "--recipe", "W4A17", "--output", "x"], "must be a mapping"),
         (["oneshot", "--model", "MODEL", "--recipe", "broken.yaml", "--output", "x"], "cannot read the recipe file"),
         (["eval", "--model", "MODEL", "--dataset", "no/such.txt"], "evaluation text not found"),
+        (["eval", "--model", "MODEL", "--tasks", "arc_easy", "--kl"], "KL divergence is measured on the perplexity text"),
         (["inspect", "no/such/dir"], "not a checkpoint folder"),
     ],
 )

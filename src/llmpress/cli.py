@@ -101,7 +101,7 @@ def _eval(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     results = evaluate_models(args.model, args.dataset, seq_len=args.seq_len, max_windows=args.max_windows, batch_size=args.batch_size,
                               dtype=getattr(torch, args.dtype), trust_remote_code=args.trust_remote_code, tasks=tasks,
-                              include_path=args.include_path, limit=args.limit)
+                              include_path=args.include_path, limit=args.limit, kl=args.kl)
     if args.plot:
         from llmpress.evaluation.report import plot_results
 
@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=_at_least(1), default=8)
     evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
     evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
+    evaluate.add_argument("--kl", action="store_true", help="also the mean KL divergence of each model's next-token distributions "
+                          "from the first --model's (give the uncompressed one first): it ranks compressions that perplexity cannot tell apart")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                           help="the dtype the models run in (default float32)")
     evaluate.set_defaults(run=_eval)

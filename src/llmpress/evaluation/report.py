@@ -10,6 +10,7 @@ import torch
 
 from llmpress.data import load_records
 from llmpress.errors import DataError, MissingDependencyError
+from llmpress.evaluation.divergence import kl_divergence
 from llmpress.evaluation.perplexity import evaluation_windows, perplexity
 from llmpress.evaluation.tasks import task_scores
 from llmpress.loading.inspect import describe_args
@@ -49,15 +50,18 @@ def scheme_label(folder: str | Path) -> str:
 def evaluate_models(
     models: list[str], dataset: str | None, *, seq_len: int = 256, max_windows: int = 200, batch_size: int = 8,
     dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, tasks: list[str] | None = None,
-    include_path: str | None = None, limit: int | None = None,
+    include_path: str | None = None, limit: int | None = None, kl: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per checkpoint: its perplexity on ``dataset`` (computed in ``dtype``), its scores
     on lm-eval ``tasks`` (the model ``llmpress.load`` gives: the CPU kernels), what it holds and
-    the size of its weight files."""
+    the size of its weight files. ``kl``: also the mean KL divergence of each model's next-token
+    distributions from the first model's on the same windows (the first stays in memory)."""
     if dataset is None and not tasks:
         raise DataError("nothing to evaluate", got="no dataset and no tasks", expected="a text file (perplexity), lm-eval tasks, or both")
+    if kl and dataset is None:
+        raise DataError("the KL divergence is measured on the perplexity text", got="--kl without --dataset", fix="add --dataset TEXT")
     text = evaluation_text(Path(dataset), seq_len * max_windows) if dataset is not None else None
-    rows, windows = [], None
+    rows, windows, reference = [], None, None
     for path in models:
         folder = model_folder(path)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
@@ -68,6 +72,9 @@ def evaluate_models(
                 raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
             windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)
             row.update(perplexity(model, windows, batch_size=batch_size).to_dict())
+            if kl:
+                reference = reference if reference is not None else model
+                row["kl_vs_first"] = kl_divergence(reference, model, windows, batch_size=batch_size) if model is not reference else 0.0
             del model
         if tasks:
             runtime = load(path, trust_remote_code=trust_remote_code)
@@ -108,22 +115,26 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     width, scheme_width = max(5, *map(len, names)), max(6, *(len(r["scheme"]) for r in rows))
     columns = task_columns(rows)
     labels = [f"{t} {m}" for t, m in columns]
-    has_ppl = "perplexity" in rows[0]
+    has_ppl, has_kl = "perplexity" in rows[0], "kl_vs_first" in rows[0]
     head = f"{'model':<{width}}  {'scheme':<{scheme_width}}  {'weights MB':>10}"
     head += f"  {'perplexity':>10}  {'vs first':>8}" if has_ppl else ""
+    head += f"  {'KL vs first':>11}" if has_kl else ""
     lines = [head + "".join(f"  {label:>{max(8, len(label))}}" for label in labels)]
     for name, row in zip(names, rows):
         line = f"{name:<{width}}  {row['scheme']:<{scheme_width}}  {row['weights_mb']:>10.1f}"
         if has_ppl:
             change = 100 * (row["perplexity"] / rows[0]["perplexity"] - 1)
             line += f"  {row['perplexity']:>10.3f}  {change:>+7.2f}%"
+        if has_kl:
+            line += f"  {row['kl_vs_first']:>11.3e}"
         for (task, metric), label in zip(columns, labels):
             value = (row.get("tasks") or {}).get(task, {}).get(metric)
             line += f"  {'-' if value is None else f'{value:.4f}':>{max(8, len(label))}}"
         lines.append(line)
     first = rows[0]
     if has_ppl:
-        lines.append(f"({first['windows']} windows of {first['seq_len']} tokens, {first['tokens']} tokens predicted)")
+        lines.append(f"({first['windows']} windows of {first['seq_len']} tokens, {first['tokens']} tokens predicted"
+                     + ("; KL: mean nats per token from the first model's next-token distributions)" if has_kl else ")"))
     return "\n".join(lines)
 
 
