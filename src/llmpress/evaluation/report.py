@@ -73,8 +73,9 @@ def evaluate_models(
             windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)
             row.update(perplexity(model, windows, batch_size=batch_size).to_dict())
             if kl:
-                reference = reference if reference is not None else model
-                row["kl_vs_first"] = kl_divergence(reference, model, windows, batch_size=batch_size) if model is not reference else 0.0
+                if reference is None:  # the first model: the one every later row is compared with
+                    reference = model
+                row["kl_vs_first"] = 0.0 if model is reference else kl_divergence(reference, model, windows, batch_size=batch_size)
             del model
         if tasks:
             runtime = load(path, trust_remote_code=trust_remote_code)
