@@ -39,9 +39,9 @@ def test_eval_json_and_plot(w4a16_checkpoint, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_eval_kl_ranks_each_model_against_the_first(w4a16_checkpoint, capsys):
+def test_eval_kl_ranks_each_model_against_the_first(w4a16_checkpoint, tmp_path, capsys):
     """--kl: the first model's divergence from itself is 0, the 4-bit model's is above 0, and
-    the same as kl_divergence measures between the two models directly."""
+    the same as kl_divergence measures between the two models directly; the plot has a KL panel."""
     import torch
     from transformers import AutoTokenizer
 
@@ -60,6 +60,16 @@ def test_eval_kl_ranks_each_model_against_the_first(w4a16_checkpoint, capsys):
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "KL vs first" in lines[0] and "KL: mean nats per token" in lines[-1]
+    pytest.importorskip("matplotlib")
+    from llmpress.evaluation.report import plot_results
+
+    heights = [_png_height(plot_results(chosen, tmp_path / f"{len(chosen[0])}.png"))
+               for chosen in (rows, [{k: v for k, v in row.items() if k != "kl_vs_first"} for row in rows])]
+    assert heights[0] > 1.8 * heights[1]  # a KL panel under the perplexity panel
+
+
+def _png_height(png) -> int:
+    return int.from_bytes(png.read_bytes()[20:24], "big")  # IHDR: width, then height, big-endian
 
 
 def test_eval_compares_fp_nvfp4_and_mxfp4_in_one_table_and_plot(tmp_path, capsys):

@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-windows", type=_at_least(1), default=200)
     evaluate.add_argument("--batch-size", type=_at_least(1), default=8)
     evaluate.add_argument("--json", action="store_true", help="print JSON (an object for one model, a list for several)")
-    evaluate.add_argument("--plot", help="write a PNG bar chart of the perplexities here")
+    evaluate.add_argument("--plot", help="write a PNG bar chart here: a panel per measure (perplexity, KL, each task)")
     evaluate.add_argument("--kl", action="store_true", help="also the mean KL divergence of each model's next-token distributions "
                           "from the first --model's (give the uncompressed one first): it ranks compressions that perplexity cannot tell apart")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

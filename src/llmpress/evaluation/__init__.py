@@ -1,4 +1,3 @@
-from llmpress.evaluation.divergence import kl_divergence
-from llmpress.evaluation.perplexity import PerplexityResult, evaluation_windows, perplexity
+from llmpress.evaluation.perplexity import PerplexityResult, evaluation_windows, kl_divergence, perplexity
 
 __all__ = ["PerplexityResult", "evaluation_windows", "kl_divergence", "perplexity"]

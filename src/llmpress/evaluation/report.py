@@ -10,7 +10,6 @@ import torch
 
 from llmpress.data import load_records
 from llmpress.errors import DataError, MissingDependencyError
-from llmpress.evaluation.divergence import kl_divergence
 from llmpress.evaluation.perplexity import evaluation_windows, perplexity
 from llmpress.evaluation.tasks import task_scores
 from llmpress.loading.inspect import describe_args
@@ -71,11 +70,12 @@ def evaluate_models(
             if tokenizer is None:
                 raise DataError("the checkpoint has no tokenizer to read the text with", got=path, fix="save the tokenizer beside the model")
             windows = windows if windows is not None else evaluation_windows(text, tokenizer, seq_len, max_windows)
-            row.update(perplexity(model, windows, batch_size=batch_size).to_dict())
+            if kl and reference is None:  # the first model: the one every later row is compared with
+                reference = model
+            result = perplexity(model, windows, batch_size=batch_size, reference=None if model is reference else reference)
+            row.update(result.to_dict())
             if kl:
-                if reference is None:  # the first model: the one every later row is compared with
-                    reference = model
-                row["kl_vs_first"] = 0.0 if model is reference else kl_divergence(reference, model, windows, batch_size=batch_size)
+                row["kl_vs_first"] = row.pop("kl_divergence", 0.0)  # 0 for the first model itself
             del model
         if tasks:
             runtime = load(path, trust_remote_code=trust_remote_code)
@@ -149,6 +149,8 @@ def plot_results(rows: list[dict[str, Any]], png: str | Path) -> Path:
         raise MissingDependencyError("--plot needs matplotlib", fix="pip install matplotlib  (or 'llmpress[plot]')") from None
     labels = [f"{Path(r['model']).name}\n{r['scheme']}" if "scheme" in r else Path(r["model"]).name for r in rows]
     panels = ([("perplexity", "perplexity (lower is better)", [r["perplexity"] for r in rows])] if "perplexity" in rows[0] else [])
+    if "kl_vs_first" in rows[0]:
+        panels.append(("kl", "KL divergence from the first model, nats per token (lower is better)", [r["kl_vs_first"] for r in rows]))
     panels += [(f"{t} {m}", f"{t} {m} (higher is better)", [(r.get("tasks") or {}).get(t, {}).get(m, float("nan")) for r in rows])
                for t, m in task_columns(rows)]
     # horizontal bars, first model on top: long checkpoint names stay readable; one panel per measure
@@ -157,11 +159,14 @@ def plot_results(rows: list[dict[str, Any]], png: str | Path) -> Path:
     for ax, (name, axis_label, values) in zip(axes[:, 0], panels):
         bars = ax.barh(positions, values[::-1], color="#4C72B0")
         ax.set_yticks(positions, labels[::-1])
-        ax.bar_label(bars, fmt="%.3f", padding=3)
+        ax.bar_label(bars, fmt="%.2e" if name == "kl" else "%.3f", padding=3)
         finite = [v for v in values if v == v]
         if name == "perplexity" and finite:
             ax.set_xlim(min(finite) * 0.98, max(finite) * 1.01)
             ax.set_title(f"Perplexity, {rows[0]['windows']} windows of {rows[0]['seq_len']} tokens")
+        elif name == "kl":
+            ax.set_xlim(0, max([1e-9, *finite]) * 1.3)  # room for the labels in scientific notation
+            ax.set_title("KL divergence from the first model")
         else:
             ax.set_xlim(0, max([1.0, *finite]) * 1.1)
             ax.set_title(name)
