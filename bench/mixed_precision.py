@@ -2,11 +2,12 @@
 uniform scheme near the same size, all with GPTQ.
 
     python bench/mixed_precision.py [--model DIR] [--dtype bfloat16] [--targets 3.5 4.25] [--seeds 0 1]
-                                    [--samples 64] [--seq-len 256] [--menu W3A16,W4A16,...]
+                                    [--samples 64] [--seq-len 256] [--menu W3A16,W4A16,...] [--windows 40]
 
 Every row runs once per seed: GPTQ (static column order, ``lm_head`` as it is) on ``--samples``
 windows of the shared calibration text drawn with that seed, the checkpoint saved, its bytes and
-the perplexity of 40 held-out windows of 256 tokens of the shared evaluation text measured with
+the perplexity of ``--windows`` held-out windows of 256 tokens of the shared evaluation text (40;
+the tiny model's text holds 134) measured with
 the model in float32, and the mean KL divergence of its next-token distributions from the
 unquantized model's on those windows (lower noise than perplexity: it cannot fall below zero by
 luck); the table gives each seed's perplexity, their mean, and the mean KL. The uniform rows
@@ -84,16 +85,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--menu", help="comma-separated (default: the modifier's default menu for each target)")
     parser.add_argument("--uniform", nargs="*", default=list(UNIFORM))
+    parser.add_argument("--windows", type=int, default=40, help="held-out windows of 256 tokens (fewer if the text is shorter)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, 40)
+    windows = evaluation_windows(fixture("text", "evaluation.txt").read_text(), tokenizer, 256, args.windows)
     base = load(args.model, args.dtype)
     uniform_bits = {name: average_bits(base, name) for name in args.uniform}  # in the stored dtype, before the cast
     dense = perplexity(base.float(), windows, progress=False).perplexity
     work = Path(tempfile.mkdtemp(prefix="mixed-"))
-    print(f"{args.model} ({args.dtype or 'its own dtype'}): unquantized perplexity {dense:.3f}; GPTQ on {args.samples} x "
+    print(f"{args.model} ({args.dtype or 'its own dtype'}): unquantized perplexity {dense:.3f} on {windows.shape[0]} windows; GPTQ on {args.samples} x "
           f"{args.seq_len} calibration tokens, drawn with seeds {args.seeds}; menu "
           + (args.menu or "; ".join(f"{t}: {','.join(default_menu(t))}" for t in args.targets)))
     rows: dict[str, list[dict]] = {}
