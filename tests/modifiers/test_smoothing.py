@@ -1,33 +1,17 @@
 """Smoothing: mappings read from the block and checked by running, and SmoothQuant folded into the
-weights (the function kept, activation outliers moved into the weights)."""
+weights (the function kept, activation outliers moved into the weights). AWQ's search: test_awq.py."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from helpers import logits, make_tiny_llama, text_path, token_batches, trained_model_dir
+from helpers import logits, make_tiny_llama, token_batches
+from smoothing_setup import add_outliers, first_block, outlier_model, rel
 
 import llmpress
 from llmpress.contract.block import CalibrationBlock
 from llmpress.modifiers import AWQModifier, GPTQModifier, QuantizationModifier, SmoothQuantModifier
 from llmpress.modifiers.smoothing import find_mappings, resolve_mappings
-
-
-def first_block(model, layers, batches):
-    """A CalibrationBlock for ``layers[0]`` with the inputs the model gives it."""
-    inputs = []
-    handle = layers[0].register_forward_pre_hook(lambda m, a, k: inputs.append((a, k)), with_kwargs=True)
-    with torch.no_grad():
-        for batch in batches:
-            model(torch.tensor([batch]), use_cache=False)
-    handle.remove()
-    return CalibrationBlock(0, layers[0], inputs)
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def test_mappings_follow_the_data_flow_and_are_checked_by_running():
@@ -197,21 +181,6 @@ def test_a_bf16_one_plus_weight_norm_keeps_the_function_at_large_scales():
         assert ((1 + norm.weight.float()) > 0).all()  # no gain rounded to zero or past it
 
 
-def add_outliers(pairs, channels=(3, 17, 40), offset=0.0):
-    """Activation outliers with the function kept: for each ``(norm, readers)``, ``channels`` of
-    the norm's gain ``offset + weight`` (and its bias) x50, and the same input channels of the
-    readers /50 (a Linear's columns, a Conv1D's rows)."""
-    from llmpress.models.linear import input_major
-
-    with torch.no_grad():
-        for norm, readers in pairs:
-            for channel in channels:
-                norm.weight[channel] = (offset + norm.weight[channel]) * 50 - offset
-                if getattr(norm, "bias", None) is not None:
-                    norm.bias[channel] *= 50
-                for reader in readers:
-                    (reader.weight[channel, :] if input_major(reader) else reader.weight[:, channel]).div_(50)
-
 
 def family_with_outliers(family, folder):
     """The tiny random ``family`` model saved in ``folder``, with outliers in each norm that
@@ -256,28 +225,6 @@ def test_smoothquant_moves_the_outliers_of_gemma_and_gpt2(family, tmp_path):
                    reference)
     plain = rel(logits(run([GPTQModifier(scheme="W8A8", ignore=["lm_head"])]), ids), reference)
     assert smoothed < plain / 4, (smoothed, plain)
-
-
-def outlier_model():
-    """The trained tiny model with activation outliers: a few channels of each norm ×50 and the
-    Linears reading them ÷50 (the same function, as in models with massive activations)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
-    add_outliers([pair for layer in model.model.layers for pair in (
-        (layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-        (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]))], channels=(3, 17, 40, 77))
-    return model
-
-
-@pytest.fixture(scope="module")
-def calibration_and_eval():
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
-    ids = tokenizer(text_path("calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
-    held_out = tokenizer(text_path("evaluation.txt").read_text()[:20000], add_special_tokens=False)["input_ids"]
-    return [ids[i * 128 : (i + 1) * 128] for i in range(16)], torch.tensor([held_out[i * 128 : (i + 1) * 128] for i in range(4)])
 
 
 def test_smoothquant_keeps_the_function_and_flattens_the_activations(calibration_and_eval):
@@ -352,195 +299,6 @@ def test_smoothquant_reads_its_ranges_in_gptqs_observing_run(calibration_and_eva
     error, own_error = rel(logits(deferred, ids), reference), rel(logits(own, ids), reference)
     assert error < 1.1 * own_error
     assert rel(logits(deferred, ids), logits(own, ids)) < 0.5 * own_error
-
-
-# -- AWQ ---------------------------------------------------------------------------------------
-def w3_groups():
-    return {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "symmetric": True,
-                                                     "strategy": "group", "group_size": 128}}}
-
-
-@pytest.fixture(scope="module")
-def trained_windows():
-    from transformers import AutoTokenizer
-
-    from llmpress.evaluation import evaluation_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
-    return evaluation_windows(text_path("evaluation.txt").read_text(), tokenizer, 256, 40)
-
-
-def trained():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(trained_model_dir()), dtype=torch.float32).eval()
-
-
-def test_awq_lowers_the_perplexity_of_round_to_nearest(calibration_and_eval, trained_windows, caplog):
-    from llmpress.evaluation import perplexity
-
-    batches, _ = calibration_and_eval
-    rtn = llmpress.oneshot(trained(), QuantizationModifier(config_groups=w3_groups(), ignore=["lm_head"]), batches)
-    with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.base"):
-        awq = llmpress.oneshot(trained(), [AWQModifier(), QuantizationModifier(config_groups=w3_groups(), ignore=["lm_head"])], batches)
-    # the mappings it found: grouped KV heads leave v_proj -> o_proj out
-    assert "input_layernorm -> q_proj, k_proj, v_proj; post_attention_layernorm -> gate_proj, up_proj; up_proj -> down_proj" in caplog.text
-    assert perplexity(awq, trained_windows, progress=False).perplexity < perplexity(rtn, trained_windows, progress=False).perplexity
-    # the clipping search (llmpress's addition) lowers it further before round-to-nearest
-    clipped = llmpress.oneshot(trained(), [AWQModifier(apply_clip=True), QuantizationModifier(config_groups=w3_groups(), ignore=["lm_head"])],
-                               batches)
-    assert perplexity(clipped, trained_windows, progress=False).perplexity < perplexity(awq, trained_windows, progress=False).perplexity
-
-
-def test_awq_with_gptq_and_llm_compressors_mapping_syntax(calibration_and_eval):
-    batches, ids = calibration_and_eval
-    recipe = """
-quant_stage:
-  quant_modifiers:
-    AWQModifier:
-      duo_scaling: both
-      n_grid: 6
-      mappings:
-        - smooth_layer: "re:.*post_attention_layernorm$"
-          balance_layers: ["re:.*gate_proj$", "re:.*up_proj$"]
-    GPTQModifier:
-      targets: [Linear]
-      ignore: [lm_head]
-      scheme: W4A16
-"""
-    model = llmpress.oneshot(trained(), recipe, batches[:4])
-    reference = logits(trained(), ids)
-    assert rel(logits(model, ids), reference) < 0.1
-    awq = next(m for m in llmpress.Recipe.from_any(recipe).stages[0].modifiers if isinstance(m, AWQModifier))
-    assert awq.config.mappings == [(["re:.*gate_proj$", "re:.*up_proj$"], "re:.*post_attention_layernorm$")]
-
-
-def test_awq_needs_a_quantizer_after_it():
-    from llmpress.errors import RecipeError
-
-    with pytest.raises(RecipeError, match="QuantizationModifier or GPTQModifier after AWQModifier"):
-        llmpress.oneshot(make_tiny_llama(), AWQModifier(), token_batches(2, 16))
-
-
-def test_awq_grid_is_llm_compressors():
-    from llmpress.modifiers.smoothing.awq import grid
-
-    assert grid(20, True)[0] == (0.0, False) and len(grid(20, True)) == 20 and grid(20, True)[-1] == (1.0, True)
-    assert grid(20, False) == [(i / 19, False) for i in range(20)]
-    assert len(grid(20, "both")) == 20 and {duo for _, duo in grid(20, "both")} == {False, True}
-
-
-def test_a_single_linear_is_scored_exactly_from_its_gram_matrix():
-    from llmpress.modifiers.smoothing.awq_scores import LinearScore, RunScore
-
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(16, 32)
-    block = CalibrationBlock(0, torch.nn.Sequential(layer), [((torch.randn(2, 5, 16),), {}) for _ in range(3)])
-    original = layer.weight.detach().clone()
-    by_gram, by_run = LinearScore(block, layer, original), RunScore(block, layer)
-    with torch.no_grad():
-        layer.weight.add_(0.01 * torch.randn_like(layer.weight))
-    assert by_gram() == pytest.approx(by_run(), rel=1e-4)
-
-
-def test_channel_means_do_not_depend_on_how_the_samples_are_batched():
-    """Each sequence's |x| is summed on its own, as llm-compressor sums one sample a batch: the
-    mean AWQ's scales start from is the same, bit for bit, at every batch size."""
-    from llmpress.modifiers.smoothing.statistics import ChannelStatistics
-
-    x = torch.randn(6, 7, 16, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 16)
-    means = []
-    for size in (1, 2, 3, 6):
-        stats = ChannelStatistics("norm")
-        for start in range(0, 6, size):
-            stats.add(x[start:start + size])
-        means.append(stats.reduced()["abs_mean"])
-    assert all(torch.equal(m, means[0]) for m in means)
-
-
-def test_a_run_score_joins_batches_in_runs_of_bounded_size():
-    """Batches are joined into forwards of at most ``joined_tokens`` tokens (memory stays that
-    of one such run, whatever the calibration set): the error is the one of a run per batch."""
-    from llmpress.modifiers.smoothing.awq_scores import RunScore
-
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
-    block = CalibrationBlock(0, mlp, [((torch.randn(2, 5, 16),), {}) for _ in range(5)])
-    joined, apart = RunScore(block, mlp, joined_tokens=20), RunScore(block, mlp, joined_tokens=1)
-    assert [a[0].shape[0] for a, _ in joined.inputs] == [4, 4, 2] and len(apart.inputs) == 5
-    with torch.no_grad():
-        mlp[0].weight.add_(0.01 * torch.randn_like(mlp[0].weight))
-    assert joined() == pytest.approx(apart(), rel=1e-5)
-
-
-LLM_COMPRESSOR_SAVED_AWQ = """
-quant_stage:
-  quant_modifiers:
-    AWQModifier:
-      requires_calibration_data: true
-      mappings:
-      - smooth_layer: re:.*input_layernorm$
-        balance_layers: ['re:.*q_proj$', 're:.*k_proj$', 're:.*v_proj$']
-        activation_hook_target: null
-      - smooth_layer: re:.*v_proj$
-        balance_layers: ['re:.*o_proj$']
-        activation_hook_target: null
-      duo_scaling: true
-      n_grid: 4
-    QuantizationModifier:
-      config_groups:
-        group_0:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: true, group_size: 128, strategy: group, observer: memoryless_minmax}
-      targets: [Linear]
-      ignore: [lm_head]
-      bypass_divisibility_checks: false
-      requires_calibration_data: false
-"""
-
-
-def test_the_recipe_llm_compressor_saves_after_awq_runs(calibration_and_eval, caplog):
-    """As llm-compressor 0.14 writes it (every field spelled out); on grouped KV heads its
-    v_proj -> o_proj mapping does not fit and is skipped, with the reason."""
-    batches, _ = calibration_and_eval
-    with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.base"):
-        llmpress.oneshot(trained(), LLM_COMPRESSOR_SAVED_AWQ, batches[:2])
-    assert "v_proj -> o_proj (its output width is not the balance layers' input width)" in caplog.text
-
-
-def test_the_older_single_awq_modifier_with_a_scheme_is_split_in_two(caplog):
-    recipe = """
-quant_stage:
-  quant_modifiers:
-    AWQModifier:
-      scheme: W4A16_ASYM
-      targets: [Linear]
-      ignore: [lm_head]
-      n_grid: 4
-"""
-    with caplog.at_level("INFO", logger="llmpress.modifiers.smoothing.awq"):
-        stage = llmpress.Recipe.from_any(recipe).stages[0]
-    awq, quantizer = stage.modifiers
-    assert isinstance(awq, AWQModifier) and awq.config.n_grid == 4 and awq.config.ignore == ["lm_head"]
-    assert isinstance(quantizer, QuantizationModifier) and quantizer.config.scheme == "W4A16_ASYM"
-    assert quantizer.config.ignore == ["lm_head"] and "AWQModifier with its own scheme" in caplog.text
-    llmpress.oneshot(make_tiny_llama(intermediate=256), recipe, token_batches(2, 16))
-
-
-def test_mappings_are_found_in_bf16_and_a_wrong_one_still_dropped():
-    model = make_tiny_llama(intermediate=256).to(torch.bfloat16)
-    block = first_block(model, model.model.layers, token_batches(2, 16))
-    mappings, skipped = find_mappings(block, "", [], linear_sources=True)
-    assert {"input_layernorm -> q_proj, k_proj, v_proj", "post_attention_layernorm -> gate_proj, up_proj",
-            "up_proj -> down_proj"} <= {m.describe() for m in mappings}
-    assert any(s.startswith("gate_proj -> down_proj") for s in skipped)
-
-
-def test_awq_takes_batches_of_different_lengths():
-    batches = token_batches(2, 16) + token_batches(2, 24, seed=1)
-    model = llmpress.oneshot(make_tiny_llama(intermediate=256), [AWQModifier(n_grid=4),
-                                                                  QuantizationModifier(scheme="W4A16", ignore=["lm_head"])], batches)
-    assert model.model.layers[0].self_attn.q_proj.weight_scale is not None
 
 
 def moe_model(family, folder):
@@ -665,23 +423,3 @@ def test_experts_without_tokens_cannot_pass_for_a_mapping(tmp_path):
     mappings, skipped = find_mappings(block, "", [])
     assert not any(m.smooth_name.endswith("post_attention_layernorm") for m in mappings)
     assert any("did not run on the first batch" in s for s in skipped)
-
-
-def test_awq_scores_its_candidates_with_the_inputs_rounded_as_they_will_be(calibration_and_eval, caplog):
-    """With int8 activations per token (W8A8), a candidate's error counts the rounding of the
-    inputs ``x / s`` as well as the weights': the error at ``s = 1`` is above W8A16's (the same
-    weight rounding) on every mapping, and on a model with activation outliers the scales chosen
-    cut the output error of the quantized model several times, as SmoothQuant's do."""
-    batches, ids = calibration_and_eval
-    firsts = {}
-    for scheme in ("W8A16", "W8A8"):
-        caplog.clear()
-        with caplog.at_level("DEBUG", logger="llmpress.modifiers.smoothing.awq"):
-            llmpress.oneshot(trained(), [AWQModifier(), QuantizationModifier(scheme=scheme, ignore=["lm_head"])], batches[:4])
-        firsts[scheme] = [float(x) for x in re.findall(r"output error (\S+) at s = 1", caplog.text)]
-    assert len(firsts["W8A8"]) == len(firsts["W8A16"]) > 0
-    assert all(a8 > a16 * 1.5 for a8, a16 in zip(firsts["W8A8"], firsts["W8A16"])), firsts
-    reference = logits(outlier_model(), ids)
-    plain = llmpress.oneshot(outlier_model(), QuantizationModifier(scheme="W8A8", ignore=["lm_head"]), batches[:4])
-    awq = llmpress.oneshot(outlier_model(), [AWQModifier(), QuantizationModifier(scheme="W8A8", ignore=["lm_head"])], batches[:4])
-    assert rel(logits(awq, ids), reference) < rel(logits(plain, ids), reference) / 3
