@@ -4,8 +4,9 @@
 
 GPTQ W4A16 (groups of 128, ``lm_head`` dense) on the random 1024-hidden Llama of ``bench/gptq.py`` (``--hidden 2048``: a 1.6 GB one)
 (fp32, 8 layers) and its 64 x 256 calibration tokens, by the ``llmpress oneshot`` command: one
-process of one thread, then ``torchrun --nproc-per-node 2`` with one thread a rank
-(``OMP_NUM_THREADS=1``). Sampled every 0.2 s: the proportional set size (PSS, from
+process of one thread, then two ranks of one thread each (``OMP_NUM_THREADS=1``): forked from
+one process (``--ranks 2``: the ranks share its imported libraries), and under ``torchrun
+--nproc-per-node 2`` (two interpreters). Sampled every 0.2 s: the proportional set size (PSS, from
 ``/proc/PID/smaps_rollup``: a page shared by two processes counts half in each) of the compressing
 processes summed, and its peak; then the two checkpoints compared tensor by tensor.
 """
@@ -28,17 +29,16 @@ from gptq import calibration_tokens, compile_sources, gptq_recipe, make_random_l
 SAMPLE_S = 0.2
 
 
-def _workers(launcher: psutil.Process, ranks: int) -> list[psutil.Process]:
-    """The processes that compress: the launcher itself for one process, its children for ranks."""
-    if ranks == 1:
-        return [launcher]
+def _workers(launcher: psutil.Process, torchrun: bool) -> list[psutil.Process]:
+    """The processes that compress: torchrun's children, or the process itself and the ranks it forked."""
     try:
-        return [p for p in launcher.children(recursive=True) if "llmpress" in " ".join(p.cmdline())]
+        children = launcher.children(recursive=True)
+        return [p for p in children if "llmpress" in " ".join(p.cmdline())] if torchrun else [launcher, *children]
     except psutil.Error:
         return []
 
 
-def run(command: list[str], ranks: int) -> dict:
+def run(command: list[str], torchrun: bool = False) -> dict:
     """One compression: wall seconds, the peak of the workers' summed PSS and of their summed RSS (MB)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
@@ -47,7 +47,7 @@ def run(command: list[str], ranks: int) -> dict:
     peak_pss = peak_rss = 0.0
     while process.poll() is None:
         pss = rss = 0
-        for worker in _workers(launcher, ranks):
+        for worker in _workers(launcher, torchrun):
             try:
                 info = worker.memory_full_info()
             except psutil.Error:
@@ -99,20 +99,24 @@ def main() -> None:
                 "--overwrite"]
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    rows: dict[str, list[dict]] = {"one process": [], "2 ranks": []}
+    runs = {"one process": (command([sys.executable], work / "one"), False),
+            "2 ranks, forked": ([*command([sys.executable], work / "forked"), "--ranks", "2"], False),
+            "2 ranks, torchrun": (command(torchrun, work / "torchrun"), True)}
+    rows: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(args.runs):
-        rows["one process"].append(run(command([sys.executable], work / "one"), 1))
-        rows["2 ranks"].append(run(command(torchrun, work / "ranks"), 2))
+        for name, (line, under_torchrun) in runs.items():
+            rows[name].append(run(line, under_torchrun))
         print(json.dumps({k: v[-1] for k, v in rows.items()}), flush=True)
-    equal, total = same_checkpoint(work / "one", work / "ranks")
-    one = {k: statistics.median(r[k] for r in rows["one process"]) for k in rows["one process"][0]}
-    two = {k: statistics.median(r[k] for r in rows["2 ranks"]) for k in rows["2 ranks"][0]}
+    medians = {name: {k: statistics.median(r[k] for r in found) for k in found[0]} for name, found in rows.items()}
+    one = medians["one process"]
     print(f"\nGPTQ W4A16 g128, random {args.hidden}-hidden Llama (8 layers, fp32), 64 x 256 tokens, one thread a process, {args.runs} run(s)")
-    print(f"{'':<12} {'wall s':>8} {'peak PSS MB':>12} {'peak RSS MB':>12}")
-    for name, row in (("one process", one), ("2 ranks", two)):
-        print(f"{name:<12} {row['wall_s']:>8.1f} {row['pss_mb']:>12.0f} {row['rss_mb']:>12.0f}")
-    print(f"speed-up {one['wall_s'] / two['wall_s']:.2f}x (target >= 1.7x); summed PSS {two['pss_mb'] / one['pss_mb']:.2f}x one "
-          f"process's (target <= 1.3x); checkpoint tensors equal bit for bit: {equal} of {total}")
+    print(f"{'':<18} {'wall s':>8} {'peak PSS MB':>12} {'peak RSS MB':>12} {'speed-up':>9} {'PSS ratio':>10} {'bit for bit':>12}")
+    for name, row in medians.items():
+        equal, total = same_checkpoint(work / "one", work / name.split()[-1]) if name != "one process" else (0, 0)
+        same = f"{equal}/{total}" if total else ""
+        print(f"{name:<18} {row['wall_s']:>8.1f} {row['pss_mb']:>12.0f} {row['rss_mb']:>12.0f} {one['wall_s'] / row['wall_s']:>8.2f}x "
+              f"{row['pss_mb'] / one['pss_mb']:>9.2f}x {same:>12}")
+    print("targets (issue 45): speed-up >= 1.7x, summed PSS <= 1.3x one process's, the same checkpoint bit for bit")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.data import CalibrationOptions
     from llmpress.entrypoints import oneshot
     from llmpress.parallel.distributed import ranks_from_environment
+    from llmpress.parallel.fork import forked_ranks, import_before_fork
     from llmpress.recipe import Recipe
 
     recipe = Recipe.from_any(args.recipe)
@@ -39,7 +40,10 @@ def _oneshot(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     before = _folder_stamp(args.output)
-    with ranks_from_environment(args.device) as main_process:  # under torchrun: one rank of a process group (on its GPU)
+    if args.ranks > 1:
+        import_before_fork(args.model, args.trust_remote_code)  # once, shared by the forked ranks
+    # --ranks: this process and its forked ranks; under torchrun: one rank of its process group (on its GPU)
+    with forked_ranks(args.ranks), ranks_from_environment(args.device) as main_process:
         oneshot(args.model, recipe, args.dataset, output_dir=args.output, calibration=options, resume=args.resume,
                 return_model=False, trust_remote_code=args.trust_remote_code, dtype=_model_dtype(args.dtype),
                 model_free=args.model_free, workers=args.workers, overwrite=args.overwrite)
@@ -285,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="quantize straight from the checkpoint's shards, without building the model (default: "
                          "whenever the recipe needs no calibration data and the tensor names say what it targets)")
     oneshot.add_argument("--workers", type=_at_least(1), help="threads for --model-free (default: the CPU count, at most 8)")
+    oneshot.add_argument("--ranks", type=_at_least(1), default=1,
+                         help="calibrate on N ranks of this machine forked from this process, which share its imported "
+                         "libraries' memory (torchrun --nproc-per-node N without N imports of torch; the CPU's cores shared "
+                         "out unless OMP_NUM_THREADS says otherwise; a GPU each where there are N)")
     oneshot.set_defaults(run=_oneshot)
 
     training = commands.add_parser(

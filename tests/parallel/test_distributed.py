@@ -185,17 +185,21 @@ def test_rank_zero_alone_writes_one_checkpoint(two_rank_runs):
     assert loaded(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
 
-def test_torchrun_runs_the_command_on_two_ranks(two_rank_runs, tmp_path):
-    """``torchrun --nproc-per-node 2 -m llmpress oneshot``: every rank exits 0, the checkpoint is
-    the one process's."""
+@pytest.mark.parametrize("launch", ["torchrun", "forked"])
+def test_the_command_runs_on_two_ranks(two_rank_runs, tmp_path, launch):
+    """``torchrun --nproc-per-node 2 -m llmpress oneshot``, and ``llmpress oneshot --ranks 2``
+    (the second rank forked from the first after its imports): every rank exits 0, one reports,
+    the checkpoint is the one process's."""
     data = tmp_path / "samples.jsonl"
     data.write_text("\n".join('{"input_ids": %s}' % s for s in _samples()))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(GPTQ_W4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "llmpress",
+    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if launch == "torchrun" else []
+    command = [sys.executable, *runner, "-m", "llmpress",
                "oneshot", "--model", str(two_rank_runs / "model"), "--recipe", str(recipe), "--dataset", str(data),
-               "--output", str(tmp_path / "out"), "--seq-len", "32", "--batch-size", "1", "--num-samples", "6"]
+               "--output", str(tmp_path / "out"), "--seq-len", "32", "--batch-size", "1", "--num-samples", "6",
+               *(["--ranks", "2"] if launch == "forked" else [])]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("saved ") == 1  # the main rank reports

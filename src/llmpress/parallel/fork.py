@@ -1,0 +1,170 @@
+"""Ranks on one machine forked from one process (``llmpress oneshot --ranks N``), instead of
+``torchrun`` starting N interpreters that each import torch and transformers.
+
+The process imports what every rank runs (torch, transformers, the model's classes, llmpress's
+modifiers), then forks the other ranks: their interpreters start as copies of it, so the pages
+of the imported libraries stay shared (copy-on-write) and host memory for N ranks is about one
+process's imports plus N ranks' working memory. The forked ranks join a gloo (or NCCL) group
+through ``torchrun``'s variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), so everything
+after is the same code as under ``torchrun``. Nothing touches a GPU before the fork (a CUDA
+context does not survive one); each rank takes its own after.
+
+This process is rank 0 and waits for the others at the end: a rank that fails ends the run with
+an error naming it, and the others are stopped when this one fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from llmpress.errors import LlmpressError, SessionError
+
+__all__ = ["forked_ranks", "import_before_fork"]
+
+logger = logging.getLogger(__name__)
+
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def import_before_fork(model: str | os.PathLike | None, trust_remote_code: bool = False) -> None:
+    """Import what every rank will run, so that the forked ranks share it: llmpress's entry points
+    and modifiers and, for a model folder of a transformers architecture, its model class (a
+    folder with its own code, or one that cannot be read here, is left to each rank)."""
+    importlib.import_module("llmpress.entrypoints")
+    importlib.import_module("llmpress.modifiers")
+    if model is None or trust_remote_code or not (Path(model) / "config.json").is_file():
+        return
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(model)))]
+    except (KeyError, ValueError, OSError):
+        logger.debug("%s: its model class is imported by each rank", model)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _become_rank(rank: int, ranks: int, port: int, threads: int | None) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _threads_per_rank(ranks: int) -> int | None:
+    """The CPU's cores shared out among the ranks, unless ``OMP_NUM_THREADS`` says otherwise."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks)
+
+
+@contextmanager
+def forked_ranks(ranks: int) -> Iterator[int]:
+    """Run the body of the ``with`` block as ``ranks`` ranks of one process group on this machine:
+    this process as rank 0, the others forked from it at the ``with``; yields this rank. A forked
+    rank ends its process when the block ends (status 0, or 1 on an error, which it prints), so
+    only rank 0 goes on after the block. With ``ranks`` 1 the block runs as it is."""
+    if ranks <= 1:
+        yield 0
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SessionError("--ranks starts its own ranks, and this process is already one of a process group",
+                           got=f"--ranks {ranks} under WORLD_SIZE={os.environ['WORLD_SIZE']}",
+                           expected="--ranks without torchrun, or torchrun without --ranks", fix="drop one of the two")
+    if not hasattr(os, "fork"):
+        raise SessionError("--ranks forks its ranks, and this platform cannot fork", got=sys.platform,
+                           expected="Linux or macOS", fix="start the ranks with torchrun --nproc-per-node N instead")
+    port, threads = _free_port(), _threads_per_rank(ranks)
+    saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
+    children: dict[int, int] = {}  # pid -> rank
+    for rank in range(1, ranks):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the forked rank: the block runs here, then the process ends
+            yield from _as_forked_rank(rank, ranks, port, threads)
+        children[pid] = rank
+    _become_rank(0, ranks, port, threads)
+    try:
+        yield 0
+    except BaseException as exc:
+        failed = _reap(children, stop=True)
+        if failed and not isinstance(exc, LlmpressError):  # a collective that lost its peer, say
+            raise SessionError("a forked rank failed, and rank 0 could not go on without it", got="; ".join(failed),
+                               expected="every rank finishing", fix="see the rank's error above (stderr)") from exc
+        raise
+    else:
+        failed = _reap(children, stop=False)
+        if failed:
+            raise SessionError(f"{len(failed)} of the forked ranks failed", got="; ".join(failed),
+                               expected="every rank finishing", fix="see the rank's error above (stderr)")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None) -> Iterator[int]:  # pragma: no cover - a child
+    """``forked_ranks`` in a forked rank: the block runs at the ``yield``, then the process ends
+    (``os._exit``: the atexit handlers and buffers it was forked with are rank 0's)."""
+    code = 1
+    try:
+        _become_rank(rank, ranks, port, threads)
+        logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))  # rank 0 reports
+        yield rank
+        code = 0
+    except LlmpressError as exc:
+        print(f"error (rank {rank}): {exc}", file=sys.stderr)
+    except BaseException:
+        print(f"rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(children: dict[int, int], stop: bool, grace_s: float = 5.0) -> list[str]:
+    """Wait for the forked ranks; what each that failed ended with. With ``stop`` (rank 0 failed,
+    and they may be waiting for it in a collective, or be failing themselves: a rank's own error
+    reaches rank 0 as a closed connection before the rank has exited) they get ``grace_s`` to end
+    on their own, then are stopped."""
+    failed, left = [], dict(children)
+    deadline = time.monotonic() + (grace_s if stop else float("inf"))
+    while left and time.monotonic() < deadline:
+        for pid, rank in list(left.items()):
+            ended, status = os.waitpid(pid, os.WNOHANG if stop else 0)
+            if ended:
+                del left[pid]
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0:
+                    failed.append(f"rank {rank} exited with status {code}" if code > 0 else f"rank {rank} was killed by signal {-code}")
+        if left:
+            time.sleep(0.05)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    return sorted(failed)
