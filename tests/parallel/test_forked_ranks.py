@@ -96,3 +96,36 @@ def test_a_rank_lost_in_a_collective_is_named_by_rank_zero():
                           capture_output=True, text=True, timeout=120)
     assert "rank 0: a forked rank failed" in done.stdout and "rank 1 exited with status 1" in done.stdout, done.stderr[-2000:]
     assert "rank 1 breaks before the collective" in done.stderr
+
+
+ABANDONS_ITS_RANK = """
+import os, sys, time
+from llmpress.parallel.fork import forked_ranks
+with forked_ranks(2) as rank:
+    if rank == 1:
+        open(sys.argv[1], "w").write(str(os.getpid()))
+        time.sleep(60)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    os._exit(0)  # rank 0's process ends without stopping rank 1
+"""
+
+
+def test_a_forked_rank_ends_with_rank_zeros_process(tmp_path):
+    marker = tmp_path / "rank-1.pid"
+    subprocess.run([sys.executable, "-c", ABANDONS_ITS_RANK, str(marker)], env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                   timeout=60, check=True)
+    pid = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -15,6 +15,7 @@ an error naming it, and the others are stopped when this one fails.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import os
@@ -33,6 +34,7 @@ __all__ = ["forked_ranks", "import_before_fork"]
 
 logger = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -129,12 +131,15 @@ def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None) -> It
     (``os._exit``: the atexit handlers and buffers it was forked with are rank 0's)."""
     code = 1
     try:
+        _end_with_parent()
         _become_rank(rank, ranks, port, threads)
         logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))  # rank 0 reports
         yield rank
         code = 0
     except LlmpressError as exc:
         print(f"error (rank {rank}): {exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says it
+        code = 130
     except BaseException:
         print(f"rank {rank} failed:", file=sys.stderr)
         traceback.print_exc()
@@ -142,6 +147,17 @@ def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None) -> It
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _end_with_parent() -> None:
+    """Have the kernel stop this forked rank if rank 0's process dies without stopping it (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere a rank waiting in a collective sees its peer's socket close)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reap(children: dict[int, int], stop: bool, grace_s: float = 5.0) -> list[str]:
