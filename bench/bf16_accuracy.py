@@ -51,19 +51,20 @@ def bf16_copy(source: Path, folder: Path) -> Path:
     return folder
 
 
-def next_token_log_probs(checkpoint: Path, windows) -> list:
+def float32_model(checkpoint: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [torch.log_softmax(model(window[None]).logits[0].float(), -1) for window in windows]
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
-def kl_from(reference: list, checkpoint: Path, windows) -> float:
-    """Mean KL(reference || checkpoint) per token over the evaluation windows."""
-    total = sum(float((r.exp() * (r - q)).sum()) for r, q in zip(reference, next_token_log_probs(checkpoint, windows)))
-    return total / sum(r.shape[0] for r in reference)
+def perplexity_and_kl(checkpoint: Path, windows, reference) -> tuple[float, float]:
+    """The checkpoint's perplexity (read through transformers + compressed-tensors in float32)
+    and its mean KL(reference || checkpoint) per predicted token, in one pass."""
+    from llmpress.evaluation import perplexity
+
+    result = perplexity(float32_model(checkpoint), windows, reference=reference, progress=False)
+    return result.perplexity, result.kl_divergence
 
 
 def main() -> None:
@@ -84,15 +85,15 @@ def main() -> None:
             "llm-compressor, bf16 model": (PEER_PYTHON, "llmcompressor", bf16),
             "llmpress, HF fp8 copy": (sys.executable, "llmpress", fp8)}
     print(f"unquantized: float32 {transformers_perplexity(fp32, windows):.3f}, bf16 copy {transformers_perplexity(bf16, windows):.3f}")
-    reference = next_token_log_probs(bf16, windows)
+    reference = float32_model(bf16)
     for recipe_name, recipe in recipes.items():
         for run_name, (python, tool, model) in runs.items():
             output = work / f"{recipe.stem}-{tool}-{model.name}"
             if tool.endswith("float32-compute") and "GPTQ" not in recipe_name:
                 continue  # RTN runs no forward: nothing to compute in float32
             run_worker(Path(python), tool, recipe, model, tokens, output)
-            print(f"{recipe_name:<11} {run_name:<32} perplexity {transformers_perplexity(output, windows):.3f}  "
-                  f"KL from the bf16 copy {kl_from(reference, output, windows):.5f}", flush=True)
+            ppl, kl = perplexity_and_kl(output, windows, reference)
+            print(f"{recipe_name:<11} {run_name:<32} perplexity {ppl:.3f}  KL from the bf16 copy {kl:.5f}", flush=True)
 
 
 if __name__ == "__main__":
