@@ -58,6 +58,17 @@ def test_forked_ranks_are_not_started_inside_a_process_group(monkeypatch):
             pass
 
 
+def test_a_fork_that_fails_is_an_error_that_says_so(monkeypatch):
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with pytest.raises(SessionError, match="could not fork its ranks"):
+        with forked_ranks(2):
+            pytest.fail("the block ran without its ranks")
+    assert "RANK" not in os.environ
+
+
 def test_the_command_reports_an_error_every_rank_meets(tmp_path):
     """Too few samples for two ranks: the error as one line from rank 0 (and the forked rank's
     own), no traceback, exit status 2, nothing written."""

@@ -94,16 +94,24 @@ def forked_ranks(ranks: int) -> Iterator[int]:
     if not hasattr(os, "fork"):
         raise SessionError("--ranks forks its ranks, and this platform cannot fork", got=sys.platform,
                            expected="Linux or macOS", fix="start the ranks with torchrun --nproc-per-node N instead")
+    import torch
+
     port, threads = _free_port(), _threads_per_rank(ranks)
     saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
+    saved_threads = torch.get_num_threads()
     children: dict[int, int] = {}  # pid -> rank
-    for rank in range(1, ranks):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the forked rank: the block runs here, then the process ends
-            yield from _as_forked_rank(rank, ranks, port, threads)
-        children[pid] = rank
+    try:
+        for rank in range(1, ranks):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the forked rank: the block runs here, then the process ends
+                yield from _as_forked_rank(rank, ranks, port, threads)
+            children[pid] = rank
+    except OSError as exc:  # out of processes or memory: the ranks forked so far would wait for the rest
+        _reap(children, stop=True, grace_s=0)
+        raise SessionError("--ranks could not fork its ranks", got=f"{len(children) + 1} of {ranks}: {exc}",
+                           expected="a process per rank", fix="run fewer ranks") from exc
     _become_rank(0, ranks, port, threads)
     try:
         yield 0
@@ -119,6 +127,7 @@ def forked_ranks(ranks: int) -> Iterator[int]:
             raise SessionError(f"{len(failed)} of the forked ranks failed", got="; ".join(failed),
                                expected="every rank finishing", fix="see the rank's error above (stderr)")
     finally:
+        torch.set_num_threads(saved_threads)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
