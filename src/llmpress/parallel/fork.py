@@ -51,7 +51,7 @@ def import_before_fork(model: str | os.PathLike | None, trust_remote_code: bool 
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(model)))]
-    except (KeyError, ValueError, OSError):
+    except (KeyError, ValueError, OSError, ImportError):  # the load says what is wrong, on every rank
         logger.debug("%s: its model class is imported by each rank", model)
 
 
