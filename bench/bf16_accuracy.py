@@ -26,6 +26,8 @@ from pathlib import Path
 from common import PEER_PYTHON, REPO, work_folder
 from gptq import bench_inputs, gptq_recipe, run_worker, transformers_perplexity
 
+from llmpress.evaluation import perplexity
+
 sys.path.insert(0, str(REPO / "tests"))
 from helpers import hf_fp8_copy  # noqa: E402  (the tests' maker of Hugging Face fp8 checkpoints)
 
@@ -61,8 +63,6 @@ def float32_model(checkpoint: Path):
 def perplexity_and_kl(checkpoint: Path, windows, reference) -> tuple[float, float]:
     """The checkpoint's perplexity (read through transformers + compressed-tensors in float32)
     and its mean KL(reference || checkpoint) per predicted token, in one pass."""
-    from llmpress.evaluation import perplexity
-
     result = perplexity(float32_model(checkpoint), windows, reference=reference, progress=False)
     return result.perplexity, result.kl_divergence
 
@@ -84,8 +84,9 @@ def main() -> None:
             "llmpress, bf16, float32 compute": (sys.executable, "llmpress-float32-compute", bf16),
             "llm-compressor, bf16 model": (PEER_PYTHON, "llmcompressor", bf16),
             "llmpress, HF fp8 copy": (sys.executable, "llmpress", fp8)}
-    print(f"unquantized: float32 {transformers_perplexity(fp32, windows):.3f}, bf16 copy {transformers_perplexity(bf16, windows):.3f}")
-    reference = float32_model(bf16)
+    reference = float32_model(bf16)  # read once: its perplexity, and every output's KL from it
+    print(f"unquantized: float32 {transformers_perplexity(fp32, windows):.3f}, "
+          f"bf16 copy {perplexity(reference, windows, progress=False).perplexity:.3f}")
     for recipe_name, recipe in recipes.items():
         for run_name, (python, tool, model) in runs.items():
             output = work / f"{recipe.stem}-{tool}-{model.name}"

@@ -99,20 +99,20 @@ def main() -> None:
                 "--overwrite"]
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    runs = {"one process": (command([sys.executable], work / "one"), False),
-            "2 ranks, forked": ([*command([sys.executable], work / "forked"), "--ranks", "2"], False),
-            "2 ranks, torchrun": (command(torchrun, work / "torchrun"), True)}
+    runs = {"one process": (work / "one", [sys.executable], [], False),  # (output, launcher, extra flags, under torchrun)
+            "2 ranks, forked": (work / "forked", [sys.executable], ["--ranks", "2"], False),
+            "2 ranks, torchrun": (work / "torchrun", torchrun, [], True)}
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(args.runs):
-        for name, (line, under_torchrun) in runs.items():
-            rows[name].append(run(line, under_torchrun))
+        for name, (output, launch, flags, under_torchrun) in runs.items():
+            rows[name].append(run([*command(launch, output), *flags], under_torchrun))
         print(json.dumps({k: v[-1] for k, v in rows.items()}), flush=True)
     medians = {name: {k: statistics.median(r[k] for r in found) for k in found[0]} for name, found in rows.items()}
     one = medians["one process"]
     print(f"\nGPTQ W4A16 g128, random {args.hidden}-hidden Llama (8 layers, fp32), 64 x 256 tokens, one thread a process, {args.runs} run(s)")
     print(f"{'':<18} {'wall s':>8} {'peak PSS MB':>12} {'peak RSS MB':>12} {'speed-up':>9} {'PSS ratio':>10} {'bit for bit':>12}")
     for name, row in medians.items():
-        equal, total = same_checkpoint(work / "one", work / name.split()[-1]) if name != "one process" else (0, 0)
+        equal, total = same_checkpoint(work / "one", runs[name][0]) if name != "one process" else (0, 0)
         same = f"{equal}/{total}" if total else ""
         print(f"{name:<18} {row['wall_s']:>8.1f} {row['pss_mb']:>12.0f} {row['rss_mb']:>12.0f} {one['wall_s'] / row['wall_s']:>8.2f}x "
               f"{row['pss_mb'] / one['pss_mb']:>9.2f}x {same:>12}")

@@ -1,10 +1,10 @@
 """What the smoothing tests share (SmoothQuant's and AWQ's): the trained tiny model with planted
-activation outliers, its calibration and held-out tokens, and a block's captured inputs."""
+activation outliers and a block's captured inputs (the calibration and held-out tokens: conftest.py)."""
 
 from __future__ import annotations
 
 import torch
-from helpers import text_path, trained_model_dir
+from helpers import trained_model_dir
 
 from llmpress.contract.block import CalibrationBlock
 
@@ -50,13 +50,3 @@ def outlier_model():
         (layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
         (layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj]))], channels=(3, 17, 40, 77))
     return model
-
-
-def calibration_and_eval_tokens():
-    """16 calibration sequences of 128 tokens and 4 held-out ones, from the fixture's text."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(trained_model_dir()))
-    ids = tokenizer(text_path("calibration.txt").read_text(), add_special_tokens=False)["input_ids"]
-    held_out = tokenizer(text_path("evaluation.txt").read_text()[:20000], add_special_tokens=False)["input_ids"]
-    return [ids[i * 128 : (i + 1) * 128] for i in range(16)], torch.tensor([held_out[i * 128 : (i + 1) * 128] for i in range(4)])

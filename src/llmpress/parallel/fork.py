@@ -118,14 +118,12 @@ def forked_ranks(ranks: int) -> Iterator[int]:
     except BaseException as exc:
         failed = _reap(children, stop=True)
         if failed and not isinstance(exc, LlmpressError):  # a collective that lost its peer, say
-            raise SessionError("a forked rank failed, and rank 0 could not go on without it", got="; ".join(failed),
-                               expected="every rank finishing", fix="see the rank's error above (stderr)") from exc
+            raise _ranks_failed("a forked rank failed, and rank 0 could not go on without it", failed) from exc
         raise
     else:
         failed = _reap(children, stop=False)
         if failed:
-            raise SessionError(f"{len(failed)} of the forked ranks failed", got="; ".join(failed),
-                               expected="every rank finishing", fix="see the rank's error above (stderr)")
+            raise _ranks_failed(f"{len(failed)} of the forked ranks failed", failed)
     finally:
         torch.set_num_threads(saved_threads)
         for name, value in saved.items():
@@ -133,6 +131,10 @@ def forked_ranks(ranks: int) -> Iterator[int]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _ranks_failed(what: str, failed: list[str]) -> SessionError:
+    return SessionError(what, got="; ".join(failed), expected="every rank finishing", fix="see the rank's error above (stderr)")
 
 
 def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None) -> Iterator[int]:  # pragma: no cover - a child
