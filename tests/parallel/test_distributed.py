@@ -25,6 +25,19 @@ from llmpress.parallel import distributed
 
 GPTQ_W4 = GPTQ_W4_G32
 
+#: asymmetric groups: a rank whose share of the stacked rows misses a module takes its zero
+#: points (int8, not its scales' dtype) from the rank that solved them
+GPTQ_W4_ASYM = """
+quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
+"""
+
 #: SmoothQuant, then GPTQ with int8 weights and static per-tensor int8 inputs, and an fp8 KV cache:
 #: every statistic kind (channel ranges, Hessians, input ranges, cache magnitudes) is reduced
 SMOOTH_W8A8_STATIC = """
@@ -130,7 +143,7 @@ def two_rank_runs(tmp_path_factory):
     """The three recipes on two ranks (one spawn) and in one process."""
     work = tmp_path_factory.mktemp("ranks")
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
-    recipes = {"gptq": GPTQ_W4, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
+    recipes = {"gptq": GPTQ_W4, "gptq-asym": GPTQ_W4_ASYM, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
                "sparsegpt": SPARSEGPT_24, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ,
                "mixed": MIXED_GPTQ, "autoround": AUTOROUND_W4}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
@@ -140,7 +153,7 @@ def two_rank_runs(tmp_path_factory):
     return work
 
 
-@pytest.mark.parametrize("name", ["gptq", "smooth", "smooth-dynamic", "sparsegpt", "wanda", "spinquant", "mixed"])
+@pytest.mark.parametrize("name", ["gptq", "gptq-asym", "smooth", "smooth-dynamic", "sparsegpt", "wanda", "spinquant", "mixed"])
 def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")

@@ -113,10 +113,13 @@ def end_process_group(wait_for_others: bool = True) -> None:
     two-rank runs. Pass False on the way out of an error, where the peers may never arrive."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from llmpress.parallel.node import close_node_team
+
     try:
         if wait_for_others and dist.get_world_size() > 1:
             dist.barrier()
     finally:
+        close_node_team()
         dist.destroy_process_group()
 
 

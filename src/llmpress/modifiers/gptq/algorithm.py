@@ -17,6 +17,7 @@ import torch
 from llmpress import native
 from llmpress.errors import SchemeError
 from llmpress.modifiers.gptq.linalg import inverse_hessian_factor, permute_rows_
+from llmpress.parallel.node import ALONE, Team
 from llmpress.quant.observers import on_native_grid, weight_qparams
 from llmpress.quant.qdq import expand_to_columns, expand_to_weight, round_to_grid
 from llmpress.quant.scheme import QuantizationArgs, QuantizationStrategy
@@ -133,20 +134,29 @@ class HessianFactor:
 
 @torch.no_grad()
 def factor_hessian(hessian: torch.Tensor, dampening_frac: float = 0.01, actorder: bool = False,
-                   overwrite: bool = False) -> HessianFactor:
+                   overwrite: bool = False, team: Team = ALONE) -> HessianFactor:
     """The factor of the Hessian ``[cols, cols]`` of a weight's inputs (``2/n * X^T X``). With
     ``actorder`` columns go in order of decreasing diagonal (the inputs with the most energy
     first). With ``overwrite`` the caller gives ``hessian`` up: the factor is computed in its
-    memory (one Hessian-sized buffer less at the peak)."""
+    memory (one Hessian-sized buffer less at the peak). ``team``: the processes that map
+    ``hessian`` (with ``overwrite``) compute the factor in it together (``parallel/node.py``)."""
+    if team is not ALONE and not overwrite:
+        raise ValueError("a team factors a Hessian they share in place: pass overwrite=True")
     H = hessian.to(torch.float32)  # may be the caller's tensor: changed only on dead columns (unless given up)
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
+    diagonal = torch.diag(H)
+    dead = diagonal == 0
+    perm = torch.argsort(diagonal.masked_fill(dead, 1), descending=True) if actorder else None
     owned = overwrite or H is not hessian
-    if perm is not None:
-        H = permute_rows_(H if owned else H.clone(), perm, columns_too=True)
+    team.sync()  # every member has read the diagonal before it changes
+    if perm is not None and not owned:
+        H = H.clone()
         owned = True
-    inverse, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=owned)
+    if team.mine(0):
+        H[dead, dead] = 1
+    team.sync()
+    if perm is not None:
+        permute_rows_(H, perm, columns_too=True, team=team)
+    inverse, used_damp = inverse_hessian_factor(H, dampening_frac, overwrite=owned, team=team)
     return HessianFactor(inverse, perm, dead, used_damp)
 
 

@@ -14,6 +14,7 @@ balanced by the solves' cost (``owners``), and come back by broadcast (``share_o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from llmpress.parallel.distributed import (
     sum_across_ranks,
     world_size,
 )
+
+if TYPE_CHECKING:
+    from llmpress.parallel.node import NodeTeam
 
 __all__ = ["RowShare", "owners", "row_splittable", "share_owned"]
 
@@ -127,28 +131,67 @@ class RowShare:
             rows.zero_point[a:b] = zero_point
         rows.loss += loss
 
-    def gather(self, losses: dict[str, float]) -> None:
+    def gather(self, losses: dict[str, float], node: NodeTeam | None = None) -> None:
         """Every rank's rows onto every rank (each rank's, by broadcast from it, in rank order),
-        the losses summed; then each module takes its result as one process would."""
+        the losses summed; then each module takes its result as one process would. ``node``:
+        the ranks share this machine's memory, and the results meet there instead (``_meet``):
+        one copy of the layer's solved weights on the machine, which every rank's modules then
+        hold (read only, as a solved weight is)."""
         templates = {}
-        for found in gather_objects({n: (tuple(r.scale.shape), r.scale.dtype, r.zero_point is not None)
+        for found in gather_objects({n: (tuple(r.scale.shape), r.scale.dtype, None if r.zero_point is None else r.zero_point.dtype)
                                      for n, r in self.results.items()}):
             templates.update(found)
         for name, module in zip(self.names, self.modules, strict=True):  # a rank whose share missed a module
             if name not in self.results:
-                shape, dtype, has_zero = templates[name]
+                shape, dtype, zero_dtype = templates[name]
                 device = module.weight.device
                 self.results[name] = _Rows(torch.empty(module.weight.shape, dtype=torch.float32, device=device),
                                            torch.empty(shape, dtype=dtype, device=device),
-                                           torch.empty(shape, dtype=dtype, device=device) if has_zero else None)
-        for source in range(world_size()):
-            for module, a, b in self.pieces(source):
-                rows = self.results[self.names[self.modules.index(module)]]
-                for tensor in (rows.weight, rows.scale, rows.zero_point):
-                    if tensor is not None:
-                        broadcast_tensor_(tensor[a:b], source)
-        summed = sum_across_ranks(torch.tensor([self.results[n].loss for n in self.names], dtype=torch.float64))
+                                           None if zero_dtype is None else torch.empty(shape, dtype=zero_dtype, device=device))
+        if node is not None and all(r.weight.device.type == "cpu" for r in self.results.values()):
+            summed = self._meet(node)
+        else:
+            for source in range(world_size()):
+                for module, a, b in self.pieces(source):
+                    rows = self.results[self.names[self.modules.index(module)]]
+                    for tensor in (rows.weight, rows.scale, rows.zero_point):
+                        if tensor is not None:
+                            broadcast_tensor_(tensor[a:b], source)
+            summed = sum_across_ranks(torch.tensor([self.results[n].loss for n in self.names], dtype=torch.float64))
         for index, (name, module) in enumerate(zip(self.names, self.modules, strict=True)):
             rows = self.results.pop(name)
             set_weight_qparams(module, rows.weight, rows.scale, rows.zero_point)
             losses[name] = float(summed[index])
+
+    def _meet(self, node: NodeTeam) -> torch.Tensor:
+        """Each module's weight in memory every rank maps, its scale and zero point in one more
+        buffer, each rank writing its rows there. The modules then hold the shared weights (one
+        copy on the machine; a solved weight is only read) and copies of the rest. Returns the
+        losses summed over the ranks (in rank order)."""
+        weights = {name: node.tensor(tuple(self.results[name].weight.shape), torch.float32) for name in self.names}
+        small = [(name, kind, getattr(self.results[name], kind)) for name in self.names
+                 for kind in ("scale", "zero_point") if getattr(self.results[name], kind) is not None]
+        offsets, size = [], 0
+        for _, _, tensor in small:
+            size = -(-size // 64) * 64  # aligned for any dtype
+            offsets.append(size)
+            size += tensor.numel() * tensor.element_size()
+        losses_at = -(-size // 64) * 64
+        buffer = node.tensor((losses_at + 8 * node.size * len(self.names),), torch.uint8)
+        views = {(name, "weight"): weights[name] for name in self.names}
+        for (name, kind, tensor), offset in zip(small, offsets, strict=True):
+            views[name, kind] = buffer[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        losses = buffer[losses_at:].view(torch.float64).view(node.size, len(self.names))
+        for module, a, b in self.pieces():
+            name = self.names[self.modules.index(module)]
+            for kind in ("weight", "scale", "zero_point"):
+                if (name, kind) in views:
+                    views[name, kind][a:b].copy_(getattr(self.results[name], kind)[a:b])
+        losses[node.rank].copy_(torch.tensor([self.results[n].loss for n in self.names], dtype=torch.float64))
+        node.sync()
+        for (name, kind), view in views.items():
+            setattr(self.results[name], kind, view if kind == "weight" else view.clone())
+        summed = losses[0].clone()
+        for other in range(1, node.size):
+            summed.add_(losses[other])
+        return summed

@@ -11,11 +11,16 @@ rank the same accumulators (an expert no token of this rank reached gets an empt
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from llmpress import native
 from llmpress.errors import SessionError
 from llmpress.parallel.distributed import gather_objects, is_distributed, sum_across_ranks
+
+if TYPE_CHECKING:
+    from llmpress.parallel.node import NodeTeam
 
 __all__ = ["HessianAccumulator", "HessianCollector"]
 
@@ -51,6 +56,7 @@ class HessianAccumulator:
         self.members: list[str] = []
         self._result: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None  # per input channel, applied when finished (scale_inputs)
+        self.node: NodeTeam | None = None  # the ranks that map the finished Hessian (``_reduce_on_node``)
         edges = list(range(0, columns, TRIANGLE_BLOCK)) + [columns]
         # up to two blocks wide, the whole product is as fast as its triangle
         spans = list(zip(edges[:-1], edges[1:])) if columns > 2 * TRIANGLE_BLOCK else [(0, columns)]
@@ -88,11 +94,16 @@ class HessianAccumulator:
             raise SessionError("a Hessian's input scale does not fit", got=f"{factor.numel()} channels", expected=str(self.columns))
         self._scale = factor if self._scale is None else self._scale * factor
 
-    def reduce(self, dst: int | None = None) -> None:
+    def reduce(self, dst: int | None = None, node: NodeTeam | None = None) -> None:
         """Sum every rank's running ``X^T X`` and token count onto rank ``dst``, or onto every
         rank for None (a no-op in one process); with ``dst``, the other ranks' sums are then
-        meaningless."""
+        meaningless. ``node`` (onto every rank, host memory): the ranks share this machine's
+        memory, and the sum is taken there (``_reduce_on_node``) instead of through the group's
+        collectives."""
         if not is_distributed():
+            return
+        if node is not None and dst is None and self.device.type == "cpu" and self._result is None:
+            self._reduce_on_node(node)
             return
         samples = torch.tensor([float(self.samples)], dtype=torch.float64, device=self.device)
         for _, _, rows in self._rows:
@@ -100,27 +111,61 @@ class HessianAccumulator:
         sum_across_ranks(samples, dst=dst)
         self.samples = int(samples.item())
 
+    def _reduce_on_node(self, node: NodeTeam) -> None:
+        """The finished float32 Hessian, once on this machine, in memory every rank maps: each
+        rank's float64 sums go to its slot of a shared buffer (each row block freed as it goes),
+        then each rank adds up its share of the row blocks over the slots in rank order (the sum
+        gloo's all-reduce takes for two ranks) and writes them narrowed, as ``result()`` does.
+        ``result()`` then returns the shared Hessian; GPTQ factors it in place, all ranks together
+        (``parallel/node.py``)."""
+        sizes = [rows.numel() for _, _, rows in self._rows]
+        slots = node.tensor((node.size, sum(sizes) + 1), torch.float64)
+        spans, offset = [], 0
+        while self._rows:
+            start, end, rows = self._rows.pop(0)
+            slots[node.rank, offset : offset + rows.numel()].copy_(rows.view(-1))
+            spans.append((start, end, offset, rows.shape))
+            offset += rows.numel()
+            del rows
+        slots[node.rank, -1] = float(self.samples)
+        node.sync()
+        samples = float(slots[:, -1].sum())
+        hessian = node.tensor((self.columns, self.columns), torch.float32)
+        for index, (start, end, offset, shape) in enumerate(spans):
+            if node.mine(index):
+                summed = slots[0, offset : offset + shape.numel()].clone()
+                for other in range(1, node.size):
+                    summed.add_(slots[other, offset : offset + shape.numel()])
+                self._narrow(hessian, start, end, summed.view(shape), samples)
+        node.sync()
+        self.samples = int(samples)
+        self._result, self.node = hessian, node
+
+    def _narrow(self, hessian: torch.Tensor, start: int, end: int, rows: torch.Tensor, samples: float) -> None:
+        """Row block ``start:end`` of the float64 sum (its columns ``start:``, or the whole matrix
+        as one block) into the float32 ``hessian``, scaled, with its mirror below the diagonal."""
+        if self._scale is not None:
+            rows.mul_(self._scale[start:end, None]).mul_(self._scale[start:])
+        rows.mul_(2.0 / max(samples, 1))
+        if rows.shape[1] == self.columns and start == 0 and end == self.columns:
+            hessian.copy_(rows)
+            return
+        hessian[start:end, start:].copy_(rows)
+        diagonal = hessian[start:end, start:end]
+        diagonal.copy_(diagonal.triu() + diagonal.triu(1).t())
+        hessian[end:, start:end].copy_(hessian[start:end, end:].t())
+
     def result(self) -> torch.Tensor:
         """The Hessian ``2/n * X^T X`` in float32, finished on first call: accumulation ends.
         Each float64 row block is freed once narrowed, and the lower triangle is the upper one's
         mirror, copied block by block (exact in float32: no whole-matrix temporary)."""
         if self._result is None:
-            if self._scale is not None:
-                for start, _, rows in self._rows:
-                    rows.mul_(self._scale[start : start + rows.shape[0], None]).mul_(self._scale[start:])
-            if len(self._rows) == 1:
-                self._result = self._rows[0][2].mul_(2.0 / max(self.samples, 1)).to(torch.float32)
-            else:
-                hessian = torch.empty(self.columns, self.columns, dtype=torch.float32, device=self.device)
-                while self._rows:
-                    start, end, rows = self._rows.pop(0)
-                    hessian[start:end, start:].copy_(rows.mul_(2.0 / max(self.samples, 1)))
-                    del rows
-                    diagonal = hessian[start:end, start:end]
-                    diagonal.copy_(diagonal.triu() + diagonal.triu(1).t())
-                    hessian[end:, start:end].copy_(hessian[start:end, end:].t())
-                self._result = hessian
-            self._rows = []
+            hessian = torch.empty(self.columns, self.columns, dtype=torch.float32, device=self.device)
+            while self._rows:
+                start, end, rows = self._rows.pop(0)
+                self._narrow(hessian, start, end, rows, self.samples)
+                del rows
+            self._result = hessian
         return self._result
 
 
