@@ -8,7 +8,10 @@ process of one thread, then two ranks of one thread each (``OMP_NUM_THREADS=1``)
 one process (``--ranks 2``: the ranks share its imported libraries), and under ``torchrun
 --nproc-per-node 2`` (two interpreters). Sampled every 0.2 s: the proportional set size (PSS, from
 ``/proc/PID/smaps_rollup``: a page shared by two processes counts half in each) of the compressing
-processes summed, and its peak; then the two checkpoints compared tensor by tensor.
+processes summed, and its peak; then the two checkpoints compared tensor by tensor. Each is
+run twice a round: timed with nothing else running, then sampled (the sampler takes a core's
+time, which one process leaves free and two ranks on this 2-core machine do not: their wall time
+under sampling is shown beside, not used).
 """
 
 from __future__ import annotations
@@ -38,14 +41,15 @@ def _workers(launcher: psutil.Process, torchrun: bool) -> list[psutil.Process]:
         return []
 
 
-def run(command: list[str], torchrun: bool = False) -> dict:
-    """One compression: wall seconds, the peak of the workers' summed PSS and of their summed RSS (MB)."""
+def run(command: list[str], torchrun: bool = False, sample: bool = True) -> dict:
+    """One compression: wall seconds, and (``sample``) the peak of the workers' summed PSS and of
+    their summed RSS (MB)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     launcher = psutil.Process(process.pid)
     peak_pss = peak_rss = 0.0
-    while process.poll() is None:
+    while sample and process.poll() is None:
         pss = rss = 0
         for worker in _workers(launcher, torchrun):
             try:
@@ -55,11 +59,11 @@ def run(command: list[str], torchrun: bool = False) -> dict:
             pss, rss = pss + info.pss, rss + info.rss
         peak_pss, peak_rss = max(peak_pss, pss / 2**20), max(peak_rss, rss / 2**20)
         time.sleep(SAMPLE_S)
-    wall = time.perf_counter() - start
     out, err = process.communicate()
+    wall = time.perf_counter() - start
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{err[-3000:]}")
-    return {"wall_s": wall, "pss_mb": peak_pss, "rss_mb": peak_rss}
+    return {"wall_s": wall, "pss_mb": peak_pss, "rss_mb": peak_rss} if sample else {"wall_s": wall}
 
 
 def same_checkpoint(one: Path, two: Path) -> tuple[int, int]:
@@ -105,7 +109,11 @@ def main() -> None:
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for _ in range(args.runs):
         for name, (output, launch, flags, under_torchrun) in runs.items():
-            rows[name].append(run([*command(launch, output), *flags], under_torchrun))
+            # timed alone, then sampled: the sampler's reads of smaps_rollup take a core's time,
+            # which one process leaves free and two ranks of one thread on two cores do not
+            timed = run([*command(launch, output), *flags], under_torchrun, sample=False)
+            sampled = run([*command(launch, output), *flags], under_torchrun)
+            rows[name].append({**sampled, "wall_s": timed["wall_s"], "sampled_wall_s": sampled["wall_s"]})
         print(json.dumps({k: v[-1] for k, v in rows.items()}), flush=True)
     medians = {name: {k: statistics.median(r[k] for r in found) for k in found[0]} for name, found in rows.items()}
     one = medians["one process"]

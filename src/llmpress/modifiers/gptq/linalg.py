@@ -42,7 +42,7 @@ def permute_rows_(matrix: torch.Tensor, perm: torch.Tensor, columns_too: bool = 
     share of the cycles (the same values: only moved)."""
     if team is not ALONE:
         if columns_too:
-            for index, (a, b) in enumerate(_panels(0, matrix.shape[0])):
+            for index, (a, b) in enumerate(_panels(0, matrix.shape[0], matrix.device)):
                 if team.mine(index):
                     matrix[a:b].copy_(torch.index_select(matrix[a:b], 1, perm))
             team.sync()
@@ -118,11 +118,14 @@ def _reverse_in_place(matrix: torch.Tensor, team: Team = ALONE) -> None:
     team.sync()
 
 
-def _panels(start: int, end: int) -> list[tuple[int, int]]:
-    """Rows ``[start, end)`` in panels of ``_TRIANGULAR_LEAF``: the unit of work of the factor's
-    products. Every product is taken panel by panel however many processes share them, so a
-    shared factor is the bits of one computed alone (a row slice of a BLAS product does not
-    always round as the whole product does)."""
+def _panels(start: int, end: int, device: torch.device) -> list[tuple[int, int]]:
+    """Rows ``[start, end)`` in panels of ``_TRIANGULAR_LEAF`` on the CPU: the unit of work of the
+    factor's products. Every product is taken panel by panel however many processes share them,
+    so a shared factor is the bits of one computed alone (a row slice of a BLAS product does not
+    always round as the whole product does). On a GPU, where no team shares the factor and each
+    kernel launch costs more than a panel's work, one panel."""
+    if device.type != "cpu":
+        return [(start, end)] if start < end else []
     return [(a, min(a + _TRIANGULAR_LEAF, end)) for a in range(start, end, _TRIANGULAR_LEAF)]
 
 
@@ -154,7 +157,7 @@ def _invert_lower_in_place(lower: torch.Tensor, team: Team = ALONE) -> None:
     inner = [node for node in nodes if node[2] > _TRIANGULAR_LEAF]
     for depth in sorted({d for d, _, _ in inner}, reverse=True):
         level = [(o, n, n // 2) for d, o, n in inner if d == depth]
-        work = [(o, n, h, a, b) for o, n, h in level for a, b in _panels(o + h, o + n)]
+        work = [(o, n, h, a, b) for o, n, h in level for a, b in _panels(o + h, o + n, lower.device)]
         for index, (o, n, h, a, b) in enumerate(work):  # T = C A^-1, into the upper right, transposed
             if team.mine(index):
                 product = lower[a:b, o : o + h] @ lower[o : o + h, o : o + h]
@@ -216,7 +219,7 @@ def _cholesky_in_place(matrix: torch.Tensor, team: Team = ALONE) -> bool:
         return False
     for step, start in enumerate(range(0, n, _TRIANGULAR_LEAF)):
         end = min(start + _TRIANGULAR_LEAF, n)
-        panels = _panels(end, n)
+        panels = _panels(end, n, matrix.device)
         if not panels:
             break
         owners = _panel_owners(len(panels), team.size, (step + 1) % team.size)
@@ -231,7 +234,7 @@ def _cholesky_in_place(matrix: torch.Tensor, team: Team = ALONE) -> bool:
                 panel.sub_(done[a:b] @ done[start:end].t())
             panel.copy_(torch.linalg.solve_triangular(factor.t(), panel, upper=True, left=False))  # panel @ L^-T
             if a == end:
-                ok = _factor_diagonal(matrix, end, b)
+                ok = _factor_diagonal(matrix, end, min(end + _TRIANGULAR_LEAF, n))
         if not team.decide(owners[0], ok):
             return False
     return True
