@@ -12,6 +12,7 @@ Backends: gloo on CPU tensors, NCCL on CUDA ones where each rank has a GPU of it
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import os
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from llmpress.errors import DataError, SessionError
 
 __all__ = [
+    "alike_on_every_rank",
     "assign_owners",
     "broadcast_object",
     "broadcast_tensor_",
@@ -208,6 +210,17 @@ def gather_objects(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def alike_on_every_rank(value: Any) -> bool:
+    """Whether ``value`` (picklable) is the same on every rank: one all-reduce of its digest,
+    where gathering it would pickle it to every rank (True in one process)."""
+    if not is_distributed():
+        return True
+    digest = int.from_bytes(hashlib.blake2b(pickle.dumps(value), digest_size=7).digest(), "little")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MIN)
+    return int(bounds[0]) == -int(bounds[1])
 
 
 def same_on_every_rank(value: Any, what: str) -> None:

@@ -138,9 +138,17 @@ class RowShare:
         one copy of the layer's solved weights on the machine, which every rank's modules then
         hold (read only, as a solved weight is)."""
         templates = {}
-        for found in gather_objects({n: (tuple(r.scale.shape), r.scale.dtype, None if r.zero_point is None else r.zero_point.dtype)
-                                     for n, r in self.results.items()}):
-            templates.update(found)
+        if all(self.pieces(r) for r in range(world_size())):
+            # every rank solved rows of this group: a missed module's qparams are shaped as the
+            # ones here (a row each, the same columns and dtypes: one scheme, one Hessian)
+            some = next(iter(self.results.values()))
+            for name, module in zip(self.names, self.modules, strict=True):
+                templates[name] = ((module.weight.shape[0], *some.scale.shape[1:]), some.scale.dtype,
+                                   None if some.zero_point is None else some.zero_point.dtype)
+        else:
+            for found in gather_objects({n: (tuple(r.scale.shape), r.scale.dtype, None if r.zero_point is None else r.zero_point.dtype)
+                                         for n, r in self.results.items()}):
+                templates.update(found)
         for name, module in zip(self.names, self.modules, strict=True):  # a rank whose share missed a module
             if name not in self.results:
                 shape, dtype, zero_dtype = templates[name]

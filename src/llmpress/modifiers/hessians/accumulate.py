@@ -17,7 +17,7 @@ import torch
 
 from llmpress import native
 from llmpress.errors import SessionError
-from llmpress.parallel.distributed import gather_objects, is_distributed, sum_across_ranks
+from llmpress.parallel.distributed import alike_on_every_rank, gather_objects, is_distributed, sum_across_ranks
 
 if TYPE_CHECKING:
     from llmpress.parallel.node import NodeTeam
@@ -112,31 +112,37 @@ class HessianAccumulator:
         self.samples = int(samples.item())
 
     def _reduce_on_node(self, node: NodeTeam) -> None:
-        """The finished float32 Hessian, once on this machine, in memory every rank maps: each
-        rank's float64 sums go to its slot of a shared buffer (each row block freed as it goes),
-        then each rank adds up its share of the row blocks over the slots in rank order (the sum
-        gloo's all-reduce takes for two ranks) and writes them narrowed, as ``result()`` does.
-        ``result()`` then returns the shared Hessian; GPTQ factors it in place, all ranks together
-        (``parallel/node.py``)."""
+        """The finished float32 Hessian, once on this machine, in memory every rank maps. Row
+        block ``i`` is summed by the rank ``node.mine(i)`` names: each rank puts the float64 sums
+        of the blocks others sum in its slot of a shared buffer (freeing each as it goes), then
+        adds up its own blocks over the ranks in rank order (its own sums from its memory: the
+        sum gloo's all-reduce takes for two ranks) and writes them narrowed, as ``result()``
+        does. ``result()`` then returns the shared Hessian; GPTQ factors it in place, all ranks
+        together (``parallel/node.py``)."""
         sizes = [rows.numel() for _, _, rows in self._rows]
-        slots = node.tensor((node.size, sum(sizes) + 1), torch.float64)
-        spans, offset = [], 0
-        while self._rows:
-            start, end, rows = self._rows.pop(0)
-            slots[node.rank, offset : offset + rows.numel()].copy_(rows.view(-1))
+        slots = node.tensor((node.size, sum(sizes) + 1), torch.float64)  # pages a rank never writes take no memory
+        spans, kept, offset = [], {}, 0
+        for index, (start, end, rows) in enumerate(self._rows):
+            if node.mine(index):
+                kept[index] = rows
+            else:
+                slots[node.rank, offset : offset + rows.numel()].copy_(rows.view(-1))
             spans.append((start, end, offset, rows.shape))
             offset += rows.numel()
-            del rows
+        self._rows = []
         slots[node.rank, -1] = float(self.samples)
         node.sync()
         samples = float(slots[:, -1].sum())
         hessian = node.tensor((self.columns, self.columns), torch.float32)
         for index, (start, end, offset, shape) in enumerate(spans):
-            if node.mine(index):
-                summed = slots[0, offset : offset + shape.numel()].clone()
-                for other in range(1, node.size):
-                    summed.add_(slots[other, offset : offset + shape.numel()])
-                self._narrow(hessian, start, end, summed.view(shape), samples)
+            if index not in kept:
+                continue
+            parts = [kept.pop(index).view(-1) if other == node.rank else slots[other, offset : offset + shape.numel()]
+                     for other in range(node.size)]
+            summed = parts[0] if node.rank == 0 else parts[0].clone()
+            for part in parts[1:]:
+                summed.add_(part)
+            self._narrow(hessian, start, end, summed.view(shape), samples)
         node.sync()
         self.samples = int(samples)
         self._result, self.node = hessian, node
@@ -208,6 +214,8 @@ class HessianCollector:
         if not is_distributed():
             return
         mine = sorted({(tuple(a.members), a.columns) for n in names if (a := self.of_module.get(n)) is not None})
+        if alike_on_every_rank(mine):  # the usual case (a dense layer): nothing to add, no gather
+            return
         for members, columns in sorted(set().union(*map(set, gather_objects(mine)))):
             present = [m for m in members if m in self.of_module]
             if present and any(tuple(self.of_module[m].members) != members for m in present):
