@@ -17,6 +17,7 @@ from llmpress.lifecycle.attach import attach_scheme
 from llmpress.modifiers.gptq.algorithm import factor_hessian
 from llmpress.modifiers.gptq.ranks import RowShare
 from llmpress.modifiers.hessians import HessianAccumulator
+from llmpress.parallel import node as node_memory
 from llmpress.parallel.node import close_node_team, node_team
 from llmpress.quant.scheme import preset_scheme
 
@@ -42,7 +43,7 @@ def _on_ranks(rank: int, world: int, init: str, out: str) -> None:
         for columns, dead, actorder, definite in FACTORS:
             hessian = _hessian(columns, dead, definite)
             alone = factor_hessian(hessian.clone(), 0.01, actorder, overwrite=True)
-            shared = team.tensor((columns, columns), torch.float32)
+            shared = team.tensors([((columns, columns), torch.float32)])[0]
             if rank == 0:
                 shared.copy_(hessian)
             team.sync()
@@ -60,6 +61,14 @@ def _on_ranks(rank: int, world: int, init: str, out: str) -> None:
             found[f"hessian {columns}"] = (torch.equal(through_gloo.result(), on_node.result()), on_node.node is team,
                                            through_gloo.samples == on_node.samples)
         found["rows"] = _rows_met(team)
+        node_memory._free_bytes = lambda: 0  # a full /dev/shm: gloo carries the sums instead
+        x = torch.randn(2, 8, 600, generator=torch.Generator().manual_seed(rank))
+        through_gloo, on_node = HessianAccumulator(600, torch.device("cpu")), HessianAccumulator(600, torch.device("cpu"))
+        through_gloo.add(x)
+        on_node.add(x)
+        through_gloo.reduce()
+        on_node.reduce(node=team)
+        found["full"] = (torch.equal(through_gloo.result(), on_node.result()), on_node.node is None)
         close_node_team()
         os.environ["LLMPRESS_NODE_MEMORY"] = "0"
         found["off"] = node_team() is None
@@ -116,6 +125,10 @@ def test_a_factor_computed_together_is_the_one_computed_alone(on_two_ranks, case
 def test_a_hessian_summed_in_shared_memory_is_the_one_summed_by_gloo(on_two_ranks, columns):
     for found in on_two_ranks:
         assert found[f"hessian {columns}"] == (True, True, True)
+
+
+def test_a_full_shared_memory_leaves_the_sums_to_gloo(on_two_ranks):
+    assert all(found["full"] == (True, True) for found in on_two_ranks)
 
 
 def test_solved_rows_meet_in_shared_memory_as_through_gloo(on_two_ranks):

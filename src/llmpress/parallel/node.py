@@ -18,6 +18,8 @@ in the same order, so the results are the same bits.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import platform
 import shutil
@@ -34,7 +36,10 @@ from llmpress.parallel.distributed import broadcast_object, gather_objects, is_d
 
 __all__ = ["ALONE", "NodeTeam", "Team", "close_node_team", "node_team"]
 
+logger = logging.getLogger(__name__)
+
 _SHARED_FOLDER = Path("/dev/shm")
+_SHARED_RESERVE = 64 << 20  # left free in /dev/shm for everything else
 _FENCE = threading.Lock()  # taking it is a locked instruction: the stores before it are seen first
 
 
@@ -65,35 +70,64 @@ class NodeTeam(Team):
     def __init__(self, folder: Path) -> None:
         self.rank, self.size = rank(), world_size()
         self.folder = folder
-        self._made = 0
-        self._arrived = 0
-        # ``decide``'s answers, written by the item's owner; two, in turn: an owner past the next
-        # sync may write the next one while a slower rank still reads this one
-        self._flags, self._decided = self.tensor((2,), torch.int32), 0
-        pids = self.tensor((self.size,), torch.int64)
+        self._made, self._arrived, self._decided, self._said_full = 0, 0, 0, False
+        # ``decide``'s answers, written by the item's owner, two in turn (an owner past the next
+        # sync may write the next one while a slower rank still reads this one); ``tensors``' answer
+        self._flags = self._small((3,), torch.int32)
+        pids = self._small((self.size,), torch.int64)
         pids[self.rank] = os.getpid()
         dist.barrier()
         self._pids = pids.tolist()
         # how many syncs each rank has reached: ``sync`` waits on it where the memory order allows
-        self._arrivals = self.tensor((self.size,), torch.int64) if platform.machine().lower() in ("x86_64", "amd64") else None
+        self._arrivals = self._small((self.size,), torch.int64) if platform.machine().lower() in ("x86_64", "amd64") else None
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` (uninitialised, or zeros where the pages are new) that every rank
-        maps; every rank calls this in the same order."""
+    def _small(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One of the team's own few bytes, made before its barrier and flags exist."""
         self._made += 1
         path = self.folder / f"{self._made}.bin"
-        numel = 1
-        for size in shape:
-            numel *= size
-        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.ftruncate(handle, max(numel * torch.empty((), dtype=dtype).element_size(), 1))
-        finally:
-            os.close(handle)
-        mapped = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
-        self.sync()  # every rank has it mapped: the name can go
+        if self.rank == 0:
+            with open(path, "wb") as made:
+                made.truncate(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        dist.barrier()
+        mapped = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        dist.barrier()
         if self.rank == 0:
             path.unlink(missing_ok=True)
+        return mapped
+
+    def tensors(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+        """Tensors of these ``(shape, dtype)`` (zeros) that every rank maps, or None on every rank
+        where ``/dev/shm`` has not the room for them (the caller goes through gloo then; said once:
+        a write into a full tmpfs would end the process with SIGBUS). Rank 0 makes the files
+        (sparse: a page takes memory once written), the others map them; every rank calls this in
+        the same order."""
+        paths, sizes = [], []
+        for shape, dtype in specs:
+            self._made += 1
+            paths.append(self.folder / f"{self._made}.bin")
+            sizes.append(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        if self.rank == 0:
+            room = _free_bytes() >= sum(sizes) + _SHARED_RESERVE
+            if room:
+                for path, size in zip(paths, sizes, strict=True):
+                    with open(path, "wb") as made:
+                        made.truncate(max(size, 1))
+            elif not self._said_full:
+                logger.warning("%s has %.0f MB free, too little for the ranks' shared buffers (%.0f MB): they go through "
+                               "gloo instead (a container's /dev/shm is 64 MB unless --shm-size says more)",
+                               _SHARED_FOLDER, _free_bytes() / 2**20, sum(sizes) / 2**20)
+                self._said_full = True
+            self._flags[2] = int(room)
+        self.sync()
+        if not bool(self._flags[2]):
+            self.sync()  # every rank has read the answer before the next call's
+            return None
+        mapped = [torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+                  for path, (shape, dtype) in zip(paths, specs, strict=True)]
+        self.sync()  # every rank has them mapped: the names can go
+        if self.rank == 0:
+            for path in paths:
+                path.unlink(missing_ok=True)
         return mapped
 
     def sync(self) -> None:
@@ -102,7 +136,7 @@ class NodeTeam(Team):
         reached its count, polling briefly, then every 0.1 ms, and checking every 0.1 s that the
         ranks it waits for still run. On x86, where a store is seen after the stores before it
         (the lock taken first drains any streaming stores); elsewhere gloo's barrier."""
-        if getattr(self, "_arrivals", None) is None:
+        if self._arrivals is None:
             dist.barrier()
             return
         with _FENCE:
@@ -135,6 +169,11 @@ class NodeTeam(Team):
             self._flags[slot] = int(value)
         self.sync()
         return bool(self._flags[slot])
+
+
+def _free_bytes() -> int:
+    found = os.statvfs(_SHARED_FOLDER)
+    return found.f_bavail * found.f_frsize
 
 
 _TEAMS: dict[int, NodeTeam | None] = {}

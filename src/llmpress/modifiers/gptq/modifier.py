@@ -297,7 +297,7 @@ class GPTQModifier(Modifier):
         hessian = accumulator.result().to(modules[0].weight.device)  # offloaded Hessians come back for the solve
         team, overwrite = ALONE, not shared
         if accumulator.node is not None:  # in memory the ranks share: factored there by all, or here by each
-            if not shared and hessian.shape[0] >= TEAM_FACTOR_COLUMNS:
+            if share is not None and not shared and hessian.shape[0] >= TEAM_FACTOR_COLUMNS:  # every rank is here
                 team = accumulator.node
             else:
                 hessian, overwrite = hessian.clone(), True

@@ -134,9 +134,7 @@ class RowShare:
     def gather(self, losses: dict[str, float], node: NodeTeam | None = None) -> None:
         """Every rank's rows onto every rank (each rank's, by broadcast from it, in rank order),
         the losses summed; then each module takes its result as one process would. ``node``:
-        the ranks share this machine's memory, and the results meet there instead (``_meet``):
-        one copy of the layer's solved weights on the machine, which every rank's modules then
-        hold (read only, as a solved weight is)."""
+        the ranks share this machine's memory, and the results meet there instead (``_meet``)."""
         templates = {}
         if all(self.pieces(r) for r in range(world_size())):
             # every rank solved rows of this group: a missed module's qparams are shaped as the
@@ -156,9 +154,10 @@ class RowShare:
                 self.results[name] = _Rows(torch.empty(module.weight.shape, dtype=torch.float32, device=device),
                                            torch.empty(shape, dtype=dtype, device=device),
                                            None if zero_dtype is None else torch.empty(shape, dtype=zero_dtype, device=device))
+        summed = None
         if node is not None and all(r.weight.device.type == "cpu" for r in self.results.values()):
-            summed = self._meet(node)
-        else:
+            summed = self._meet(node)  # None where the shared memory has no room
+        if summed is None:
             for source in range(world_size()):
                 for module, a, b in self.pieces(source):
                     rows = self.results[self.names[self.modules.index(module)]]
@@ -171,23 +170,25 @@ class RowShare:
             set_weight_qparams(module, rows.weight, rows.scale, rows.zero_point)
             losses[name] = float(summed[index])
 
-    def _meet(self, node: NodeTeam) -> torch.Tensor:
-        """Each module's weight in memory every rank maps, its scale and zero point in one more
-        buffer, each rank writing its rows there. The modules then hold the shared weights (one
-        copy on the machine; a solved weight is only read) and copies of the rest. Returns the
-        losses summed over the ranks (in rank order)."""
-        weights = {name: node.tensor(tuple(self.results[name].weight.shape), torch.float32) for name in self.names}
-        small = [(name, kind, getattr(self.results[name], kind)) for name in self.names
-                 for kind in ("scale", "zero_point") if getattr(self.results[name], kind) is not None]
+    def _meet(self, node: NodeTeam) -> torch.Tensor | None:
+        """Each module's weight, scale and zero point in one buffer every rank maps, each rank
+        writing its rows there, then copying out the whole. (The modules keep copies, not the
+        shared memory: a later stage that prunes or rescales a weight in place would otherwise
+        write into every rank's.) Returns the losses summed over the ranks, in rank order (None, on
+        every rank, where the shared memory has no room)."""
+        parts = [(name, kind, getattr(self.results[name], kind)) for name in self.names
+                 for kind in ("weight", "scale", "zero_point") if getattr(self.results[name], kind) is not None]
         offsets, size = [], 0
-        for _, _, tensor in small:
+        for _, _, tensor in parts:
             size = -(-size // 64) * 64  # aligned for any dtype
             offsets.append(size)
             size += tensor.numel() * tensor.element_size()
         losses_at = -(-size // 64) * 64
-        buffer = node.tensor((losses_at + 8 * node.size * len(self.names),), torch.uint8)
-        views = {(name, "weight"): weights[name] for name in self.names}
-        for (name, kind, tensor), offset in zip(small, offsets, strict=True):
+        found = node.tensors([((losses_at + 8 * node.size * len(self.names),), torch.uint8)])
+        if found is None:
+            return None
+        buffer, views = found[0], {}
+        for (name, kind, tensor), offset in zip(parts, offsets, strict=True):
             views[name, kind] = buffer[offset : offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
         losses = buffer[losses_at:].view(torch.float64).view(node.size, len(self.names))
         for module, a, b in self.pieces():
@@ -198,7 +199,7 @@ class RowShare:
         losses[node.rank].copy_(torch.tensor([self.results[n].loss for n in self.names], dtype=torch.float64))
         node.sync()
         for (name, kind), view in views.items():
-            setattr(self.results[name], kind, view if kind == "weight" else view.clone())
+            setattr(self.results[name], kind, view.clone())
         summed = losses[0].clone()
         for other in range(1, node.size):
             summed.add_(losses[other])

@@ -103,15 +103,18 @@ class HessianAccumulator:
         if not is_distributed():
             return
         if node is not None and dst is None and self.device.type == "cpu" and self._result is None:
-            self._reduce_on_node(node)
-            return
+            buffers = node.tensors([((node.size, sum(rows.numel() for _, _, rows in self._rows) + 1), torch.float64),
+                                    ((self.columns, self.columns), torch.float32)])
+            if buffers is not None:  # else no room in the shared memory: through gloo
+                self._reduce_on_node(node, *buffers)
+                return
         samples = torch.tensor([float(self.samples)], dtype=torch.float64, device=self.device)
         for _, _, rows in self._rows:
             sum_across_ranks(rows, dst=dst)
         sum_across_ranks(samples, dst=dst)
         self.samples = int(samples.item())
 
-    def _reduce_on_node(self, node: NodeTeam) -> None:
+    def _reduce_on_node(self, node: NodeTeam, slots: torch.Tensor, hessian: torch.Tensor) -> None:
         """The finished float32 Hessian, once on this machine, in memory every rank maps. Row
         block ``i`` is summed by the rank ``node.mine(i)`` names: each rank puts the float64 sums
         of the blocks others sum in its slot of a shared buffer (freeing each as it goes), then
@@ -119,9 +122,7 @@ class HessianAccumulator:
         sum gloo's all-reduce takes for two ranks) and writes them narrowed, as ``result()``
         does. ``result()`` then returns the shared Hessian; GPTQ factors it in place, all ranks
         together (``parallel/node.py``)."""
-        sizes = [rows.numel() for _, _, rows in self._rows]
-        slots = node.tensor((node.size, sum(sizes) + 1), torch.float64)  # pages a rank never writes take no memory
-        spans, kept, offset = [], {}, 0
+        spans, kept, offset = [], {}, 0  # (``slots``: the pages a rank never writes take no memory)
         for index, (start, end, rows) in enumerate(self._rows):
             if node.mine(index):
                 kept[index] = rows
@@ -133,7 +134,6 @@ class HessianAccumulator:
         slots[node.rank, -1] = float(self.samples)
         node.sync()
         samples = float(slots[:, -1].sum())
-        hessian = node.tensor((self.columns, self.columns), torch.float32)
         for index, (start, end, offset, shape) in enumerate(spans):
             if index not in kept:
                 continue
