@@ -26,17 +26,8 @@ from llmpress.parallel import distributed
 GPTQ_W4 = GPTQ_W4_G32
 
 #: asymmetric groups: a rank whose share of the stacked rows misses a module takes its zero
-#: points (int8, not its scales' dtype) from the rank that solved them
-GPTQ_W4_ASYM = """
-quant_stage:
-  quant_modifiers:
-    GPTQModifier:
-      ignore: [lm_head]
-      config_groups:
-        group_0:
-          targets: [Linear]
-          weights: {num_bits: 4, type: int, symmetric: false, strategy: group, group_size: 32}
-"""
+#: points (integers, not in its scales' dtype) from the rank that solved them
+GPTQ_W4_ASYM = GPTQ_W4_G32.replace("symmetric: true", "symmetric: false")
 
 #: SmoothQuant, then GPTQ with int8 weights and static per-tensor int8 inputs, and an fp8 KV cache:
 #: every statistic kind (channel ranges, Hessians, input ranges, cache magnitudes) is reduced

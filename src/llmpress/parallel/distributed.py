@@ -17,7 +17,7 @@ import heapq
 import logging
 import os
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from llmpress.errors import DataError, SessionError
 __all__ = [
     "alike_on_every_rank",
     "assign_owners",
+    "at_group_end",
     "broadcast_object",
     "broadcast_tensor_",
     "end_process_group",
@@ -115,14 +116,23 @@ def end_process_group(wait_for_others: bool = True) -> None:
     two-rank runs. Pass False on the way out of an error, where the peers may never arrive."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from llmpress.parallel.node import close_node_team
-
     try:
         if wait_for_others and dist.get_world_size() > 1:
             dist.barrier()
     finally:
-        close_node_team()
+        for callback in _AT_GROUP_END:
+            callback()
         dist.destroy_process_group()
+
+
+_AT_GROUP_END: list[Callable[[], None]] = []
+
+
+def at_group_end(callback: Callable[[], None]) -> None:
+    """Have ``end_process_group`` call ``callback`` before it destroys the group: for what a
+    module keeps as long as the group lives (``node.py``'s folder in /dev/shm)."""
+    if callback not in _AT_GROUP_END:
+        _AT_GROUP_END.append(callback)
 
 
 def share_of(items: Sequence[T], what: str = "calibration samples") -> list[T]:

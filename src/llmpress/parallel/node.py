@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from llmpress.errors import SessionError
-from llmpress.parallel.distributed import broadcast_object, gather_objects, is_distributed, rank, world_size
+from llmpress.parallel.distributed import at_group_end, broadcast_object, gather_objects, is_distributed, rank, world_size
 
 __all__ = ["ALONE", "NodeTeam", "Team", "close_node_team", "node_team"]
 
@@ -218,3 +218,6 @@ def close_node_team() -> None:
     team = _TEAMS.pop(id(dist.group.WORLD), None)
     if team is not None and team.rank == 0:
         shutil.rmtree(team.folder, ignore_errors=True)
+
+
+at_group_end(close_node_team)
