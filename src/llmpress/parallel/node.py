@@ -18,6 +18,7 @@ in the same order, so the results are the same bits.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -192,6 +193,7 @@ def node_team() -> NodeTeam | None:
     folder = None
     if rank() == 0 and wanted and os.access(_SHARED_FOLDER, os.W_OK):
         folder = tempfile.mkdtemp(prefix="llmpress-ranks-", dir=_SHARED_FOLDER)
+        atexit.register(shutil.rmtree, folder, True)  # also where the group is destroyed without end_process_group
     folder = broadcast_object(folder, 0)
     here = None
     if folder is not None and wanted:
