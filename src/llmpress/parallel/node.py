@@ -87,10 +87,9 @@ class NodeTeam(Team):
         self._made += 1
         path = self.folder / f"{self._made}.bin"
         if self.rank == 0:
-            with open(path, "wb") as made:
-                made.truncate(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+            _make_file(path, math.prod(shape) * dtype.itemsize)
         dist.barrier()
-        mapped = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        mapped = _mapped(path, shape, dtype)
         dist.barrier()
         if self.rank == 0:
             path.unlink(missing_ok=True)
@@ -106,13 +105,12 @@ class NodeTeam(Team):
         for shape, dtype in specs:
             self._made += 1
             paths.append(self.folder / f"{self._made}.bin")
-            sizes.append(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+            sizes.append(math.prod(shape) * dtype.itemsize)
         if self.rank == 0:
             room = _free_bytes() >= sum(sizes) + _SHARED_RESERVE
             if room:
                 for path, size in zip(paths, sizes, strict=True):
-                    with open(path, "wb") as made:
-                        made.truncate(max(size, 1))
+                    _make_file(path, size)
             elif not self._said_full:
                 logger.warning("%s has %.0f MB free, too little for the ranks' shared buffers (%.0f MB): they go through "
                                "gloo instead (a container's /dev/shm is 64 MB unless --shm-size says more)",
@@ -123,8 +121,7 @@ class NodeTeam(Team):
         if not bool(self._flags[2]):
             self.sync()  # every rank has read the answer before the next call's
             return None
-        mapped = [torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-                  for path, (shape, dtype) in zip(paths, specs, strict=True)]
+        mapped = [_mapped(path, shape, dtype) for path, (shape, dtype) in zip(paths, specs, strict=True)]
         self.sync()  # every rank has them mapped: the names can go
         if self.rank == 0:
             for path in paths:
@@ -170,6 +167,17 @@ class NodeTeam(Team):
             self._flags[slot] = int(value)
         self.sync()
         return bool(self._flags[slot])
+
+
+def _make_file(path: Path, size: int) -> None:
+    """A sparse file of ``size`` bytes (a page takes memory once written)."""
+    with open(path, "wb") as made:
+        made.truncate(max(size, 1))
+
+
+def _mapped(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``path``'s bytes as a tensor every process mapping the file shares."""
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 def _free_bytes() -> int:
