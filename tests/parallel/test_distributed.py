@@ -88,10 +88,12 @@ quant_stage:
     GPTQModifier: {scheme: W4A16, targets: [Linear], ignore: [lm_head]}
 """
 
+#: sensitivities measured on the first 3 of the 6 samples, on the ranks as in one process (each
+#: rank's share of those 3, not its own first 3), each module's options weighed on one rank
 MIXED_GPTQ = """
 quant_stage:
   quant_modifiers:
-    MixedPrecisionModifier: {average_bits: 4.5, schemes: [W3A16_G32, W4A16_G32, W8A16], ignore: [lm_head]}
+    MixedPrecisionModifier: {average_bits: 4.5, samples: 3, schemes: [W3A16_G32, W4A16_G32, W8A16], ignore: [lm_head]}
     GPTQModifier: {}
 """
 
@@ -153,10 +155,12 @@ def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     assert not different, different[:5]
     if name == "smooth":  # the reduced statistics are there: static input scales and cache scales
         assert any(k.endswith("input_scale") for k in one) and any(k.endswith("k_scale") for k in one)
-    if name == "mixed":  # the ranks' sensitivities summed: the same choice, a mixed one
-        groups = [json.loads((two_rank_runs / f"{name}-{n}" / "config.json").read_text())["quantization_config"]["config_groups"]
-                  for n in (1, 2)]
+    if name == "mixed":  # the ranks' sensitivities summed: the same choice, a mixed one, and the same measure
+        configs = [json.loads((two_rank_runs / f"{name}-{n}" / "config.json").read_text()) for n in (1, 2)]
+        groups = [c["quantization_config"]["config_groups"] for c in configs]
         assert groups[0] == groups[1] and len(groups[0]) >= 2
+        measured = [torch.tensor([g["sensitivity"] for g in c["llmpress_mixed_precision"]["groups"]]) for c in configs]
+        torch.testing.assert_close(measured[0], measured[1], rtol=1e-3, atol=0)
     if name in ("sparsegpt", "wanda"):  # pruned indeed
         assert (one["model.layers.1.mlp.up_proj.weight"] == 0).float().mean() == 0.5
 

@@ -29,7 +29,15 @@ from llmpress.errors import DataError
 from llmpress.models.linear import features, linear_weight
 from llmpress.modifiers.hessians import HessianCollector
 from llmpress.modifiers.mixed_precision.menu import MenuOption
-from llmpress.parallel.distributed import sum_across_ranks
+from llmpress.parallel.distributed import (
+    assign_owners,
+    gather_objects,
+    is_distributed,
+    is_main_process,
+    rank,
+    sum_across_ranks,
+    world_size,
+)
 from llmpress.quant.groups import fitted_weight_group
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationScheme
@@ -42,15 +50,23 @@ EXPERT_NAME = re.compile(r"(.*\.experts)\.\d+\.(.+)")
 
 def sequences(calibration_data: Any, samples: int) -> list[torch.Tensor]:
     """The first ``samples`` token-id sequences of the calibration data (tensors, lists of them,
-    batches of them, or dicts with ``input_ids``)."""
-    rows: list[torch.Tensor] = []
+    batches of them, or dicts with ``input_ids``). Under torch.distributed, where each rank holds
+    every ``world_size``-th batch (``share_of``), they are the first ``samples`` of one process's
+    batches, the same on every rank (``gather_statistics`` takes each rank's share)."""
+    batches: list[list[torch.Tensor]] = []
+    held = 0
     for batch in calibration_data or []:
+        if held >= samples:  # a later batch, on any rank, comes after these in one process's order
+            break
         ids = batch.get("input_ids") if isinstance(batch, dict) else batch
         ids = torch.as_tensor(ids)
-        rows.extend(ids if ids.dim() == 2 else [ids])
-        if len(rows) >= samples:
-            break
-    rows = [r for r in rows[:samples] if r.numel() >= 2]
+        batches.append(list(ids) if ids.dim() == 2 else [ids])
+        held += len(batches[-1])
+    if is_distributed():  # every rank's first batches, back in one process's order
+        shares = gather_objects(batches)
+        batches = [shares[g % len(shares)][g // len(shares)] for g in range(sum(len(s) for s in shares))]
+    rows = [r for b in batches for r in b][:samples]
+    rows = [r for r in rows if r.numel() >= 2]
     if not rows:
         raise DataError("mixed precision measures each module's sensitivity on calibration data, and there is none",
                         got="no calibration sequence of 2 tokens or more",
@@ -67,19 +83,22 @@ class Statistics:
     """What the loss says of each module on the calibration tokens: the Hessian of its inputs
     ``sum_t x_t x_t^T`` (one tensor shared by the modules that read the same input), the squared
     gradient of each token's loss at each of its outputs ``sum_t (dL_t/dy_t)^2``, and the count
-    of tokens."""
+    of tokens. Under torch.distributed each rank weighs the modules it owns (``owner``), and
+    holds only their Hessians."""
 
     hessians: dict[str, torch.Tensor]
     output_grads: dict[str, torch.Tensor]
     tokens: int
     input_of: dict[str, str]  # module -> the first module that read the same input in a forward
+    owner: dict[str, int]  # module -> the rank that weighs its options (0 in one process)
 
 
 def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Tensor]) -> Statistics:
     """``Statistics`` of ``modules`` over ``rows`` (one forward and backward a row; no weight
-    gradient is computed and the model is left as it was), summed over the ranks under
-    torch.distributed. The Hessians are GPTQ's (``HessianCollector``: one per distinct input,
-    float64 sums of per-sequence products), brought back to ``sum_t x_t x_t^T``."""
+    gradient is computed and the model is left as it was). Under torch.distributed each rank
+    runs every ``world_size``-th row and the sums are taken over the ranks, each Hessian onto the one rank that will weigh its modules' options. The
+    Hessians are GPTQ's (``HessianCollector``: one per distinct input, float64 sums of
+    per-sequence products), brought back to ``sum_t x_t x_t^T``."""
     collector = HessianCollector()
     grads = {name: torch.zeros(linear_weight(m.weight, m).shape[0], dtype=torch.float64, device=m.weight.device)
              for name, m in modules.items()}
@@ -104,10 +123,11 @@ def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: lis
     handles = [module.register_forward_hook(watch(name)) for name, module in modules.items()]
     handles.append(model.get_input_embeddings().register_forward_hook(start_graph))
     device = next(iter(modules.values())).weight.device
+    rows = rows[rank()::world_size()]
     tokens = 0
     try:
         with torch.enable_grad():
-            for ids in tqdm(rows, desc="Measuring sensitivity", unit="seq", leave=False):
+            for ids in tqdm(rows, desc="Measuring sensitivity", unit="seq", leave=False, disable=not is_main_process()):
                 ids = ids.reshape(1, -1).to(device)
                 logits = _logits(model(input_ids=ids))
                 loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
@@ -120,16 +140,22 @@ def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: lis
             handle.remove()
         collector.end_of_first_pass()
     collector.agree(list(modules), device)  # an expert one rank's tokens never reached: zeros there
+    of_module = collector.of_module
+    accumulators = list({id(a): a for a in of_module.values()}.values())
+    # the modules of one input go to one rank (one factor for all their options), the largest
+    # solves first to the least loaded rank: a factor, then a solve per option and member
+    owners = assign_owners([a.columns ** 2 * (a.columns + sum(shape_of(modules[n])[0] for n in a.members)) for a in accumulators])
     hessians: dict[int, torch.Tensor] = {}
-    for accumulator in {id(a): a for a in collector.of_module.values()}.values():
-        accumulator.reduce()
-        hessians[id(accumulator)] = accumulator.result().mul_(accumulator.samples / 2)  # 2/n X^T X back to X^T X
+    for accumulator, owner in zip(accumulators, owners):
+        accumulator.reduce(owner)
+        if owner == rank():
+            hessians[id(accumulator)] = accumulator.result().mul_(accumulator.samples / 2)  # 2/n X^T X back to X^T X
     for total in grads.values():
         sum_across_ranks(total)
     tokens = int(sum_across_ranks(torch.tensor([tokens], dtype=torch.float64)).item())
-    of_module = collector.of_module
-    return Statistics({n: hessians[id(a)] for n, a in of_module.items()}, grads, tokens,
-                      {n: a.members[0] for n, a in of_module.items()})
+    owner_of = {id(a): owner for a, owner in zip(accumulators, owners)}
+    return Statistics({n: hessians[id(a)] for n, a in of_module.items() if id(a) in hessians}, grads, tokens,
+                      {n: a.members[0] for n, a in of_module.items()}, {n: owner_of[id(a)] for n, a in of_module.items()})
 
 
 #: ``(weight [out, in] float32, its inputs' Hessian, scheme) -> the weight as the algorithm rounds it``
@@ -147,9 +173,12 @@ def sensitivities(modules: dict[str, nn.Module], stats: Statistics, options: lis
     ``g_i`` the mean squared output gradient of row ``i`` and ``H`` the inputs' Hessian: the
     loss's second-order rise with its Fisher information factored into outputs and inputs. The
     whole ``H`` sees what GPTQ does (it moves each rounding error where the inputs make it
-    cheap). Zero for an option that leaves the weight as it is."""
+    cheap). Zero for an option that leaves the weight as it is. Each rank weighs the modules it
+    owns (``stats.owner``), and every rank gets the whole table."""
     table: dict[str, list[float]] = {}
     for name, module in modules.items():
+        if stats.owner.get(name, 0) != rank():
+            continue
         weight = linear_weight(module.weight.detach(), module).float()
         hessian = stats.hessians.get(name)
         grads = (stats.output_grads[name] / max(stats.tokens, 1)).float()
@@ -161,7 +190,8 @@ def sensitivities(modules: dict[str, nn.Module], stats: Statistics, options: lis
             error = rounding(weight, hessian, fitted_weight_group(option.scheme, weight.shape[1])) - weight
             costs.append(0.5 * float((grads * ((error @ hessian) * error).sum(1)).sum(dtype=torch.float64)))
         table[name] = costs
-    return table
+    weighed = {name: costs for part in gather_objects(table) for name, costs in part.items()}
+    return {name: weighed[name] for name in modules}
 
 
 def module_groups(modules: dict[str, nn.Module], stats: Statistics) -> list[list[str]]:
