@@ -21,6 +21,7 @@ from helpers import GPTQ_W4_G32, REPO, checkpoint_tensors, gloo_rank, make_tiny_
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError, SessionError
+from llmpress.modifiers.pruning.oneshot import owl_sparsities
 from llmpress.parallel import distributed
 
 GPTQ_W4 = GPTQ_W4_G32
@@ -64,6 +65,12 @@ SPARSEGPT_24 = """
 sparsity_stage:
   sparsity_modifiers:
     SparseGPTModifier: {sparsity: 0.5, mask_structure: "2:4", ignore: ["re:.*lm_head"]}
+"""
+#: OWL's per-layer sparsities from the input norms of all the ranks' samples (one forward of the dense model)
+SPARSEGPT_OWL = """
+sparsity_stage:
+  sparsity_modifiers:
+    SparseGPTModifier: {sparsity: 0.5, sparsity_profile: owl, owl_m: 2, owl_lmbda: 0.08, ignore: ["re:.*lm_head"]}
 """
 WANDA = """
 sparsity_stage:
@@ -137,7 +144,7 @@ def two_rank_runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("ranks")
     make_tiny_llama(intermediate=256).save_pretrained(work / "model")
     recipes = {"gptq": GPTQ_W4, "gptq-asym": GPTQ_W4_ASYM, "smooth": SMOOTH_W8A8_STATIC, "smooth-dynamic": SMOOTH_W8A8_DYNAMIC, "awq": AWQ_W4,
-               "sparsegpt": SPARSEGPT_24, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ,
+               "sparsegpt": SPARSEGPT_24, "owl": SPARSEGPT_OWL, "wanda": WANDA, "spinquant": SPINQUANT_GPTQ,
                "mixed": MIXED_GPTQ, "autoround": AUTOROUND_W4}
     runs = [(recipe, str(work / f"{name}-2")) for name, recipe in recipes.items()]
     mp.spawn(_run_rank, args=(2, f"file://{work / 'rendezvous'}", str(work / "model"), runs), nprocs=2, join=True)
@@ -146,7 +153,7 @@ def two_rank_runs(tmp_path_factory):
     return work
 
 
-@pytest.mark.parametrize("name", ["gptq", "gptq-asym", "smooth", "smooth-dynamic", "sparsegpt", "wanda", "spinquant", "mixed"])
+@pytest.mark.parametrize("name", ["gptq", "gptq-asym", "smooth", "smooth-dynamic", "sparsegpt", "owl", "wanda", "spinquant", "mixed"])
 def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
     one = checkpoint_tensors(two_rank_runs / f"{name}-1")
     two = checkpoint_tensors(two_rank_runs / f"{name}-2")
@@ -163,6 +170,36 @@ def test_two_ranks_give_the_one_process_checkpoint(two_rank_runs, name):
         torch.testing.assert_close(measured[0], measured[1], rtol=1e-3, atol=0)
     if name in ("sparsegpt", "wanda"):  # pruned indeed
         assert (one["model.layers.1.mlp.up_proj.weight"] == 0).float().mean() == 0.5
+
+
+def _owl_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+
+
+def _owl_rank(rank: int, world: int, init: str, out: str) -> None:
+    with gloo_rank(rank, world, init):
+        model = _owl_model()
+        batches = distributed.share_of([torch.tensor([s]) for s in token_batches(count=6, length=32)])
+        modules = {n: m for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+        Path(out, f"{rank}.json").write_text(json.dumps(owl_sparsities(model, model.model.layers, modules, batches, 0.5, 2.0, 0.08)))
+
+
+def test_owl_sparsities_on_two_ranks_are_the_one_process_ones(tmp_path):
+    """OWL's outlier ratios come from the input norms of every rank's batches: with four layers
+    (two would only ever get the two ends of the spread) each rank's own batches set other
+    sparsities, and the ranks would prune alike to none of them."""
+    mp.spawn(_owl_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
+    model = _owl_model()
+    modules = {n: m for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    one = owl_sparsities(model, model.model.layers, modules, [torch.tensor([s]) for s in token_batches(count=6, length=32)], 0.5, 2.0, 0.08)
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert len(set(one)) == 4  # four different sparsities
+    assert ranks[0] == ranks[1]
+    torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(one), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", ["awq", "autoround"])

@@ -36,6 +36,7 @@ from llmpress.errors import RecipeError
 from llmpress.lifecycle.sparsity import mark_sparse, sparsity_of
 from llmpress.models.linear import linear_weight
 from llmpress.modifiers.pruning.masks import prunable_modules
+from llmpress.parallel.distributed import is_distributed, sum_across_ranks
 
 if TYPE_CHECKING:
     from llmpress.contract.block import CalibrationBlock
@@ -227,7 +228,9 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
     """One sparsity per layer from its outlier ratio: the share of ``|W_ij| * ||x_j||`` over
     ``owl_m`` times the layer's mean, the norms taken in one forward of the dense model. The
     ratios, scaled to ``[0, 2 * owl_lmbda]``, lower the sparsity of the layers that have more
-    outliers and raise it elsewhere, around the same mean (each clamped to [0, 0.99])."""
+    outliers and raise it elsewhere, around the same mean (each clamped to [0, 0.99]). Under
+    torch.distributed the norms are summed over the ranks' batches: every rank sets the sparsities
+    one process would."""
     if not blocks:
         raise RecipeError("OWL sets one sparsity per layer: no repeated layers found in the model",
                           got=type(model).__name__, fix="give a sparsity without sparsity_profile")
@@ -246,6 +249,8 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
     finally:
         for handle in handles:
             handle.remove()
+    if is_distributed():
+        squares = _summed_over_ranks(squares, [m for m in modules.values() if m in wanted])
     ratios = []
     for block in blocks:
         scores = [(linear_weight(m.weight, m).detach().abs().float() * squares[m].sqrt().float()).flatten()
@@ -261,3 +266,18 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
     result = [sparsity - (s - mean) for s in scaled]
     logger.info("OWL sparsities (outlier ratios %s): %s", ", ".join(f"{r:.4f}" for r in ratios), ", ".join(f"{s:.3f}" for s in result))
     return [min(max(s, 0.0), 0.99) for s in result]
+
+
+def _summed_over_ranks(squares: dict[nn.Module, torch.Tensor], modules: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
+    """Each module's column squares summed over the ranks, in one all-reduce (zeros where a rank's
+    batches never reached the module, an expert say); a module reached on no rank stays out."""
+    if not modules:
+        return squares
+    columns = [linear_weight(m.weight, m).shape[1] for m in modules]
+    device = next(iter(squares.values())).device if squares else modules[0].weight.device
+    flat = torch.cat([*(squares.get(m, torch.zeros(c, dtype=torch.float64, device=device)) for m, c in zip(modules, columns)),
+                      torch.tensor([float(m in squares) for m in modules], dtype=torch.float64, device=device)])
+    sum_across_ranks(flat)
+    reached = flat[-len(modules):]
+    pieces = flat[:-len(modules)].split(columns)
+    return {m: piece for m, piece, seen in zip(modules, pieces, reached) if seen > 0}
