@@ -34,11 +34,25 @@ def test_the_block_runs_on_every_rank_and_only_rank_zero_goes_on(tmp_path):
 
 
 def test_a_failing_forked_rank_is_named(capfd):
-    with pytest.raises(SessionError, match="rank 1 exited with status 1"):
+    with pytest.raises(SessionError, match="rank 1 exited with status 1: ValueError: only on rank 1"):
         with forked_ranks(2) as rank:
             if rank == 1:
                 raise ValueError("only on rank 1")
-    assert "only on rank 1" in capfd.readouterr().err  # the rank's own error, on stderr
+    assert "Traceback" in capfd.readouterr().err  # the rank's own traceback, on stderr
+
+
+def test_the_forked_ranks_errors_are_said_once_each_and_not_rank_zeros_again(capfd):
+    """Rank 0's error is raised (the command prints it); a forked rank that met the same says
+    nothing more, those that met another error say it once for all of them."""
+    with pytest.raises(SessionError, match="too few samples") as raised:
+        with forked_ranks(4) as rank:
+            time.sleep(0.3)  # the forked ranks end first, as they do when every rank checks its input
+            if rank in (0, 1):
+                raise SessionError("too few samples")
+            raise SessionError("no room on this rank")
+    err = capfd.readouterr().err
+    assert "too few samples" not in err and err.count("no room on this rank") == 1, err
+    assert "error (ranks 2, 3): no room on this rank" in err and "rank" not in str(raised.value)
 
 
 def test_rank_zeros_failure_stops_the_other_ranks():
@@ -70,8 +84,8 @@ def test_a_fork_that_fails_is_an_error_that_says_so(monkeypatch):
 
 
 def test_the_command_reports_an_error_every_rank_meets(tmp_path):
-    """Too few samples for two ranks: the error as one line from rank 0 (and the forked rank's
-    own), no traceback, exit status 2, nothing written."""
+    """Too few samples for two ranks: the error as one line from rank 0 (the forked rank's, the
+    same, is not said again), no traceback, exit status 2, nothing written."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(GPTQ_W4_G32)
     command = [sys.executable, "-m", "llmpress", "oneshot", "--model", str(REPO / "assets" / "tiny-llama"), "--recipe", str(recipe),
@@ -81,8 +95,8 @@ def test_the_command_reports_an_error_every_rank_meets(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    assert "error: 1 calibration batches cannot be shared by 2 ranks" in done.stderr
-    assert "error (rank 1): 1 calibration batches" in done.stderr and not (tmp_path / "out").exists()
+    assert done.stderr.count("1 calibration batches cannot be shared by 2 ranks") == 1, done.stderr[-3000:]  # said once, by rank 0
+    assert "error: 1 calibration batches cannot be shared by 2 ranks" in done.stderr and not (tmp_path / "out").exists()
 
 
 LOSES_A_RANK = """

@@ -10,7 +10,9 @@ after is the same code as under ``torchrun``. Nothing touches a GPU before the f
 context does not survive one); each rank takes its own after.
 
 This process is rank 0 and waits for the others at the end: a rank that fails ends the run with
-an error naming it, and the others are stopped when this one fails.
+an error naming it and saying what the rank met (each forked rank hands its error to rank 0
+through a pipe: an error every rank meets, too few samples say, is said once), and the others are
+stopped when this one fails.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = ["forked_ranks", "import_before_fork"]
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+#: the most of a forked rank's error that reaches rank 0 (within a pipe's buffer: the write never waits)
+_REPORT_BYTES = 4096
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -99,15 +103,24 @@ def forked_ranks(ranks: int) -> Iterator[int]:
     port, threads = _free_port(), _threads_per_rank(ranks)
     saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
     saved_threads = torch.get_num_threads()
-    children: dict[int, int] = {}  # pid -> rank
+    children: dict[int, tuple[int, int]] = {}  # pid -> (rank, the read end of its error's pipe)
     try:
         for rank in range(1, ranks):
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
+            read, write = os.pipe()
+            try:
+                pid = os.fork()
+            except OSError:
+                os.close(read)
+                os.close(write)
+                raise
             if pid == 0:  # the forked rank: the block runs here, then the process ends
-                yield from _as_forked_rank(rank, ranks, port, threads)
-            children[pid] = rank
+                for fd in (read, *(r for _, r in children.values())):  # the pipes rank 0 reads
+                    os.close(fd)
+                yield from _as_forked_rank(rank, ranks, port, threads, write)
+            os.close(write)
+            children[pid] = (rank, read)
     except OSError as exc:  # out of processes or memory: the ranks forked so far would wait for the rest
         _reap(children, stop=True, grace_s=0)
         raise SessionError("--ranks could not fork its ranks", got=f"{len(children) + 1} of {ranks}: {exc}",
@@ -119,6 +132,7 @@ def forked_ranks(ranks: int) -> Iterator[int]:
         failed = _reap(children, stop=True)
         if failed and not isinstance(exc, LlmpressError):  # a collective that lost its peer, say
             raise _ranks_failed("a forked rank failed, and rank 0 could not go on without it", failed) from exc
+        _say_other_errors(failed, str(exc))  # rank 0's own error is said by whoever catches it
         raise
     else:
         failed = _reap(children, stop=False)
@@ -133,14 +147,27 @@ def forked_ranks(ranks: int) -> Iterator[int]:
                 os.environ[name] = value
 
 
-def _ranks_failed(what: str, failed: list[str]) -> SessionError:
-    return SessionError(what, got="; ".join(failed), expected="every rank finishing", fix="see the rank's error above (stderr)")
+def _ranks_failed(what: str, failed: list[tuple[int, str, str]]) -> SessionError:
+    return SessionError(what, got="; ".join(f"{how}: {said}" if said else how for _, how, said in failed),
+                        expected="every rank finishing", fix="see the rank's error (a traceback is above, on stderr)")
 
 
-def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None) -> Iterator[int]:  # pragma: no cover - a child
+def _say_other_errors(failed: list[tuple[int, str, str]], own: str) -> None:
+    """On stderr, once per message, the errors of the forked ranks that failed otherwise than rank 0."""
+    said: dict[str, list[int]] = {}
+    for rank, _, message in failed:
+        if message and message != own:
+            said.setdefault(message, []).append(rank)
+    for message, ranks in said.items():
+        print(f"error (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): {message}", file=sys.stderr)
+
+
+def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None, report: int) -> Iterator[int]:  # pragma: no cover - a child
     """``forked_ranks`` in a forked rank: the block runs at the ``yield``, then the process ends
-    (``os._exit``: the atexit handlers and buffers it was forked with are rank 0's)."""
-    code = 1
+    (``os._exit``: the atexit handlers and buffers it was forked with are rank 0's). Its error
+    goes to rank 0 through ``report`` (a traceback, for an error that is not llmpress's, to stderr
+    as well)."""
+    code, message = 1, ""
     try:
         _end_with_parent()
         _become_rank(rank, ranks, port, threads)
@@ -148,13 +175,18 @@ def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None) -> It
         yield rank
         code = 0
     except LlmpressError as exc:
-        print(f"error (rank {rank}): {exc}", file=sys.stderr)
+        message = str(exc)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says it
         code = 130
-    except BaseException:
+    except BaseException as exc:
         print(f"rank {rank} failed:", file=sys.stderr)
         traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}"
     finally:
+        try:
+            os.write(report, message.encode()[:_REPORT_BYTES])
+        except OSError:
+            pass
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -171,21 +203,22 @@ def _end_with_parent() -> None:
         pass
 
 
-def _reap(children: dict[int, int], stop: bool, grace_s: float = 5.0) -> list[str]:
-    """Wait for the forked ranks; what each that failed ended with. With ``stop`` (rank 0 failed,
-    and they may be waiting for it in a collective, or be failing themselves: a rank's own error
-    reaches rank 0 as a closed connection before the rank has exited) they get ``grace_s`` to end
-    on their own, then are stopped."""
+def _reap(children: dict[int, tuple[int, int]], stop: bool, grace_s: float = 5.0) -> list[tuple[int, str, str]]:
+    """Wait for the forked ranks; ``(rank, how it ended, what it said)`` for each that failed, in
+    rank order. With ``stop`` (rank 0 failed, and they may be waiting for it in a collective, or be
+    failing themselves: a rank's own error reaches rank 0 as a closed connection before the rank
+    has exited) they get ``grace_s`` to end on their own, then are stopped."""
     failed, left = [], dict(children)
     deadline = time.monotonic() + (grace_s if stop else float("inf"))
     while left and time.monotonic() < deadline:
-        for pid, rank in list(left.items()):
+        for pid, (rank, read) in list(left.items()):
             ended, status = os.waitpid(pid, os.WNOHANG if stop else 0)
             if ended:
                 del left[pid]
                 code = os.waitstatus_to_exitcode(status)
                 if code != 0:
-                    failed.append(f"rank {rank} exited with status {code}" if code > 0 else f"rank {rank} was killed by signal {-code}")
+                    how = f"rank {rank} exited with status {code}" if code > 0 else f"rank {rank} was killed by signal {-code}"
+                    failed.append((rank, how, _said(read)))
         if left:
             time.sleep(0.05)
     for pid in left:
@@ -194,4 +227,16 @@ def _reap(children: dict[int, int], stop: bool, grace_s: float = 5.0) -> list[st
         except ProcessLookupError:
             pass
         os.waitpid(pid, 0)
+    for _, read in children.values():
+        os.close(read)
     return sorted(failed)
+
+
+def _said(read: int) -> str:
+    """What an ended rank wrote into its pipe (without waiting: a process it started may hold the
+    pipe open after it)."""
+    os.set_blocking(read, False)
+    try:
+        return os.read(read, _REPORT_BYTES).decode(errors="replace")
+    except BlockingIOError:
+        return ""
