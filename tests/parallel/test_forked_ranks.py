@@ -55,6 +55,20 @@ def test_the_forked_ranks_errors_are_said_once_each_and_not_rank_zeros_again(cap
     assert "error (ranks 2, 3): no room on this rank" in err and "rank" not in str(raised.value)
 
 
+@pytest.mark.parametrize("rank_zero_meets", ["the interruption", "a lost peer"])
+def test_ctrl_c_is_an_interruption_not_a_failing_rank(rank_zero_meets):
+    """Ctrl-C reaches every rank: rank 0 is interrupted too, or meets the closed connection of a
+    rank that was (gloo's error in a collective). Either way the run was interrupted."""
+    with pytest.raises(KeyboardInterrupt):
+        with forked_ranks(2) as rank:
+            if rank == 1:
+                raise KeyboardInterrupt
+            time.sleep(0.5)  # rank 1 has ended
+            if rank_zero_meets == "the interruption":
+                raise KeyboardInterrupt
+            raise RuntimeError("Connection closed by peer")
+
+
 def test_rank_zeros_failure_stops_the_other_ranks():
     start = time.monotonic()
     with pytest.raises(ValueError, match="rank 0"):

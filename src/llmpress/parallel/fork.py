@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 #: the most of a forked rank's error that reaches rank 0 (within a pipe's buffer: the write never waits)
 _REPORT_BYTES = 4096
+#: a forked rank's exit status after Ctrl-C (the shell's 128 + SIGINT)
+_INTERRUPTED = 130
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -130,6 +133,10 @@ def forked_ranks(ranks: int) -> Iterator[int]:
         yield 0
     except BaseException as exc:
         failed = _reap(children, stop=True)
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches every rank: an interruption, not a failure
+            raise
+        if failed and all(code == _INTERRUPTED for _, code, _, _ in failed):  # a rank interrupted while rank 0 waited for it
+            raise KeyboardInterrupt from exc
         if failed and not isinstance(exc, LlmpressError):  # a collective that lost its peer, say
             raise _ranks_failed("a forked rank failed, and rank 0 could not go on without it", failed) from exc
         _say_other_errors(failed, str(exc))  # rank 0's own error is said by whoever catches it
@@ -147,15 +154,15 @@ def forked_ranks(ranks: int) -> Iterator[int]:
                 os.environ[name] = value
 
 
-def _ranks_failed(what: str, failed: list[tuple[int, str, str]]) -> SessionError:
-    return SessionError(what, got="; ".join(f"{how}: {said}" if said else how for _, how, said in failed),
+def _ranks_failed(what: str, failed: list[tuple[int, int, str, str]]) -> SessionError:
+    return SessionError(what, got="; ".join(f"{how}: {said}" if said else how for _, _, how, said in failed),
                         expected="every rank finishing", fix="see the rank's error (a traceback is above, on stderr)")
 
 
-def _say_other_errors(failed: list[tuple[int, str, str]], own: str) -> None:
+def _say_other_errors(failed: list[tuple[int, int, str, str]], own: str) -> None:
     """On stderr, once per message, the errors of the forked ranks that failed otherwise than rank 0."""
     said: dict[str, list[int]] = {}
-    for rank, _, message in failed:
+    for rank, _, _, message in failed:
         if message and message != own:
             said.setdefault(message, []).append(rank)
     for message, ranks in said.items():
@@ -171,13 +178,15 @@ def _as_forked_rank(rank: int, ranks: int, port: int, threads: int | None, repor
     try:
         _end_with_parent()
         _become_rank(rank, ranks, port, threads)
-        logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))  # rank 0 reports
+        # rank 0 reports: the ranks run the same code on shares of one input, and warn alike
+        logging.getLogger().setLevel(max(logging.ERROR, logging.getLogger().level))
+        warnings.simplefilter("ignore")
         yield rank
         code = 0
     except LlmpressError as exc:
         message = str(exc)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says it
-        code = 130
+        code = _INTERRUPTED
     except BaseException as exc:
         print(f"rank {rank} failed:", file=sys.stderr)
         traceback.print_exc()
@@ -203,8 +212,8 @@ def _end_with_parent() -> None:
         pass
 
 
-def _reap(children: dict[int, tuple[int, int]], stop: bool, grace_s: float = 5.0) -> list[tuple[int, str, str]]:
-    """Wait for the forked ranks; ``(rank, how it ended, what it said)`` for each that failed, in
+def _reap(children: dict[int, tuple[int, int]], stop: bool, grace_s: float = 5.0) -> list[tuple[int, int, str, str]]:
+    """Wait for the forked ranks; ``(rank, exit code, how it ended, what it said)`` for each that failed, in
     rank order. With ``stop`` (rank 0 failed, and they may be waiting for it in a collective, or be
     failing themselves: a rank's own error reaches rank 0 as a closed connection before the rank
     has exited) they get ``grace_s`` to end on their own, then are stopped."""
@@ -218,7 +227,7 @@ def _reap(children: dict[int, tuple[int, int]], stop: bool, grace_s: float = 5.0
                 code = os.waitstatus_to_exitcode(status)
                 if code != 0:
                     how = f"rank {rank} exited with status {code}" if code > 0 else f"rank {rank} was killed by signal {-code}"
-                    failed.append((rank, how, _said(read)))
+                    failed.append((rank, code, how, _said(read)))
         if left:
             time.sleep(0.05)
     for pid in left:
