@@ -161,11 +161,16 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
             else:
                 rest = calibrate_block_by_module(block, plan, session, outputs_needed)
             rest = place.back(rest)
-        held.hold(module)
+        # another rank maps the integers rank 0 writes into the work folder: the same weights, held once
+        from_rank_zero = work is not None and not is_main_process()
+        if not from_rank_zero:
+            held.hold(module)
         if work is not None:
             state_file = work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
             if state_file is not None:
-                held.page_out(module, state_file)  # its integers wait in that file, not in memory
+                held.page_out(module, state_file, adopt=from_rank_zero)  # its integers wait in that file, not in memory
+            elif from_rank_zero:  # a rank on another machine: no such file here
+                held.hold(module)
         bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
         bar.update()
         release_free_memory()  # the block's solver temporaries and float weights go back

@@ -155,16 +155,22 @@ class CompactWeights:
                 return
         raise KeyError("the module is not held")
 
-    def page_out(self, layer: nn.Module, state_file: Path) -> None:
+    def page_out(self, layer: nn.Module, state_file: Path, adopt: bool = False) -> None:
         """``layer``'s tensors, from now on read memory-mapped from ``state_file`` (a layer file
         the work folder just wrote: its held weights under ``name`` + ``HELD``, the rest under
         their own names): the held integers and everything else the layer keeps (scales, group
         indices, norms) leave the process's memory, so finished layers do not add up in RAM
-        however deep the model is (scales alone are 0.7 MB a layer of a 2048-wide Llama at g128)."""
+        however deep the model is (scales alone are 0.7 MB a layer of a 2048-wide Llama at g128).
+        ``adopt``: ``layer`` was not held here, and the file's integers are taken as they are (a
+        rank whose layer is the one rank 0 held and wrote, bit for bit: it need not round its
+        weights again)."""
         modules = dict(layer.named_modules())
         integers, rest = mapped_state(state_file)  # just written: no hash check
         for key, k in integers.items():
-            self.replace_integers(modules[key], k)
+            if adopt:
+                self.adopt(modules[key], k)
+            else:
+                self.replace_integers(modules[key], k)
         for key, mapped in rest.items():
             path, _, name = key.rpartition(".")
             current = getattr(modules[path], name, None)
