@@ -96,9 +96,10 @@ class Statistics:
 def gather_statistics(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Tensor]) -> Statistics:
     """``Statistics`` of ``modules`` over ``rows`` (one forward and backward a row; no weight
     gradient is computed and the model is left as it was). Under torch.distributed each rank
-    runs every ``world_size``-th row and the sums are taken over the ranks, each Hessian onto the one rank that will weigh its modules' options. The
-    Hessians are GPTQ's (``HessianCollector``: one per distinct input, float64 sums of
-    per-sequence products), brought back to ``sum_t x_t x_t^T``."""
+    runs every ``world_size``-th row and the sums are taken over the ranks, each Hessian onto the
+    one rank that will weigh its modules' options. The Hessians are GPTQ's (``HessianCollector``:
+    one per distinct input, float64 sums of per-sequence products), brought back to
+    ``sum_t x_t x_t^T``."""
     collector = HessianCollector()
     grads = {name: torch.zeros(linear_weight(m.weight, m).shape[0], dtype=torch.float64, device=m.weight.device)
              for name, m in modules.items()}
