@@ -240,7 +240,7 @@ def test_finished_layers_wait_in_their_work_files_not_in_memory(model_dir, tmp_p
     # the integers from a mapping of their own: the save unmaps it as it lets them go
     scales = {_mapping(value)[1] for name, value in mapped if name == "weight_scale"}
     assert all(".state.pt" in file and start not in scales for _, (file, start) in swapped)
-    monkeypatch.setattr(CompactWeights, "page_out", lambda self, layer, state_file: None)
+    monkeypatch.setattr(CompactWeights, "page_out", lambda self, layer, state_file, adopt=False: None)
     llmpress.oneshot(model_dir / "model", RECIPE, token_batches(4, 32, vocab=512), output_dir=tmp_path / "held", calibration=OPTIONS,
                      return_model=False)
     assert checkpoint_tensors(tmp_path / "paged").keys() == checkpoint_tensors(tmp_path / "held").keys()
