@@ -107,14 +107,15 @@ class NodeTeam(Team):
             paths.append(self.folder / f"{self._made}.bin")
             sizes.append(math.prod(shape) * dtype.itemsize)
         if self.rank == 0:
-            room = _free_bytes() >= sum(sizes) + _SHARED_RESERVE
+            free = _free_bytes()
+            room = free >= sum(sizes) + _SHARED_RESERVE
             if room:
                 for path, size in zip(paths, sizes, strict=True):
                     _make_file(path, size)
             elif not self._said_full:
                 logger.warning("%s has %.0f MB free, too little for the ranks' shared buffers (%.0f MB): they go through "
                                "gloo instead (a container's /dev/shm is 64 MB unless --shm-size says more)",
-                               _SHARED_FOLDER, _free_bytes() / 2**20, sum(sizes) / 2**20)
+                               _SHARED_FOLDER, free / 2**20, sum(sizes) / 2**20)
                 self._said_full = True
             self._flags[2] = int(room)
         self.sync()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 from pydantic import field_validator, model_validator
@@ -41,9 +41,12 @@ from llmpress.parallel.distributed import is_distributed, sum_across_ranks
 if TYPE_CHECKING:
     from llmpress.contract.block import CalibrationBlock
 
-__all__ = ["OneShotPruningConfig", "OneShotPruningModifier", "column_squares", "owl_sparsities", "parse_pruned_structure"]
+__all__ = ["OneShotPruningConfig", "OneShotPruningModifier", "column_squares", "column_squares_over_ranks", "owl_sparsities",
+           "parse_pruned_structure"]
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 
 def parse_pruned_structure(text: str) -> tuple[int, int] | None:
@@ -250,7 +253,7 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
         for handle in handles:
             handle.remove()
     if is_distributed():
-        squares = _summed_over_ranks(squares, [m for m in modules.values() if m in wanted])
+        squares = column_squares_over_ranks(squares, {m: m for m in modules.values() if m in wanted})
     ratios = []
     for block in blocks:
         scores = [(linear_weight(m.weight, m).detach().abs().float() * squares[m].sqrt().float()).flatten()
@@ -268,16 +271,18 @@ def owl_sparsities(model: nn.Module, blocks: nn.ModuleList | None, modules: dict
     return [min(max(s, 0.0), 0.99) for s in result]
 
 
-def _summed_over_ranks(squares: dict[nn.Module, torch.Tensor], modules: list[nn.Module]) -> dict[nn.Module, torch.Tensor]:
-    """Each module's column squares summed over the ranks, in one all-reduce (zeros where a rank's
-    batches never reached the module, an expert say); a module reached on no rank stays out."""
+def column_squares_over_ranks(squares: dict[K, torch.Tensor], modules: dict[K, nn.Module]) -> dict[K, torch.Tensor]:
+    """``modules``' column squares (``column_squares`` sums, by the same keys) summed over the
+    ranks in one all-reduce, zeros where a rank's batches never reached a module (an expert, say);
+    a module reached on no rank is left out. Wanda's norms and OWL's outlier ratios read them."""
     if not modules:
-        return squares
-    columns = [linear_weight(m.weight, m).shape[1] for m in modules]
-    device = next(iter(squares.values())).device if squares else modules[0].weight.device
-    flat = torch.cat([*(squares.get(m, torch.zeros(c, dtype=torch.float64, device=device)) for m, c in zip(modules, columns)),
-                      torch.tensor([float(m in squares) for m in modules], dtype=torch.float64, device=device)])
+        return {}
+    keys = list(modules)
+    columns = [linear_weight(modules[k].weight, modules[k]).shape[1] for k in keys]
+    device = next(iter(squares.values())).device if squares else modules[keys[0]].weight.device
+    flat = torch.cat([*(squares.get(k, torch.zeros(c, dtype=torch.float64, device=device)) for k, c in zip(keys, columns)),
+                      torch.tensor([float(k in squares) for k in keys], dtype=torch.float64, device=device)])
     sum_across_ranks(flat)
-    reached = flat[-len(modules):]
-    pieces = flat[:-len(modules)].split(columns)
-    return {m: piece for m, piece, seen in zip(modules, pieces, reached) if seen > 0}
+    reached = flat[-len(keys):]
+    pieces = flat[:-len(keys)].split(columns)
+    return {k: piece for k, piece, seen in zip(keys, pieces, reached) if seen > 0}

@@ -20,8 +20,13 @@ from torch import nn
 
 from llmpress.contract.modifier import MODIFIERS
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.pruning.oneshot import OneShotPruningConfig, OneShotPruningModifier, column_squares
-from llmpress.parallel.distributed import is_distributed, sum_across_ranks
+from llmpress.modifiers.pruning.oneshot import (
+    OneShotPruningConfig,
+    OneShotPruningModifier,
+    column_squares,
+    column_squares_over_ranks,
+)
+from llmpress.parallel.distributed import is_distributed
 
 __all__ = ["WandaPruningModifier", "wanda_mask"]
 
@@ -44,16 +49,8 @@ class WandaPruningModifier(OneShotPruningModifier):
 
     def ready(self, names: list[str]) -> list[str]:
         waiting = [n for n in names if n in self.pending]
-        if is_distributed():  # the same columns' sums on every rank, zeros where a rank saw none
-            for name in waiting:
-                module = self.pending[name]
-                mine = self.squares.get(name)
-                sums = mine if mine is not None else torch.zeros(linear_weight(module.weight, module).shape[1],
-                                                                 dtype=torch.float64, device=module.weight.device)
-                seen = sum_across_ranks(torch.tensor([float(mine is not None)], dtype=torch.float64, device=sums.device))
-                sum_across_ranks(sums)
-                if float(seen) > 0:
-                    self.squares[name] = sums
+        if is_distributed():  # the same columns' sums on every rank
+            self.squares.update(column_squares_over_ranks(self.squares, {n: self.pending[n] for n in waiting}))
         return [n for n in waiting if n in self.squares]
 
     def prune(self, name: str, module: nn.Module, sparsity: float) -> None:
