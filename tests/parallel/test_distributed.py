@@ -23,6 +23,7 @@ from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError, SessionError
 from llmpress.modifiers.pruning.oneshot import owl_sparsities
 from llmpress.parallel import distributed
+from llmpress.pipelines import layerwise
 
 GPTQ_W4 = GPTQ_W4_G32
 
@@ -200,6 +201,29 @@ def test_owl_sparsities_on_two_ranks_are_the_one_process_ones(tmp_path):
     assert len(set(one)) == 4  # four different sparsities
     assert ranks[0] == ranks[1]
     torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(one), rtol=1e-6, atol=0)
+
+
+def _near_the_budget_rank(rank: int, world: int, init: str, model_dir: str, output: str) -> None:
+    with gloo_rank(rank, world, init):
+        layerwise.KEPT_PER_BLOCK_WEIGHTS = NEAR_THE_BUDGET
+        llmpress.oneshot(model_dir, GPTQ_W4, _samples(), output_dir=output, calibration=OPTIONS)
+
+
+#: what the 6 samples' activations would keep per block is 0.5x its weights: over this budget in
+#: one process, and each rank's 3 samples under it
+NEAR_THE_BUDGET = 0.4
+
+
+def test_the_ranks_choose_module_by_module_or_two_passes_as_one_process(two_rank_runs, tmp_path, monkeypatch):
+    """The automatic choice weighs what one process would keep (summed over the ranks), not a
+    rank's share: each rank went module by module where one process took two passes, and the
+    checkpoints differed."""
+    mp.spawn(_near_the_budget_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(two_rank_runs / "model"), str(tmp_path / "two")),
+             nprocs=2, join=True)
+    monkeypatch.setattr(layerwise, "KEPT_PER_BLOCK_WEIGHTS", NEAR_THE_BUDGET)
+    _one_process(two_rank_runs / "model", GPTQ_W4, tmp_path / "one")
+    one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
+    assert not [k for k in one if not torch.equal(one[k], two[k])]
 
 
 @pytest.mark.parametrize("name", ["awq", "autoround"])

@@ -27,7 +27,7 @@ from llmpress.contract.observation import primary_input
 from llmpress.errors import SessionError
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
-from llmpress.parallel.distributed import is_main_process
+from llmpress.parallel.distributed import is_distributed, is_main_process, sum_across_ranks
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
 from llmpress.pipelines.by_module.plan import BlockPlan, kept_bytes, plan_block
@@ -230,10 +230,15 @@ class _Planner:
             return None
         plan = plan_block(block.module, block.inputs[0], targets, block.observation)
         release_free_memory()  # the probe's activations
+        kept = kept_bytes(plan, block.inputs) if isinstance(plan, BlockPlan) else 0
+        if is_distributed():  # what one process would keep, and one way for every rank (their collectives meet)
+            summed = sum_across_ranks(torch.tensor([float(kept), float(not isinstance(plan, BlockPlan))], dtype=torch.float64))
+            kept = int(summed[0])
+            if isinstance(plan, BlockPlan) and summed[1] > 0:
+                plan = "another rank's probe found no plan for it"
         if not isinstance(plan, BlockPlan):
             reason = plan
         else:
-            kept = kept_bytes(plan, block.inputs)
             budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in block.module.parameters())
             if not (self.automatic and kept > budget):
                 return plan
