@@ -23,7 +23,7 @@ from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError, SessionError
 from llmpress.modifiers.pruning.oneshot import owl_sparsities
 from llmpress.parallel import distributed
-from llmpress.pipelines import layerwise
+from llmpress.pipelines.by_module import planner
 
 GPTQ_W4 = GPTQ_W4_G32
 
@@ -205,7 +205,7 @@ def test_owl_sparsities_on_two_ranks_are_the_one_process_ones(tmp_path):
 
 def _near_the_budget_rank(rank: int, world: int, init: str, model_dir: str, output: str) -> None:
     with gloo_rank(rank, world, init):
-        layerwise.KEPT_PER_BLOCK_WEIGHTS = NEAR_THE_BUDGET
+        planner.KEPT_PER_BLOCK_WEIGHTS = NEAR_THE_BUDGET
         llmpress.oneshot(model_dir, GPTQ_W4, _samples(), output_dir=output, calibration=OPTIONS)
 
 
@@ -220,7 +220,7 @@ def test_the_ranks_choose_module_by_module_or_two_passes_as_one_process(two_rank
     checkpoints differed."""
     mp.spawn(_near_the_budget_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(two_rank_runs / "model"), str(tmp_path / "two")),
              nprocs=2, join=True)
-    monkeypatch.setattr(layerwise, "KEPT_PER_BLOCK_WEIGHTS", NEAR_THE_BUDGET)
+    monkeypatch.setattr(planner, "KEPT_PER_BLOCK_WEIGHTS", NEAR_THE_BUDGET)
     _one_process(two_rank_runs / "model", GPTQ_W4, tmp_path / "one")
     one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     assert not [k for k in one if not torch.equal(one[k], two[k])]

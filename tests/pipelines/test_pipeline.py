@@ -21,6 +21,7 @@ from llmpress.models import calibrating_all_experts, linearize_experts
 from llmpress.modifiers import GPTQModifier, Modifier
 from llmpress.pipelines import layerwise
 from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
+from llmpress.pipelines.by_module import planner
 from llmpress.pipelines.by_module.plan import BlockPlan, plan_block
 from llmpress.pipelines.by_module.sequential import calibrate_block_by_module
 from llmpress.pipelines.reference import calibrate_block_reference, observe_block
@@ -307,11 +308,11 @@ def test_gptq_true_sequential_and_two_pass_share_the_first_group():
 
 
 def test_blocks_that_cannot_go_module_by_module_take_two_passes(monkeypatch, caplog):
-    monkeypatch.setattr(layerwise, "plan_block", lambda *args: "a reason")
+    monkeypatch.setattr(planner, "plan_block", lambda *args: "a reason")
     results = []
     for sequential in (True, False):
         model = make_tiny_llama()
-        with caplog.at_level(logging.INFO, logger="llmpress.pipelines.layerwise"):
+        with caplog.at_level(logging.INFO, logger="llmpress.pipelines.by_module.planner"):
             llmpress.oneshot(model, GPTQModifier(scheme="W4A16"), token_batches(4, 32),
                              calibration=CalibrationOptions(num_samples=4, seq_len=32, true_sequential=sequential))
         results.append(model.model.layers[1].mlp.down_proj.weight.detach().clone())
@@ -322,18 +323,73 @@ def test_blocks_that_cannot_go_module_by_module_take_two_passes(monkeypatch, cap
 def test_automatic_choice_takes_two_passes_when_the_kept_activations_dwarf_the_block(monkeypatch, caplog):
     """The first block is probed and refused (said at INFO); the blocks like it are refused
     without a probe of their own."""
-    monkeypatch.setattr(layerwise, "KEPT_PER_BLOCK_WEIGHTS", 0)
+    monkeypatch.setattr(planner, "KEPT_PER_BLOCK_WEIGHTS", 0)
     probes = []
-    probe = layerwise.plan_block
-    monkeypatch.setattr(layerwise, "plan_block", lambda *a, **k: probes.append(1) or probe(*a, **k))
+    probe = planner.plan_block
+    monkeypatch.setattr(planner, "plan_block", lambda *a, **k: probes.append(1) or probe(*a, **k))
     model = make_tiny_llama()
-    with caplog.at_level(logging.DEBUG, logger="llmpress.pipelines.layerwise"):
+    with caplog.at_level(logging.DEBUG, logger="llmpress.pipelines.by_module.planner"):
         llmpress.oneshot(model, GPTQModifier(scheme="W4A16"), token_batches(4, 32),
                          calibration=CalibrationOptions(num_samples=4, seq_len=32))
     refusals = [r for r in caplog.records if "two passes" in r.getMessage()]
     assert len(refusals) == len(model.model.layers) >= 2 and len(probes) == 1
     assert refusals[0].levelno == logging.INFO and "block 0" in refusals[0].getMessage() and "would keep" in refusals[0].getMessage()
     assert all(r.levelno == logging.DEBUG and "as the blocks like it: it would keep" in r.getMessage() for r in refusals[1:])
+
+
+def _named(plan: BlockPlan, block: nn.Module) -> tuple:
+    """A plan by its modules' names in ``block``."""
+    n = {m: name for name, m in block.named_modules()}
+
+    def names(modules) -> list[str]:
+        return [n[m] for m in modules]
+
+    return ([names(g) for g in plan.groups], names(plan.order), {n[k]: names(v) for k, v in plan.ancestors.items()},
+            {n[k]: sorted(names(v)) for k, v in plan.targets_in.items()},
+            {n[k]: (n[a.last], a.length) for k, a in plan.answers.items()}, {n[k]: v for k, v in plan.zeros.items()},
+            plan.parked_bytes_per_token, None if plan.needs is None else {n[k]: sorted(names(v)) for k, v in plan.needs.items()})
+
+
+@pytest.mark.parametrize("arch", list(DEPTHS))
+def test_a_plan_moved_to_a_block_alike_is_that_blocks_own(arch):
+    """What the planner gives the blocks like the first instead of probing them: the first
+    block's plan, moved to their modules, is the plan their own probe finds."""
+    model = make_tiny_llama() if arch == "llama" else tiny_of_family(arch)
+    linearize_experts(model)
+    blocks, inputs = find_blocks(model), _inputs(model)
+    plans = []
+    for block in blocks[:2]:
+        with calibrating_all_experts(block):
+            plans.append(plan_block(block, inputs[0], [m for m in block.modules() if isinstance(m, nn.Linear)]))
+    assert all(isinstance(p, BlockPlan) for p in plans)
+    moved = plans[0].moved_to(blocks[1], {m: name for name, m in blocks[0].named_modules()})
+    assert _named(moved, blocks[1]) == _named(plans[1], blocks[1])
+    assert set(moved.order) <= set(blocks[1].modules()) and not set(moved.order) & set(blocks[0].modules())
+
+
+def test_the_blocks_alike_take_the_first_blocks_plan_and_the_same_weights(monkeypatch):
+    """One probe for the repeated layers, and the weights of probing every one."""
+    probes = []
+    probe = planner.plan_block
+    monkeypatch.setattr(planner, "plan_block", lambda *a, **k: probes.append(1) or probe(*a, **k))
+
+    def oneshot() -> dict[str, torch.Tensor]:
+        model = llmpress.oneshot(make_tiny_llama(), GPTQModifier(scheme="W4A16"), token_batches(4, 32),
+                                 calibration=CalibrationOptions(num_samples=4, seq_len=32))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    reused = oneshot()
+    assert len(probes) == 1
+
+    class Forgetful(dict):
+        def __setitem__(self, key, value) -> None:
+            pass
+
+    start = planner.Planner.__init__
+    monkeypatch.setattr(planner.Planner, "__init__", lambda self, *a, **k: start(self, *a, **k) or setattr(self, "planned", Forgetful()))
+    probed = oneshot()
+    assert len(probes) == 1 + len(make_tiny_llama().model.layers) > 2
+    assert reused.keys() == probed.keys() and all(torch.equal(reused[k], probed[k]) for k in reused)
 
 
 def test_keyword_inputs_equal_across_batches_are_kept_once():

@@ -22,15 +22,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmpress.contract.block import CalibrationBlock, Inputs, find_blocks, structure_of, tokens_per_batch
+from llmpress.contract.block import CalibrationBlock, Inputs, find_blocks
 from llmpress.contract.observation import primary_input
 from llmpress.errors import SessionError
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
-from llmpress.parallel.distributed import is_distributed, is_main_process, sum_across_ranks
+from llmpress.parallel.distributed import is_main_process
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
-from llmpress.pipelines.by_module.plan import BlockPlan, kept_bytes, plan_block
+from llmpress.pipelines.by_module.planner import Planner
 from llmpress.pipelines.by_module.sequential import calibrate_block_by_module
 from llmpress.pipelines.data_free import compress_blocks_without_data
 from llmpress.pipelines.reference import calibrate_block_reference, run_block
@@ -41,14 +41,9 @@ from llmpress.pipelines.storage.resume import WorkFolder
 from llmpress.pipelines.tail import TailError, run_tail
 from llmpress.session import Session
 
-__all__ = ["KEPT_PER_BLOCK_WEIGHTS", "run_layerwise_calibration"]
+__all__ = ["run_layerwise_calibration"]
 
 logger = logging.getLogger(__name__)
-
-#: automatic ``true_sequential``: module by module while what a block's stages keep is at most
-#: this many times the block's own weights (a 1024-hidden Llama on 64 x 256 tokens: 5x; the
-#: 5M-parameter test model: 21x, where the kept activations would be a fifth of its peak memory)
-KEPT_PER_BLOCK_WEIGHTS = 8
 
 
 @torch.no_grad()
@@ -59,11 +54,11 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     """``true_sequential``: True calibrates each block's modules group by group, each on the
     outputs of the compressed ones before it, where the modifiers and the block allow; False: two
     passes per block; None: module by module while the activations it keeps stay within
-    ``KEPT_PER_BLOCK_WEIGHTS`` times the block's weights. ``work``: each finished block is kept
-    there, and the blocks an earlier run of it finished are put back instead of calibrated
-    (``resume.py``). ``spill``: the blocks' inputs and what their stages keep go to files in the
-    work folder (else the system's temporary folder) and come back one batch at a time
-    (``kept.py``). ``keep_held``: the finished layers' weights stay held as integers after
+    ``KEPT_PER_BLOCK_WEIGHTS`` (``by_module/planner.py``) times the block's weights. ``work``:
+    each finished block is kept there, and the blocks an earlier run of it finished are put back
+    instead of calibrated (``resume.py``). ``spill``: the blocks' inputs and what their stages
+    keep go to files in the work folder (else the system's temporary folder) and come back one
+    batch at a time (``kept.py``). ``keep_held``: the finished layers' weights stay held as integers after
     calibration (``held_weights(model)``), for one save that writes them, letting each go, without
     rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``); a recipe
     that needs no calibration data then compresses and holds the blocks one by one too.
@@ -141,7 +136,7 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
     by_module = true_sequential is not False and session.calibrates_by_module
     if true_sequential and not by_module:
         logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
-    planner = _Planner(automatic=true_sequential is None, by_module=by_module)
+    planner = Planner(automatic=true_sequential is None, by_module=by_module)
     start, rest = _restore_finished(blocks, inputs, session, held, work, spill, place)
     bar = tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process())
     for index, module in enumerate(blocks):
@@ -208,42 +203,3 @@ def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, h
     logger.info("resumed after layer %d of %d%s", done - 1, len(blocks),
                 f" (forwarded layers {written + 1}-{done - 1} on the inputs written after layer {written})" if written < done - 1 else "")
     return done, rest
-
-
-class _Planner:
-    """Each block's module-by-module plan, or None (logged) where it takes two passes. A block
-    like one refused for what it would keep (the same structure, targets and batches) is
-    refused without probing it again."""
-
-    def __init__(self, automatic: bool, by_module: bool) -> None:
-        self.automatic, self.by_module = automatic, by_module
-        self.refused: dict[tuple, str] = {}
-
-    def plan(self, block: CalibrationBlock, targets: list[nn.Module]) -> BlockPlan | None:
-        if not self.by_module:
-            return None
-        names = {m: n for n, m in block.module.named_modules()}
-        watched = block.observation.watchers if block.observation is not None else {}
-        key = (structure_of(block.module), tuple((names.get(m), m in watched) for m in targets), tuple(tokens_per_batch(block.inputs)))
-        if key in self.refused:
-            logger.debug("block %d is calibrated in two passes, as the blocks like it: %s", block.index, self.refused[key])
-            return None
-        plan = plan_block(block.module, block.inputs[0], targets, block.observation)
-        release_free_memory()  # the probe's activations
-        kept = kept_bytes(plan, block.inputs) if isinstance(plan, BlockPlan) else 0
-        if is_distributed():  # what one process would keep, and one way for every rank (their collectives meet)
-            summed = sum_across_ranks(torch.tensor([float(kept), float(not isinstance(plan, BlockPlan))], dtype=torch.float64))
-            kept = int(summed[0])
-            if isinstance(plan, BlockPlan) and summed[1] > 0:
-                plan = "another rank's probe found no plan for it"
-        if not isinstance(plan, BlockPlan):
-            reason = plan
-        else:
-            budget = KEPT_PER_BLOCK_WEIGHTS * sum(p.numel() * p.element_size() for p in block.module.parameters())
-            if not (self.automatic and kept > budget):
-                return plan
-            reason = (f"it would keep {kept / 2**20:.0f} MB of activations, "
-                      f"over {KEPT_PER_BLOCK_WEIGHTS}x the block's weights ({budget / 2**20:.0f} MB)")
-            self.refused[key] = reason  # (other reasons may come from the probe's batch: an expert it missed)
-        logger.info("block %d is calibrated in two passes, not module by module: %s", block.index, reason)
-        return None

@@ -86,6 +86,25 @@ class BlockPlan:
                 chosen[later] = ZeroAnswer(*self.zeros[later])
         return chosen
 
+    def moved_to(self, block: nn.Module, names: dict[nn.Module, str]) -> BlockPlan:
+        """This plan for another block of the same structure: each module replaced by the one of
+        ``block`` at its name (``names``: this plan's block's modules by name)."""
+        into = dict(block.named_modules())
+
+        def m(module: nn.Module) -> nn.Module:
+            return into[names[module]]
+
+        return BlockPlan(
+            groups=[[m(t) for t in group] for group in self.groups],
+            order=[m(o) for o in self.order],
+            ancestors={m(k): [m(a) for a in chain] for k, chain in self.ancestors.items()},
+            targets_in={m(k): {m(t) for t in inside} for k, inside in self.targets_in.items()},
+            answers={m(k): ParkedAnswer(m(a.last), a.length) for k, a in self.answers.items()},
+            zeros={m(k): shape for k, shape in self.zeros.items()},
+            parked_bytes_per_token=self.parked_bytes_per_token,
+            needs=None if self.needs is None else {m(k): {m(n) for n in need} for k, need in self.needs.items()},
+        )
+
 
 def kept_bytes(plan: BlockPlan, inputs: Inputs) -> int:
     """About what the stages keep besides the block's inputs: the parked inputs (and, once
