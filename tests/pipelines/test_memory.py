@@ -11,6 +11,7 @@ from helpers import GPTQ_W4_G32, checkpoint_tensors, make_tiny_llama, token_batc
 
 import llmpress
 from llmpress.data import CalibrationOptions
+from llmpress.modifiers import GPTQModifier
 from llmpress.pipelines.storage.compact import CompactWeights
 from llmpress.pipelines.storage.kept import KeptValues
 
@@ -45,22 +46,34 @@ def test_spilling_changes_nothing_in_the_result(tmp_path):
     assert all(torch.equal(one[k], two[k]) for k in one)
 
 
-def test_the_checkpoint_is_written_from_the_held_integers(tmp_path, monkeypatch):
+#: GPTQ's scheme -> whether the save packs the held integers as they are (symmetric integer and
+#: fp8 schemes), or rebuilds each weight in float first (a zero point to add, fp4's own rounding)
+HELD_RECIPES = {"W4A16 g32": True, "W8A16": True, "W8A8": True, "FP8": True, "W4A16_ASYM": False, "NVFP4": False}
+
+
+@pytest.mark.parametrize("scheme", list(HELD_RECIPES))
+def test_the_checkpoint_is_written_from_the_held_integers(tmp_path, monkeypatch, scheme):
     """``return_model=False`` (the command line): the finished layers are never rebuilt whole in
     float, and the checkpoint is the one a run that returns the model writes."""
+    recipe = RECIPE if scheme == "W4A16 g32" else GPTQModifier(scheme=scheme, ignore=["lm_head"])
     model = make_tiny_llama(intermediate=256)
     model.save_pretrained(tmp_path / "model")
     options = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2)
-    kept = llmpress.oneshot(str(tmp_path / "model"), RECIPE, token_batches(count=6), output_dir=tmp_path / "returned",
+    kept = llmpress.oneshot(str(tmp_path / "model"), recipe, token_batches(count=6), output_dir=tmp_path / "returned",
                             calibration=options)
     assert kept is not None
-    restored = []
+    restored, rebuilt = [], []
     monkeypatch.setattr(CompactWeights, "restore", lambda self: restored.append(self))
-    assert llmpress.oneshot(str(tmp_path / "model"), RECIPE, token_batches(count=6), output_dir=tmp_path / "held",
+    weight_of = CompactWeights.weight_of
+    monkeypatch.setattr(CompactWeights, "weight_of", lambda self, *a, **k: rebuilt.append(1) or weight_of(self, *a, **k))
+    assert llmpress.oneshot(str(tmp_path / "model"), recipe, token_batches(count=6), output_dir=tmp_path / "held",
                             calibration=options, return_model=False) is None
-    assert not restored
+    assert not restored and (not rebuilt) == HELD_RECIPES[scheme]
     one, two = checkpoint_tensors(tmp_path / "returned"), checkpoint_tensors(tmp_path / "held")
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert one.keys() == two.keys()
+    assert all(one[k].dtype == two[k].dtype and torch.equal(one[k].view(torch.uint8), two[k].view(torch.uint8)) for k in one)
+    if scheme != "W4A16 g32":
+        return
     dense = llmpress.oneshot(str(tmp_path / "model"), RECIPE, token_batches(count=6), output_dir=tmp_path / "dense",
                              calibration=options, return_model=False, save_compressed=False)
     assert dense is None

@@ -19,7 +19,7 @@ from llmpress.errors import CheckpointError
 from llmpress.formats import FORMATS, format_for
 from llmpress.lifecycle.kv_cache import kv_cache_scheme_of
 from llmpress.lifecycle.qat import qat_snapshot
-from llmpress.lifecycle.records import held_weights, transform_config_of
+from llmpress.lifecycle.records import HeldWeights, held_weights, transform_config_of
 from llmpress.lifecycle.state import Status, quantized_modules, status_of
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
@@ -95,8 +95,10 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
         columns = module.weight.shape[-1]
         if any(a is not None and a.is_grouped and columns % a.group_size for a in (scheme.weights, scheme.input_activations)):
             uneven.append(name)
+        grid = None  # a held weight's integers, packed as they are
         if held is not None and state[f"{prefix}weight"].is_meta:
-            state[f"{prefix}weight"] = held.weight_of(module)
+            grid = _stored_values(held, module, scheme) if save_compressed else None
+            state[f"{prefix}weight"] = held.weight_of(module) if grid is None else grid
         if not (save_compressed or in_training):
             continue  # dense and frozen: the state dict already holds it
         own = [*own_parameters(module), *own_buffers(module)]
@@ -104,7 +106,9 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
         if in_training:  # mid-QAT: the weights as finalize would round them now
             local = qat_snapshot(module)
         local = {k: v.cpu() for k, v in local.items()}  # a model on a GPU is packed in host memory
-        if save_compressed:
+        if grid is not None:
+            local = FORMATS.get(format_for(scheme)).pack(local, scheme)
+        elif save_compressed:
             local = FORMATS.get(format_for(scheme)).compress(local, scheme)
             release_free_memory()  # packing temporaries: give them back before the next module
         put(prefix, local)
@@ -124,6 +128,24 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
         for key in list(state):  # in the model's order
             emit(key, state.pop(key))
     return state
+
+
+def _stored_values(held: HeldWeights, module: nn.Module, scheme: QuantizationScheme) -> torch.Tensor | None:
+    """The quantized values a held weight is stored as, straight from the integers it is held
+    as (let go from there): for a symmetric scheme whose format packs raw values, they are the
+    values ``quantize`` gives the weight they rebuild. None (nothing let go) for the others: an
+    asymmetric scheme stores them plus the zero point, fp4 formats round through float."""
+    args = scheme.weights
+    if args is None or not args.symmetric or not hasattr(FORMATS.get(format_for(scheme)), "pack"):
+        return None
+    k = held.grid_values(module, release=False)
+    if k is None or k.dtype != (torch.float8_e4m3fn if args.is_float else torch.int8):
+        return None
+    if not args.is_float:
+        low, high = torch.aminmax(k)
+        if int(low) < args.q_range[0] or int(high) > args.q_range[1]:
+            return None  # off the grid's range: quantize would clamp these
+    return held.grid_values(module)
 
 
 def _scheme_key(scheme: QuantizationScheme) -> str:

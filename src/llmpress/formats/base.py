@@ -15,7 +15,7 @@ from llmpress.quant.qdq import dequantize
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.registry import Registry
 
-__all__ = ["FormatCodec", "FORMATS", "dequantize_unpacked", "drop_symmetric_zero_points"]
+__all__ = ["FormatCodec", "FORMATS", "PackingCodec", "dequantize_unpacked", "drop_symmetric_zero_points"]
 
 StateDict = dict[str, torch.Tensor]
 
@@ -32,6 +32,17 @@ class FormatCodec(Protocol):
     def unpack(self, state: StateDict, scheme: QuantizationScheme) -> StateDict:
         """The stored state with ``weight`` as raw quantized values (int8 holding ``num_bits``
         integers, or float8) and zero points unpacked: what runtime kernels start from."""
+        ...
+
+
+class PackingCodec(FormatCodec, Protocol):
+    """A codec that also takes raw quantized values: ``compress`` is ``pack`` of the weight
+    quantized. A save packs the integers a finished layer is held as (``compact.py``) through it,
+    without rebuilding the weight in float and rounding it back."""
+
+    def pack(self, state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        """``unpack``'s inverse: ``weight`` as raw quantized values (``quantize``'s dtype and
+        range) into the stored form."""
         ...
 
 

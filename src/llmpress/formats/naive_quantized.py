@@ -23,6 +23,10 @@ class _OneValuePerByte:
         return out
 
     @staticmethod
+    def pack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        return drop_symmetric_zero_points(state, scheme)
+
+    @staticmethod
     def unpack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
         return dict(state)
 

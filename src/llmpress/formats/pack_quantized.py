@@ -23,13 +23,18 @@ class PackQuantizedFormat:
 
     @staticmethod
     def compress(state: StateDict, scheme: QuantizationScheme) -> StateDict:
+        out = drop_symmetric_zero_points(state, scheme)
+        out["weight"] = quantize(out["weight"], out["weight_scale"], out.get("weight_zero_point"), scheme.weights)
+        return PackQuantizedFormat.pack(out, scheme)
+
+    @staticmethod
+    def pack(state: StateDict, scheme: QuantizationScheme) -> StateDict:
         args = scheme.weights
         out = drop_symmetric_zero_points(state, scheme)
-        weight = out.pop("weight")
+        q = out.pop("weight")
         zero_point = out.get("weight_zero_point")
-        q = quantize(weight, out["weight_scale"], zero_point, args)
         out["weight_packed"] = pack_to_int32(q, args.num_bits)
-        out["weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int64)
+        out["weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
         if zero_point is not None and args.strategy in PACKED_ZERO_POINT_STRATEGIES:
             out["weight_zero_point"] = pack_to_int32(zero_point.to(torch.int8), args.num_bits, dim=0)
         return out

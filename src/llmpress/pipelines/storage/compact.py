@@ -2,14 +2,13 @@
 
 Once a layer is compressed and has produced the next layer's inputs, its weights are not read
 again until calibration ends. A weight on its quantization grid is ``k * scale`` with small
-integers ``k``, so it can wait as ``k`` (int8: a quarter of fp32) and be rebuilt bit for bit at
-the end: ``k * scale`` is the same float product that put it on the grid; ``k`` of 4 bits or
-fewer waits two to a byte (an eighth of fp32). The full-precision
-weights of a whole model then never sit in memory together with the calibration state
-(activations, Hessians, solver temporaries): the peak is one layer in float plus the rest in
-integers. Each weight is rebuilt and compared before its float copy is dropped; a weight that does
-not come back with equal values (not on its grid yet, an unusual scheme) stays as it is. (Equal
-values: a ``-0.0`` comes back as ``0.0``.)
+integers ``k``, so it can wait as ``k`` (int8: a quarter of fp32; 4 bits or fewer two to a byte)
+and be rebuilt bit for bit at the end (``k * scale`` is the float product that put it on the grid),
+or be saved as it is. The full-precision weights of a whole model then never sit in memory with
+the calibration state (activations, Hessians, solver temporaries): the peak is one layer in float
+plus the rest in integers. Each weight is rebuilt and compared before its float copy is dropped; a
+weight that does not come back with equal values (not on its grid yet, an unusual scheme) stays as
+it is. (Equal values: a ``-0.0`` comes back as ``0.0``.)
 """
 
 from __future__ import annotations
@@ -193,18 +192,21 @@ class CompactWeights:
         param.data = torch.empty(0, dtype=param.dtype)
 
     def weight_of(self, module: nn.Module, release: bool = True) -> torch.Tensor | None:
-        """``module``'s float weight, rebuilt from its integers (a new tensor), or None when it
-        is not held: what a save writes without rebuilding the whole model. After ``attach``
-        (the model is then saved once and let go) the integers go as their weight is handed out
-        (unless ``release`` is False: a look before the save, its sparsity record), so the
-        checkpoint's tensors take their place instead of sitting beside them; the module stays
-        guarded, its weight ``meta``."""
-        for index, (held, param, k, _) in enumerate(self._held):
+        """``module``'s float weight rebuilt from its integers (a new tensor), or None when it is
+        not held. After ``attach`` (one save, then the model is let go) the integers go as they are
+        handed out (``release`` False: a look before the save), so the checkpoint's tensors take
+        their place instead of sitting beside them; the module stays guarded, its weight ``meta``."""
+        k = self.grid_values(module, release)
+        return None if k is None else _rebuild(module, k, module.weight.dtype)
+
+    def grid_values(self, module: nn.Module, release: bool = True) -> torch.Tensor | None:
+        """``module``'s held integers ``k`` unpacked (``k * scale`` is its weight; no zero point), or
+        None when it is not held; let go as ``weight_of`` lets its weight go (``release``)."""
+        for index, (held, _, k, _) in enumerate(self._held):
             if held is module:
-                weight = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)
                 if self._model is not None and release:
                     del self._held[index]
-                return weight
+                return _unpacked(k, module.weight.shape)
         return None
 
     def attach(self, model: nn.Module) -> None:
@@ -228,8 +230,7 @@ class CompactWeights:
         held, guarded, with its integers; the others are still restored, then the error raised."""
         failed, error = [], None
         while self._held:
-            entry = self._held.pop()
-            module, param, k, guard = entry
+            module, param, k, guard = entry = self._held.pop()
             try:
                 rebuilt = _rebuild(module, _unpacked(k, module.weight.shape), param.dtype)  # param keeps its dtype while empty
             except (MemoryError, RuntimeError) as exc:
