@@ -24,6 +24,7 @@ from llmpress.errors import DataError, SessionError
 from llmpress.modifiers.pruning.oneshot import owl_sparsities
 from llmpress.parallel import distributed
 from llmpress.pipelines.by_module import planner
+from llmpress.pipelines.storage.compact import CompactWeights
 
 GPTQ_W4 = GPTQ_W4_G32
 
@@ -222,6 +223,41 @@ def test_the_ranks_choose_module_by_module_or_two_passes_as_one_process(two_rank
              nprocs=2, join=True)
     monkeypatch.setattr(planner, "KEPT_PER_BLOCK_WEIGHTS", NEAR_THE_BUDGET)
     _one_process(two_rank_runs / "model", GPTQ_W4, tmp_path / "one")
+    one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
+    assert not [k for k in one if not torch.equal(one[k], two[k])]
+
+
+def _rounded_sizes(rounded: list[int]):
+    """``CompactWeights.integers`` that notes the size of each weight it rounds."""
+    integers = CompactWeights.integers
+
+    def noting(self, module):
+        if isinstance(getattr(module, "weight", None), torch.nn.Parameter):
+            rounded.append(module.weight.numel())
+        return integers(self, module)
+
+    return noting
+
+
+def _rounding_rank(rank: int, world: int, init: str, model_dir: str, output: str) -> None:
+    with gloo_rank(rank, world, init):
+        rounded: list[int] = []
+        CompactWeights.integers = _rounded_sizes(rounded)
+        llmpress.oneshot(model_dir, GPTQ_W4, _samples(), output_dir=output, calibration=OPTIONS)
+        Path(output).with_name(f"rounded-{rank}.json").write_text(json.dumps(rounded))
+
+
+def test_the_ranks_share_the_rounding_of_each_finished_layer(two_rank_runs, tmp_path, monkeypatch):
+    """A finished layer's weights are rounded to the integers rank 0 writes to the work folder
+    once, each rank a share of them by size (rank 0 rounded them all while the others waited)."""
+    mp.spawn(_rounding_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(two_rank_runs / "model"), str(tmp_path / "two")),
+             nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rounded-{r}.json").read_text()) for r in (0, 1)]
+    rounded: list[int] = []
+    monkeypatch.setattr(CompactWeights, "integers", _rounded_sizes(rounded))
+    _one_process(two_rank_runs / "model", GPTQ_W4, tmp_path / "one")
+    assert sorted(ranks[0] + ranks[1]) == sorted(rounded) and ranks[0] and ranks[1]
+    assert abs(sum(ranks[0]) - sum(ranks[1])) <= max(rounded)
     one, two = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "two")
     assert not [k for k in one if not torch.equal(one[k], two[k])]
 

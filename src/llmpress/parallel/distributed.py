@@ -34,6 +34,7 @@ __all__ = [
     "broadcast_tensor_",
     "end_process_group",
     "gather_objects",
+    "gather_objects_on",
     "init_from_environment",
     "is_distributed",
     "is_main_process",
@@ -219,6 +220,15 @@ def gather_objects(value: Any) -> list[Any]:
         return [value]
     gathered: list[Any] = [None] * world_size()
     dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def gather_objects_on(value: Any, dst: int) -> list[Any] | None:
+    """Every rank's ``value``, in rank order, on rank ``dst`` only (None on the others)."""
+    if not is_distributed():
+        return [value]
+    gathered: list[Any] | None = [None] * world_size() if rank() == dst else None
+    dist.gather_object(value, gathered, dst=dst)
     return gathered
 
 

@@ -27,7 +27,7 @@ from llmpress.contract.observation import primary_input
 from llmpress.errors import SessionError
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import is_linear
-from llmpress.parallel.distributed import is_main_process
+from llmpress.parallel.distributed import assign_owners, gather_objects_on, is_distributed, is_main_process, rank
 from llmpress.pipelines.basic import run_basic_calibration
 from llmpress.pipelines.blocks import capture_block_inputs, share_repeated
 from llmpress.pipelines.by_module.planner import Planner
@@ -158,7 +158,9 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
             rest = place.back(rest)
         # another rank maps the integers rank 0 writes into the work folder: the same weights, held once
         from_rank_zero = work is not None and not is_main_process()
-        if not from_rank_zero:
+        if work is not None and is_distributed():
+            _hold_on_rank_zero(module, held)
+        else:
             held.hold(module)
         if work is not None:
             state_file = work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
@@ -171,6 +173,19 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
         release_free_memory()  # the block's solver temporaries and float weights go back
     bar.close()
     return rest
+
+
+def _hold_on_rank_zero(layer: nn.Module, held: CompactWeights) -> None:
+    """Rank 0 holds ``layer``'s weights as integers, for the work folder, each rank rounding a
+    share of its modules (by size) for it: rank 0 alone rounded them all while the others waited."""
+    modules = [m for m in layer.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)]
+    owners = assign_owners([float(m.weight.numel()) for m in modules])
+    found = gather_objects_on({i: held.integers(m) for i, m in enumerate(modules) if owners[i] == rank()}, dst=0)
+    if found is not None:
+        integers = {i: k for share in found for i, k in share.items()}
+        for index, module in enumerate(modules):  # in the order one process holds them
+            if integers[index] is not None:
+                held.adopt(module, integers[index])
 
 
 def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, held: CompactWeights,

@@ -130,17 +130,18 @@ class CompactWeights:
     def held_bytes(self) -> int:
         return sum(k.numel() * k.element_size() for _, _, k, _ in self._held)
 
+    def integers(self, module: nn.Module) -> torch.Tensor | None:
+        """The integers ``module``'s weight would be held as, or None where it cannot be held."""
+        k = None if id(getattr(module, "weight", None)) in self._shared else _grid_values(module)
+        return None if k is None else _packed(k)
+
     def hold(self, layer: nn.Module) -> int:
         """Hold what can be held in ``layer``; returns the bytes of float weight let go."""
         freed = 0
         for module in layer.modules():
-            if id(getattr(module, "weight", None)) in self._shared:
-                continue
-            k = _grid_values(module)
-            if k is None:
-                continue
-            freed += module.weight.numel() * module.weight.element_size()
-            self.adopt(module, _packed(k))  # the float storage goes back now
+            if (k := self.integers(module)) is not None:
+                freed += module.weight.numel() * module.weight.element_size()
+                self.adopt(module, k)  # the float storage goes back now
         return freed
 
     def replace_integers(self, module: nn.Module, k: torch.Tensor) -> None:
