@@ -58,10 +58,11 @@ def run_layerwise_calibration(model: nn.Module, session: Session, batches: list[
     each finished block is kept there, and the blocks an earlier run of it finished are put back
     instead of calibrated (``resume.py``). ``spill``: the blocks' inputs and what their stages
     keep go to files in the work folder (else the system's temporary folder) and come back one
-    batch at a time (``kept.py``). ``keep_held``: the finished layers' weights stay held as integers after
-    calibration (``held_weights(model)``), for one save that writes them, letting each go, without
-    rebuilding the model in float (the model is then spent: ``CompactWeights.weight_of``); a recipe
-    that needs no calibration data then compresses and holds the blocks one by one too.
+    batch at a time (``kept.py``). ``keep_held``: the finished layers' weights stay held as
+    integers after calibration (``held_weights(model)``), for one save that writes them, letting
+    each go, without rebuilding the model in float (the model is then spent:
+    ``CompactWeights.weight_of``); a recipe that needs no calibration data then compresses and
+    holds the blocks one by one too.
     ``device``: where each block calibrates (``onload.execution_device``; by default a CUDA GPU
     when the model is in host memory and there is one): the block moves there and back.
     ``compute_dtype``: the dtype each block calibrates in (``onload.compute_dtype``; by default

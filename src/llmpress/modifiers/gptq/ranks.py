@@ -172,9 +172,9 @@ class RowShare:
 
     def _meet(self, node: NodeTeam) -> torch.Tensor | None:
         """Each module's weight, scale and zero point in one buffer every rank maps, each rank
-        writing its rows there, then copying out the whole. (The modules keep copies, not the
-        shared memory: a later stage that prunes or rescales a weight in place would otherwise
-        write into every rank's.) Returns the losses summed over the ranks, in rank order (None, on
+        writing its rows there, then copying the others' rows out beside its own. (The modules
+        keep copies, not the shared memory: a later stage that prunes or rescales a weight in
+        place would otherwise write into every rank's.) Returns the losses summed over the ranks, in rank order (None, on
         every rank, where the shared memory has no room)."""
         parts = [(name, kind, getattr(self.results[name], kind)) for name in self.names
                  for kind in ("weight", "scale", "zero_point") if getattr(self.results[name], kind) is not None]
@@ -198,8 +198,12 @@ class RowShare:
                     views[name, kind][a:b].copy_(getattr(self.results[name], kind)[a:b])
         losses[node.rank].copy_(torch.tensor([self.results[n].loss for n in self.names], dtype=torch.float64))
         node.sync()
-        for (name, kind), view in views.items():
-            setattr(self.results[name], kind, view.clone())
+        for source in range(node.size):  # the other ranks' rows, into this rank's results beside its own
+            for module, a, b in self.pieces(source) if source != node.rank else ():
+                name = self.names[self.modules.index(module)]
+                for kind in ("weight", "scale", "zero_point"):
+                    if (name, kind) in views:
+                        getattr(self.results[name], kind)[a:b].copy_(views[name, kind][a:b])
         summed = losses[0].clone()
         for other in range(1, node.size):
             summed.add_(losses[other])
