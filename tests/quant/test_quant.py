@@ -204,7 +204,7 @@ def test_mse_patience_can_stop_before_the_best_factor():
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("shape", [(5, 37), (3, 128), (7, 1)])
+@pytest.mark.parametrize("shape", [(5, 37), (3, 128), (7, 1), (64, 1)])  # (64, 1): a per-channel zero point, packed along dim 0
 @pytest.mark.parametrize("dim", [0, 1])
 def test_packing_matches_compressed_tensors(bits, shape, dim):
     helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")

@@ -40,7 +40,9 @@ def pack_to_int32(values: torch.Tensor, num_bits: int, dim: int = 1) -> torch.Te
         if num_bits == 4:
             pairs = unsigned.reshape(rows, -1, 2)
             unsigned = pairs[..., 0] | (pairs[..., 1] << 4)
-        return unsigned.contiguous().view(torch.int32)
+        # flat first: a [1, n] tensor (a per-channel zero point, transposed) can carry a row stride
+        # that a dtype view refuses
+        return unsigned.contiguous().view(-1).view(torch.int32).view(rows, -1)
     unsigned = values.to(torch.int64) + (1 << (num_bits - 1))
     padded_cols = math.ceil(cols / _WORD) * _WORD
     unsigned = torch.nn.functional.pad(unsigned, (0, padded_cols - cols))
