@@ -46,16 +46,22 @@ def test_spilling_changes_nothing_in_the_result(tmp_path):
     assert all(torch.equal(one[k], two[k]) for k in one)
 
 
-#: GPTQ's scheme -> whether the save packs the held integers as they are (symmetric integer and
-#: fp8 schemes), or rebuilds each weight in float first (a zero point to add, fp4's own rounding)
-HELD_RECIPES = {"W4A16 g32": True, "W8A16": True, "W8A8": True, "FP8": True, "W4A16_ASYM": False, "NVFP4": False}
+#: GPTQ's scheme -> whether the save packs the held integers as they are (integer schemes, the
+#: zero point added by channel or whole groups, and fp8), or rebuilds each weight in float first
+#: (fp4's own rounding)
+HELD_RECIPES = {"W4A16 g32": True, "W8A16": True, "W8A8": True, "FP8": True, "W4A16 asym g32": True, "W8 asym channel": True,
+                "W4A16_ASYM": True, "NVFP4": False}
+
+ASYMMETRIC = {"W4A16 asym g32": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
+              "W8 asym channel": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"}}
 
 
 @pytest.mark.parametrize("scheme", list(HELD_RECIPES))
 def test_the_checkpoint_is_written_from_the_held_integers(tmp_path, monkeypatch, scheme):
     """``return_model=False`` (the command line): the finished layers are never rebuilt whole in
     float, and the checkpoint is the one a run that returns the model writes."""
-    recipe = RECIPE if scheme == "W4A16 g32" else GPTQModifier(scheme=scheme, ignore=["lm_head"])
+    recipe = (RECIPE if scheme == "W4A16 g32" else GPTQModifier(scheme=scheme, ignore=["lm_head"]) if scheme not in ASYMMETRIC
+              else GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": ASYMMETRIC[scheme]}}, ignore=["lm_head"]))
     model = make_tiny_llama(intermediate=256)
     model.save_pretrained(tmp_path / "model")
     options = CalibrationOptions(num_samples=None, seq_len=32, batch_size=2)

@@ -131,21 +131,33 @@ def compressed_state_dict(model: nn.Module, save_compressed: bool = True,
 
 
 def _stored_values(held: HeldWeights, module: nn.Module, scheme: QuantizationScheme) -> torch.Tensor | None:
-    """The quantized values a held weight is stored as, straight from the integers it is held
-    as (let go from there): for a symmetric scheme whose format packs raw values, they are the
-    values ``quantize`` gives the weight they rebuild. None (nothing let go) for the others: an
-    asymmetric scheme stores them plus the zero point, fp4 formats round through float."""
+    """The quantized values a held weight is stored as, straight from the integers ``k`` it is
+    held as (let go from there), where its format packs raw values: ``k`` for a symmetric scheme,
+    ``k`` plus the zero point for an asymmetric one by channel or group: the values ``quantize``
+    gives the weight they rebuild. None (nothing let go) for the others (fp4 formats, an
+    asymmetric tensor or block scheme, values off the grid's range): they go through float."""
     args = scheme.weights
-    if args is None or not args.symmetric or not hasattr(FORMATS.get(format_for(scheme)), "pack"):
+    if args is None or not hasattr(FORMATS.get(format_for(scheme)), "pack"):
         return None
     k = held.grid_values(module, release=False)
-    if k is None or k.dtype != (torch.float8_e4m3fn if args.is_float else torch.int8):
+    if k is None or (args.is_float and (k.dtype != torch.float8_e4m3fn or not args.symmetric)):
         return None
-    if not args.is_float:
-        low, high = torch.aminmax(k)
-        if int(low) < args.q_range[0] or int(high) > args.q_range[1]:
-            return None  # off the grid's range: quantize would clamp these
-    return held.grid_values(module)
+    if args.is_float:
+        return held.grid_values(module)
+    q = k.to(torch.int16)
+    if not args.symmetric:
+        zero_point = getattr(module, "weight_zero_point", None)
+        rows, columns = q.shape
+        size = columns if args.strategy == "channel" else args.group_size if args.strategy == "group" else None
+        if (zero_point is None or size is None or columns % size or zero_point.numel() != rows * (columns // size)
+                or (zero_point.is_floating_point() and not torch.equal(zero_point, zero_point.round()))):
+            return None
+        q = q.view(rows, columns // size, size).add_(zero_point.reshape(rows, -1, 1).to(torch.int16)).view(rows, columns)
+    low, high = torch.aminmax(q)
+    if int(low) < args.q_range[0] or int(high) > args.q_range[1]:
+        return None  # off the grid's range: quantize would clamp these
+    held.grid_values(module)  # let go
+    return q.to(torch.int8)
 
 
 def _scheme_key(scheme: QuantizationScheme) -> str:
