@@ -174,8 +174,8 @@ class RowShare:
         """Each module's weight, scale and zero point in one buffer every rank maps, each rank
         writing its rows there, then copying the others' rows out beside its own. (The modules
         keep copies, not the shared memory: a later stage that prunes or rescales a weight in
-        place would otherwise write into every rank's.) Returns the losses summed over the ranks, in rank order (None, on
-        every rank, where the shared memory has no room)."""
+        place would otherwise write into every rank's.) Returns the losses summed over the ranks,
+        in rank order (None, on every rank, where the shared memory has no room)."""
         parts = [(name, kind, getattr(self.results[name], kind)) for name in self.names
                  for kind in ("weight", "scale", "zero_point") if getattr(self.results[name], kind) is not None]
         offsets, size = [], 0
