@@ -143,7 +143,8 @@ def _stored_values(held: HeldWeights, module: nn.Module, scheme: QuantizationSch
     if k is None or (args.is_float and (k.dtype != torch.float8_e4m3fn or not args.symmetric)):
         return None
     if args.is_float:
-        return held.grid_values(module)
+        held.let_go(module)
+        return k
     q = k.to(torch.int16)
     if not args.symmetric:
         zero_point = getattr(module, "weight_zero_point", None)
@@ -156,7 +157,7 @@ def _stored_values(held: HeldWeights, module: nn.Module, scheme: QuantizationSch
     low, high = torch.aminmax(q)
     if int(low) < args.q_range[0] or int(high) > args.q_range[1]:
         return None  # off the grid's range: quantize would clamp these
-    held.grid_values(module)  # let go
+    held.let_go(module)
     return q.to(torch.int8)
 
 

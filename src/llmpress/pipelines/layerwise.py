@@ -183,10 +183,7 @@ def _hold_on_rank_zero(layer: nn.Module, held: CompactWeights) -> None:
     owners = assign_owners([float(m.weight.numel()) for m in modules])
     found = gather_objects_on({i: held.integers(m) for i, m in enumerate(modules) if owners[i] == rank()}, dst=0)
     if found is not None:
-        integers = {i: k for share in found for i, k in share.items()}
-        for index, module in enumerate(modules):  # in the order one process holds them
-            if integers[index] is not None:
-                held.adopt(module, integers[index])
+        held.hold(layer, {modules[i]: k for share in found for i, k in share.items()})
 
 
 def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, held: CompactWeights,

@@ -13,6 +13,7 @@ it is. (Equal values: a ``-0.0`` comes back as ``0.0``.)
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -121,9 +122,7 @@ class CompactWeights:
         self._model: nn.Module | None = None  # the model it is attached to (``attach``)
         # a weight that several modules (or a block repeated in the list) share is left alone:
         # holding it would take it away from a module that still runs
-        seen: dict[int, int] = {}
-        for _, param in (model.named_parameters(remove_duplicate=False) if model is not None else ()):
-            seen[id(param)] = seen.get(id(param), 0) + 1
+        seen = Counter(id(param) for _, param in (model.named_parameters(remove_duplicate=False) if model is not None else ()))
         self._shared = {key for key, count in seen.items() if count > 1}
 
     @property
@@ -135,11 +134,12 @@ class CompactWeights:
         k = None if id(getattr(module, "weight", None)) in self._shared else _grid_values(module)
         return None if k is None else _packed(k)
 
-    def hold(self, layer: nn.Module) -> int:
-        """Hold what can be held in ``layer``; returns the bytes of float weight let go."""
+    def hold(self, layer: nn.Module, rounded: dict[nn.Module, torch.Tensor | None] | None = None) -> int:
+        """Hold what can be held in ``layer`` (``rounded``: its ``integers``, found elsewhere);
+        returns the bytes of float weight let go."""
         freed = 0
         for module in layer.modules():
-            if (k := self.integers(module)) is not None:
+            if (k := self.integers(module) if rounded is None else rounded.get(module)) is not None:
                 freed += module.weight.numel() * module.weight.element_size()
                 self.adopt(module, k)  # the float storage goes back now
         return freed
@@ -167,10 +167,7 @@ class CompactWeights:
         modules = dict(layer.named_modules())
         integers, rest = mapped_state(state_file)  # just written: no hash check
         for key, k in integers.items():
-            if adopt:
-                self.adopt(modules[key], k)
-            else:
-                self.replace_integers(modules[key], k)
+            (self.adopt if adopt else self.replace_integers)(modules[key], k)
         for key, mapped in rest.items():
             path, _, name = key.rpartition(".")
             current = getattr(modules[path], name, None)
@@ -203,12 +200,15 @@ class CompactWeights:
     def grid_values(self, module: nn.Module, release: bool = True) -> torch.Tensor | None:
         """``module``'s held integers ``k`` unpacked (``k * scale`` is its weight; no zero point), or
         None when it is not held; let go as ``weight_of`` lets its weight go (``release``)."""
-        for index, (held, _, k, _) in enumerate(self._held):
-            if held is module:
-                if self._model is not None and release:
-                    del self._held[index]
-                return _unpacked(k, module.weight.shape)
-        return None
+        k = next((k for held, _, k, _ in self._held if held is module), None)
+        if k is not None and release:
+            self.let_go(module)
+        return None if k is None else _unpacked(k, module.weight.shape)
+
+    def let_go(self, module: nn.Module) -> None:
+        """After ``attach``: ``module``'s integers go, the save has taken them."""
+        if self._model is not None:
+            self._held = [entry for entry in self._held if entry[0] is not module]
 
     def attach(self, model: nn.Module) -> None:
         """Keep the held weights past calibration, findable from ``model`` (``held_weights``),
