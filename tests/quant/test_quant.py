@@ -131,6 +131,24 @@ def test_qdq_equals_the_column_wise_formula(args, columns, layout):
     assert torch.equal(weight, before)
 
 
+
+@pytest.mark.parametrize("spec", [{"strategy": "channel"}, {"strategy": "group", "group_size": 128},
+                                  {"strategy": "group", "group_size": 32}, {"strategy": "group", "group_size": 16},
+                                  {"strategy": "tensor_group", "group_size": 16, "type": "float"}])
+@pytest.mark.parametrize(("rows", "columns"), [(48, 256), (40, 200), (3, 5)])  # whole groups, a shorter last one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ranges_of_a_transposed_weight_are_those_of_its_copy(spec, rows, columns, dtype):
+    """GPTQ observes the transpose of its working ``[in, out]`` copy: the min and max of each
+    unit, reduced across the outputs from the contiguous layout, are the contiguous copy's, in
+    the same shape and dtype."""
+    from llmpress.quant.qdq import reduce_min_max
+
+    args = QuantizationArgs(num_bits=4, **spec)
+    weight = torch.randn(columns, rows).to(dtype).t()
+    for found, expected in zip(reduce_min_max(weight, args), reduce_min_max(weight.contiguous(), args), strict=True):
+        assert found.shape == expected.shape and found.dtype == expected.dtype and found.is_contiguous()
+        assert torch.equal(found, expected)
+
 def test_mse_observer_never_worse_than_minmax():
     weight = torch.randn(32, 256)
     weight[0, 0] = 25.0  # an outlier that minmax must cover
