@@ -1,11 +1,16 @@
-"""The Hessians' ``X^T X`` of bf16 inputs on AVX-512 BF16 (native/gram.cpp): the sums of the
-float32 route, the same bits however the sequences are batched or the threads split, and the
-accumulator using it."""
+"""The Hessians' ``X^T X`` of bf16 inputs on AMX or AVX-512 BF16 (native/gram.cpp, amx.cpp): the
+sums of the float32 route, the same bits however the sequences are batched or the threads split,
+either kernel, and the accumulator using it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from helpers import REPO
 
 from llmpress import native
 from llmpress.modifiers.hessians import HessianAccumulator
@@ -65,3 +70,32 @@ def test_accumulator_matches_the_float32_route():
     bf16.add(x)
     f32.add(x.float())
     torch.testing.assert_close(bf16.result(), f32.result(), rtol=1e-5, atol=1e-4)
+
+
+AVX512_TILES = """
+import sys, torch
+from llmpress import native
+x = torch.load(sys.argv[1])
+blocks = [torch.zeros(96, 150, dtype=torch.float64), torch.zeros(54, 54, dtype=torch.float64)]
+assert native.add_gram_bf16_(blocks, [0, 96], x)
+torch.save(blocks, sys.argv[1])
+"""
+
+
+def test_without_amx_the_avx512_tiles_give_the_same_sums(tmp_path):
+    """``LLMPRESS_AMX=0`` (a CPU without AMX takes the same route): the AVX-512 BF16 tiles, in a
+    process of their own (the switch is read once), agree with this process's kernel (AMX where
+    the CPU has it) to float32's precision."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 41, 150).to(torch.bfloat16)
+    torch.save(x, tmp_path / "case.pt")
+    env = {**os.environ, "LLMPRESS_AMX": "0", "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-c", AVX512_TILES, str(tmp_path / "case.pt")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    here = [torch.zeros(96, 150, dtype=torch.float64), torch.zeros(54, 54, dtype=torch.float64)]
+    assert native.add_gram_bf16_(here, [0, 96], x)
+    exact = sum(s.T @ s for s in x.double())
+    scale = exact.abs().max().item()
+    for theirs, ours, start in zip(torch.load(tmp_path / "case.pt"), here, [0, 96]):
+        torch.testing.assert_close(theirs, ours, rtol=1e-6, atol=1e-5 * scale)
+        torch.testing.assert_close(ours, exact[start : start + ours.shape[0], start:], rtol=1e-6, atol=1e-5 * scale)

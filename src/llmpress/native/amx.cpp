@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "blocks64.h"
 
@@ -217,6 +218,94 @@ void product(const uint16_t *x, int64_t m, const Rows &weight, int64_t rows, uin
     }
 }
 
+
+/* Gram rows (gram.cpp's blocks): A is x's transpose, xt[c][t] (rows of 32 tokens, cp x tp bf16),
+ * B the token pairs, pairs[t / 2][c] (two tokens of a column in one 32-bit word, tp / 2 x cp):
+ * c[32][32] = sum over all tokens of x[t][i0 + r] x[t][j0 + q], each product exact, summed in
+ * float32 in the tiles. */
+static inline void gram_tile(const uint16_t *xt, int64_t tp, const uint32_t *pairs, int64_t cp, int64_t i0, int64_t j0, float c[32][32]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < tp; k += 32) {
+        _tile_loadd(4, xt + i0 * tp + k, tp * 2);
+        _tile_loadd(5, xt + (i0 + 16) * tp + k, tp * 2);
+        _tile_loadd(6, pairs + (k / 2) * cp + j0, cp * 4);
+        _tile_loadd(7, pairs + (k / 2) * cp + j0 + 16, cp * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    _tile_stored(2, &c[16][0], 128);
+    _tile_stored(3, &c[16][16], 128);
+}
+
+/* acc[r][q] += c[r][q] in float64, for r < rows and q < width (acc rows `stride` doubles apart) */
+static inline void add_tile(const float c[32][32], int64_t rows, int64_t width, double *acc, int64_t stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        double *out = acc + r * stride;
+        for (int64_t q = 0; q < width; q += 8) {
+            const __mmask8 m = (__mmask8)((1u << std::min<int64_t>(8, width - q)) - 1u);
+            const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(&c[r][q]));
+            _mm512_mask_storeu_pd(out + q, m, _mm512_add_pd(_mm512_maskz_loadu_pd(m, out + q), v));
+        }
+    }
+}
+
+void gram_add(const uint16_t *x, int64_t sequences, int64_t tokens, int64_t cols, double *const *acc, const int64_t *starts,
+                  const int64_t *heights, int64_t count) {
+    /* tokens to whole tiles of 32; columns to whole tiles past the last, from any start */
+    const int64_t tp = (tokens + 31) / 32 * 32, cp = (cols + 31) / 32 * 32 + 32;
+    std::vector<uint16_t> xt((size_t)(sequences * cp * tp), 0);
+    std::vector<uint32_t> pairs((size_t)(sequences * (tp / 2) * cp), 0);
+    at::parallel_for(0, sequences, 1, [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; s++) {
+            const uint16_t *xs = x + s * tokens * cols;
+            uint16_t *ts = xt.data() + s * cp * tp;
+            uint32_t *ps = pairs.data() + s * (tp / 2) * cp;
+            for (int64_t c0 = 0; c0 < cols; c0 += 64) /* 64 rows of xt written at once stay in L1 */
+                for (int64_t t = 0; t < tokens; t++)
+                    for (int64_t c = c0; c < std::min(cols, c0 + 64); c++) ts[c * tp + t] = xs[t * cols + c];
+            for (int64_t t = 0; t < tokens; t++)
+                for (int64_t c = 0; c < cols; c++) ps[(t / 2) * cp + c] |= (uint32_t)xs[t * cols + c] << (16 * (t & 1));
+        }
+    });
+    struct Strip {
+        int64_t block, i0;
+    };
+    std::vector<Strip> strips;
+    for (int64_t k = 0; k < count; k++)
+        for (int64_t i = 0; i < heights[k]; i += 32) strips.push_back({k, starts[k] + i});
+    const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (int64_t)strips.size()));
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig config = {};
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+        _tile_loadconfig(&config);
+        float(*c)[32] = (float(*)[32])aligned_alloc(64, 32 * 32 * 4);
+        /* strips of upper rows span more columns: handed out one at a time */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < (int64_t)strips.size(); n++) {
+            const Strip strip = strips[n];
+            const int64_t start = starts[strip.block], stride = cols - start;
+            const int64_t rows = std::min<int64_t>(32, start + heights[strip.block] - strip.i0);
+            double *out = acc[strip.block] + (strip.i0 - start) * stride;
+            for (int64_t j0 = start; j0 < cols; j0 += 32)
+                for (int64_t s = 0; s < sequences; s++) { /* in order: the sum is the same however the work is split */
+                    gram_tile(xt.data() + s * cp * tp, tp, pairs.data() + s * (tp / 2) * cp, cp, strip.i0, j0, c);
+                    add_tile(c, rows, std::min<int64_t>(32, cols - j0), out + (j0 - start), stride);
+                }
+        }
+        free(c);
+        _tile_release();
+    }
+}
+
 #pragma GCC pop_options
 
 }  // namespace
@@ -230,6 +319,15 @@ void amx_int4_product(const uint16_t *x, int64_t m, const uint8_t *w, const floa
 
 void amx_int8_product(const uint16_t *x, int64_t m, const int8_t *w, const float *scale, const float *corr, int64_t rows, int64_t cols, uint16_t *y) {
     product(x, m, Int8Rows{w, scale, corr, cols}, rows, y);
+}
+
+
+
+bool amx_gram_add(const uint16_t *x, int64_t sequences, int64_t tokens, int64_t cols, double *const *acc, const int64_t *starts,
+                  const int64_t *heights, int64_t count) {
+    if (!amx_ready()) return false;
+    if (sequences > 0 && tokens > 0 && cols > 0) gram_add(x, sequences, tokens, cols, acc, starts, heights, count);
+    return true;
 }
 
 }  // namespace llmpress

@@ -27,5 +27,10 @@ void amx_int4_product(const uint16_t *x, int64_t m, const uint8_t *w, const floa
                       int64_t group, uint16_t *y);
 /* the same for int8 weights [rows, cols] meaning q * scale - corr (one of each per row) */
 void amx_int8_product(const uint16_t *x, int64_t m, const int8_t *w, const float *scale, const float *corr, int64_t rows, int64_t cols, uint16_t *y);
+/* gram.cpp's running X^T X of bf16 x [sequences, tokens, cols] on AMX tiles: acc[k] (float64,
+ * heights[k] rows from starts[k], columns starts[k] to cols) += each sequence's product, exact
+ * products summed in float32 per sequence; false (nothing added) where AMX is not usable here */
+bool amx_gram_add(const uint16_t *x, int64_t sequences, int64_t tokens, int64_t cols, double *const *acc, const int64_t *starts,
+                  const int64_t *heights, int64_t count);
 
 }  // namespace llmpress
