@@ -51,6 +51,7 @@ struct TileConfig {
 constexpr int64_t STRIP = 32;       /* weight rows per pair of B tiles */
 constexpr int64_t B_BYTES = 1 << 20;  /* strips kept dequantized while x passes by: up to 1 MB of them (L2) */
 constexpr int64_t KBLOCKS = 8;        /* 32-column blocks of x per pass over the strips */
+constexpr int64_t GRAM_SPAN = 256;    /* output columns per pass of a gram strip over the sequences */
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")
@@ -223,14 +224,15 @@ void product(const uint16_t *x, int64_t m, const Rows &weight, int64_t rows, uin
  * B the token pairs, pairs[t / 2][c] (two tokens of a column in one 32-bit word, tp / 2 x cp):
  * c[32][32] = sum over all tokens of x[t][i0 + r] x[t][j0 + q], each product exact, summed in
  * float32 in the tiles. */
-static inline void gram_tile(const uint16_t *xt, int64_t tp, const uint32_t *pairs, int64_t cp, int64_t i0, int64_t j0, float c[32][32]) {
+static inline void gram_tile(const uint16_t *xt, int64_t tp, int64_t ldx, const uint32_t *pairs, int64_t cp, int64_t i0, int64_t j0,
+                             float c[32][32]) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = 0; k < tp; k += 32) {
-        _tile_loadd(4, xt + i0 * tp + k, tp * 2);
-        _tile_loadd(5, xt + (i0 + 16) * tp + k, tp * 2);
+        _tile_loadd(4, xt + i0 * ldx + k, ldx * 2);
+        _tile_loadd(5, xt + (i0 + 16) * ldx + k, ldx * 2);
         _tile_loadd(6, pairs + (k / 2) * cp + j0, cp * 4);
         _tile_loadd(7, pairs + (k / 2) * cp + j0 + 16, cp * 4);
         _tile_dpbf16ps(0, 4, 6);
@@ -260,16 +262,17 @@ void gram_add(const uint16_t *x, int64_t sequences, int64_t tokens, int64_t cols
                   const int64_t *heights, int64_t count) {
     /* tokens to whole tiles of 32; columns to whole tiles past the last, from any start */
     const int64_t tp = (tokens + 31) / 32 * 32, cp = (cols + 31) / 32 * 32 + 32;
-    std::vector<uint16_t> xt((size_t)(sequences * cp * tp), 0);
+    const int64_t ldx = tp + 32; /* xt's rows 64 bytes longer: 16 rows of a tile never share a cache set */
+    std::vector<uint16_t> xt((size_t)(sequences * cp * ldx), 0);
     std::vector<uint32_t> pairs((size_t)(sequences * (tp / 2) * cp), 0);
     at::parallel_for(0, sequences, 1, [&](int64_t s0, int64_t s1) {
         for (int64_t s = s0; s < s1; s++) {
             const uint16_t *xs = x + s * tokens * cols;
-            uint16_t *ts = xt.data() + s * cp * tp;
+            uint16_t *ts = xt.data() + s * cp * ldx;
             uint32_t *ps = pairs.data() + s * (tp / 2) * cp;
             for (int64_t c0 = 0; c0 < cols; c0 += 64) /* 64 rows of xt written at once stay in L1 */
                 for (int64_t t = 0; t < tokens; t++)
-                    for (int64_t c = c0; c < std::min(cols, c0 + 64); c++) ts[c * tp + t] = xs[t * cols + c];
+                    for (int64_t c = c0; c < std::min(cols, c0 + 64); c++) ts[c * ldx + t] = xs[t * cols + c];
             for (int64_t t = 0; t < tokens; t++)
                 for (int64_t c = 0; c < cols; c++) ps[(t / 2) * cp + c] |= (uint32_t)xs[t * cols + c] << (16 * (t & 1));
         }
@@ -295,11 +298,14 @@ void gram_add(const uint16_t *x, int64_t sequences, int64_t tokens, int64_t cols
             const int64_t start = starts[strip.block], stride = cols - start;
             const int64_t rows = std::min<int64_t>(32, start + heights[strip.block] - strip.i0);
             double *out = acc[strip.block] + (strip.i0 - start) * stride;
-            for (int64_t j0 = start; j0 < cols; j0 += 32)
-                for (int64_t s = 0; s < sequences; s++) { /* in order: the sum is the same however the work is split */
-                    gram_tile(xt.data() + s * cp * tp, tp, pairs.data() + s * (tp / 2) * cp, cp, strip.i0, j0, c);
-                    add_tile(c, rows, std::min<int64_t>(32, cols - j0), out + (j0 - start), stride);
-                }
+            /* GRAM_SPAN columns at a time: a sequence's 32 rows of xt stay in L1 across them, their
+             * float64 sums in L2 across the sequences */
+            for (int64_t jc = start; jc < cols; jc += GRAM_SPAN)
+                for (int64_t s = 0; s < sequences; s++) /* in order: the sum is the same however the work is split */
+                    for (int64_t j0 = jc; j0 < std::min(cols, jc + GRAM_SPAN); j0 += 32) {
+                        gram_tile(xt.data() + s * cp * ldx, tp, ldx, pairs.data() + s * (tp / 2) * cp, cp, strip.i0, j0, c);
+                        add_tile(c, rows, std::min<int64_t>(32, cols - j0), out + (j0 - start), stride);
+                    }
         }
         free(c);
         _tile_release();
