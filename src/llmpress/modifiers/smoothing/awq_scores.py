@@ -162,6 +162,6 @@ class LinearScore:
         self.hessian = inputs.result()
 
     def __call__(self) -> float:
-        error = self.owner.weight.float() - self.original
+        error = self.owner.weight.detach().float() - self.original
         value = float(((error @ self.hessian) * error).sum()) / (2 * self.owner.out_features)
         return value if value == value else float("inf")  # NaN: not a candidate
