@@ -457,3 +457,19 @@ def test_modules_nobody_watches_are_compressed_in_their_place(monkeypatch):
     assert any(k.endswith("mlp.down_proj.input_scale") for k in ours)
     for name, value in ours.items():
         assert torch.equal(value, reference[name]), name
+
+
+def test_a_stage_skips_what_feeds_only_the_outputs_kept_from_before():
+    """Llama's norms run only in the stages that read them: the input norm for q/k/v and for
+    o_proj (q/k/v run again on it), the post-attention norm for gate/up and down_proj; once the
+    attention's output is kept (and the MLP answers from down_proj's parked input) they answer
+    zeros. Before, the input norm ran in all five stages and the other in three."""
+    model = make_tiny_llama()
+    block, inputs = find_blocks(model)[0], _inputs(model)
+    calls: Counter[str] = Counter()
+    handles = [getattr(block, name).register_forward_hook(lambda m, a, o, name=name: calls.update([name]))
+               for name in ("input_layernorm", "post_attention_layernorm")]
+    _calibrate(block, inputs, by_module=True)
+    for handle in handles:
+        handle.remove()
+    assert calls == {"input_layernorm": 1 + 2 * len(inputs), "post_attention_layernorm": 1 + 2 * len(inputs)}  # the probe's, then twice a batch

@@ -19,7 +19,10 @@ passes). The plan says:
 * ``zeros``: submodules whose output can be replaced by zeros where it is never used (its shape
   follows from its input: the input's leading dimensions, a fixed number of features);
 * ``needs``: for each target, every submodule its input was computed from (traced plans only),
-  so a stage zeroes exactly what its group does not need.
+  so a stage zeroes exactly what its group does not need; ``sources``, ``input_sources`` and
+  ``output_sources``: who feeds whom directly (each submodule's output, each target's input, the
+  block's output), so that a stage also zeroes what feeds only stand-ins that never read their
+  inputs (Llama's input norm once its attention's output is kept).
 """
 
 from __future__ import annotations
@@ -62,29 +65,52 @@ class BlockPlan:
     zeros: dict[nn.Module, tuple[int, int | None, torch.dtype]] = field(default_factory=dict)
     parked_bytes_per_token: int = 0  # the inputs parked for the parents' answers
     needs: dict[nn.Module, set[nn.Module]] | None = None  # target -> the submodules its input comes from
+    sources: dict[nn.Module, set[nn.Module]] | None = None  # submodule -> those its output is computed from, directly
+    input_sources: dict[nn.Module, set[nn.Module]] | None = None  # target -> those its input is computed from, directly
+    output_sources: set[nn.Module] | None = None  # those the block's output is computed from, directly
 
     def complete(self, done: set[nn.Module]) -> list[nn.Module]:
         """The outermost submodules whose targets are all in ``done``."""
         full = {m for m in self.order if self.targets_in.get(m) and self.targets_in[m] <= done}
         return [m for m in self.order if m in full and not any(a in full for a in self.ancestors[m])]
 
-    def zeroed_for(self, group: list[nn.Module], answered: set[nn.Module]) -> dict[nn.Module, ZeroAnswer]:
-        """The outermost submodules entered after the group's first member whose outputs the
-        group does not need (untraced: those entered after its last member), leaving out the
-        ``answered`` ones and the group's own."""
-        members = set(group)
-        if self.needs is None:
+    def zeroed_for(self, group: list[nn.Module] | None, answered: set[nn.Module], standing: set[nn.Module] = frozenset(),
+                   running: set[nn.Module] = frozenset()) -> dict[nn.Module, ZeroAnswer]:
+        """The outermost submodules whose outputs a stage does not need, leaving out the
+        ``answered`` ones, those inside them and the group's own. Traced: what the group's inputs
+        (None: the block's output) and the ``running`` stand-ins' (which compute and keep their
+        outputs) are computed from, not looking behind the ``standing`` stand-ins (which answer
+        from what was kept, never reading their inputs), is needed, wherever it was entered.
+        Untraced: the submodules entered after the group's last member."""
+        members = set(group or ())
+        if self.needs is None or self.sources is None:
+            if group is None:
+                return {}
             start, needed = self.order.index(group[-1]) + 1, set()
         else:
-            start = min(self.order.index(m) for m in group) + 1
-            needed = set().union(*(self.needs[m] for m in group))
-            needed |= {a for m in group for a in self.ancestors[m]}
+            start = 0
+            seeds = set(self.output_sources or ()) if group is None else set().union(*(self.input_sources.get(m, ()) for m in group))
+            needed = self._reached(seeds | set(running), set(standing)) | members | set(running)
+            needed |= {a for m in needed for a in self.ancestors.get(m, ())}
         chosen: dict[nn.Module, ZeroAnswer] = {}
         for later in self.order[start:]:
             if (later in self.zeros and later not in needed and later not in members and later not in answered
-                    and not any(a in chosen for a in self.ancestors[later])):
+                    and not any(a in chosen or a in answered for a in self.ancestors[later])):
                 chosen[later] = ZeroAnswer(*self.zeros[later])
         return chosen
+
+    def _reached(self, seeds: set[nn.Module], cut: set[nn.Module]) -> set[nn.Module]:
+        """``seeds`` and every submodule they are computed from, not looking behind ``cut``."""
+        found: set[nn.Module] = set()
+        stack = list(seeds)
+        while stack:
+            module = stack.pop()
+            if module in found:
+                continue
+            found.add(module)
+            if module not in cut:
+                stack.extend(self.sources.get(module, ()))
+        return found
 
     def moved_to(self, block: nn.Module, names: dict[nn.Module, str]) -> BlockPlan:
         """This plan for another block of the same structure: each module replaced by the one of
@@ -103,6 +129,10 @@ class BlockPlan:
             zeros={m(k): shape for k, shape in self.zeros.items()},
             parked_bytes_per_token=self.parked_bytes_per_token,
             needs=None if self.needs is None else {m(k): {m(n) for n in need} for k, need in self.needs.items()},
+            sources=None if self.sources is None else {m(k): {m(n) for n in found} for k, found in self.sources.items()},
+            input_sources=None if self.input_sources is None else {m(k): {m(n) for n in found}
+                                                                   for k, found in self.input_sources.items()},
+            output_sources=None if self.output_sources is None else {m(n) for n in self.output_sources},
         )
 
 
@@ -119,8 +149,11 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
     ``targets`` inside it; or say why it cannot go module by module."""
     args, kwargs = first
     record = Probe(block, set(targets), trace=True)
+    output_sources = None
     with record, (observation.paused() if observation is not None else nullcontext()):
-        block(*record.leaves(None, args), **{k: record.leaves(None, v) for k, v in kwargs.items()})
+        output = block(*record.leaves(None, args), **{k: record.leaves(None, v) for k, v in kwargs.items()})
+        output_sources = record.sources_of(output)
+        del output
     if record.untraced is not None:  # the plain probe: call order
         logger.debug("block %s: data flow not traced (%s); its targets go in call order", type(block).__name__, record.untraced)
         record = Probe(block, set(targets), trace=False)
@@ -138,6 +171,8 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
     needs = record.needs()
     plan = BlockPlan(groups=record.groups(needs), order=[m for m in record.order if record.calls[m] == 1],
                      ancestors=_ancestors(block), needs=needs)
+    if needs is not None:
+        plan.sources, plan.input_sources, plan.output_sources = record.sources(), record.input_sources(), output_sources
     for module in targets:
         for owner in [module, *plan.ancestors[module]]:
             plan.targets_in.setdefault(owner, set()).add(module)

@@ -146,6 +146,18 @@ class Probe:
                     stack.append(following)
         return found
 
+    def sources(self) -> dict[nn.Module, set[nn.Module]]:
+        """Each submodule's output: the submodules whose outputs it is computed from, directly."""
+        return {m: set(found) for m, found in self._sources.items()}
+
+    def input_sources(self) -> dict[nn.Module, set[nn.Module]]:
+        """Each target's input: the submodules whose outputs it is computed from, directly."""
+        return {m: set(found) for m, found in self._input_sources.items()}
+
+    def sources_of(self, value: Any) -> set[nn.Module]:
+        """The submodules whose outputs ``value`` (the block's output) is computed from, directly."""
+        return self._walk(value)
+
     @property
     def untraced(self) -> str | None:
         """Why the traced forward cannot be trusted, or None."""

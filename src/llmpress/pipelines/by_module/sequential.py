@@ -149,16 +149,22 @@ class _Stage:
                 self.kept.outputs[module] = values
         for module, values in previous.parked.items():
             self.answers[module] = self._parked_answer(module, values, self._keeper(module, keep))
-        for module in keep - previous.outputs.keys() - previous.parked.keys():
+        standing = set(self.answers)  # answered from what was kept: their inputs are never read
+        running = keep - previous.outputs.keys() - previous.parked.keys()
+        for module in running:
             self.answers[module] = self._run_answer(module, self._keeper(module, keep))
-        if group is not None:  # its modules hand their inputs to the modifiers; what follows answers zeros
+        if group is not None:  # its modules hand their inputs to the modifiers
             park = None
             if owner is not None:
                 park = self.kept.parked[owner] = KeptValues(rows, spill)
             for module in group:
                 zeros = ZeroAnswer(*plan.zeros[module]) if module in plan.zeros else None
                 self.answers[module] = self._member_answer(module, zeros, park)
-            self.answers.update(self._zeroed(m, z) for m, z in plan.zeroed_for(group, set(self.answers)).items())
+        # what nothing in this stage reads answers zeros: what follows the group, and what feeds
+        # only the stand-ins that answer from what was kept (Llama's input norm, once its
+        # attention's output is kept)
+        zeroed = plan.zeroed_for(group, set(self.answers), standing, running)
+        self.answers.update(self._zeroed(m, z) for m, z in zeroed.items())
 
     # -- the stand-ins' answers -------------------------------------------------------------
     def _count(self, module: nn.Module) -> int:
