@@ -347,7 +347,9 @@ def _named(plan: BlockPlan, block: nn.Module) -> tuple:
     return ([names(g) for g in plan.groups], names(plan.order), {n[k]: names(v) for k, v in plan.ancestors.items()},
             {n[k]: sorted(names(v)) for k, v in plan.targets_in.items()},
             {n[k]: (n[a.last], a.length) for k, a in plan.answers.items()}, {n[k]: v for k, v in plan.zeros.items()},
-            plan.parked_bytes_per_token, None if plan.needs is None else {n[k]: sorted(names(v)) for k, v in plan.needs.items()})
+            plan.parked_bytes_per_token, None if plan.needs is None else {n[k]: sorted(names(v)) for k, v in plan.needs.items()},
+            *(None if found is None else {n[k]: sorted(names(v)) for k, v in found.items()} for found in (plan.sources, plan.input_sources)),
+            None if plan.output_sources is None else sorted(names(plan.output_sources)))
 
 
 @pytest.mark.parametrize("arch", list(DEPTHS))
