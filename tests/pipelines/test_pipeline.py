@@ -461,7 +461,7 @@ def test_modules_nobody_watches_are_compressed_in_their_place(monkeypatch):
         assert torch.equal(value, reference[name]), name
 
 
-def test_a_stage_skips_what_feeds_only_the_outputs_kept_from_before():
+def test_a_stage_skips_what_feeds_only_the_outputs_kept_from_before_and_what_follows_its_group():
     """Llama's norms run only in the stages that read them: the input norm for q/k/v and for
     o_proj (q/k/v run again on it), the post-attention norm for gate/up and down_proj; once the
     attention's output is kept (and the MLP answers from down_proj's parked input) they answer
@@ -469,9 +469,14 @@ def test_a_stage_skips_what_feeds_only_the_outputs_kept_from_before():
     model = make_tiny_llama()
     block, inputs = find_blocks(model)[0], _inputs(model)
     calls: Counter[str] = Counter()
-    handles = [getattr(block, name).register_forward_hook(lambda m, a, o, name=name: calls.update([name]))
-               for name in ("input_layernorm", "post_attention_layernorm")]
+    modules = {"input_layernorm": block.input_layernorm, "post_attention_layernorm": block.post_attention_layernorm,
+               "act_fn": block.mlp.act_fn}
+    handles = [m.register_forward_hook(lambda m, a, o, name=name: calls.update([name])) for name, m in modules.items()]
     _calibrate(block, inputs, by_module=True)
     for handle in handles:
         handle.remove()
-    assert calls == {"input_layernorm": 1 + 2 * len(inputs), "post_attention_layernorm": 1 + 2 * len(inputs)}  # the probe's, then twice a batch
+    # the probe's, then twice a batch; the activation once (for down_proj's input): a stage stops
+    # each batch at its group's last member (the q/k/v stage's attention and the gate/up stage's
+    # product are not computed on zeros)
+    assert calls == {"input_layernorm": 1 + 2 * len(inputs), "post_attention_layernorm": 1 + 2 * len(inputs),
+                     "act_fn": 1 + len(inputs)}
