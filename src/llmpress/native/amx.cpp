@@ -136,6 +136,27 @@ static void b_tiles(const Rows &rows, int64_t n0, uint16_t *out) {
 /* 32 rows of y, into the float32 sums c (first: from zero), from 32 rows of x (a, stride lda
  * elements) and one strip's two B tiles per 32 columns, for column blocks [kb0, kb1). x is
  * loaded as it lies (packing it into contiguous tiles first measured slower). */
+/* One step of a 32 x 32 product in tiles 0-3: rows a0 / a1 (16 each, A's layout) times columns
+ * b0 / b1 (16 each, B's pairs layout), strides in bytes. */
+static inline void step(const void *a0, const void *a1, int64_t a_stride, const void *b0, const void *b1, int64_t b_stride) {
+    _tile_loadd(4, a0, a_stride);
+    _tile_loadd(5, a1, a_stride);
+    _tile_loadd(6, b0, b_stride);
+    _tile_loadd(7, b1, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
+/* tiles 0-3 into c */
+static inline void store(float c[32][32]) {
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    _tile_stored(2, &c[16][0], 128);
+    _tile_stored(3, &c[16][16], 128);
+}
+
 static inline void block(const uint16_t *a, int64_t lda, const uint16_t *b0, const uint16_t *b1, int64_t kb0, int64_t kb1, bool first,
                          float c[32][32]) {
     if (first) {
@@ -149,20 +170,8 @@ static inline void block(const uint16_t *a, int64_t lda, const uint16_t *b0, con
         _tile_loadd(2, &c[16][0], 128);
         _tile_loadd(3, &c[16][16], 128);
     }
-    for (int64_t kb = kb0; kb < kb1; kb++) {
-        _tile_loadd(4, a + kb * 32, lda * 2);
-        _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
-        _tile_loadd(6, b0 + kb * 512, 64);
-        _tile_loadd(7, b1 + kb * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, &c[0][0], 128);
-    _tile_stored(1, &c[0][16], 128);
-    _tile_stored(2, &c[16][0], 128);
-    _tile_stored(3, &c[16][16], 128);
+    for (int64_t kb = kb0; kb < kb1; kb++) step(a + kb * 32, a + 16 * lda + kb * 32, lda * 2, b0 + kb * 512, b1 + kb * 512, 64);
+    store(c);
 }
 
 template <typename Rows>
@@ -230,20 +239,9 @@ static inline void gram_tile(const uint16_t *xt, int64_t tp, int64_t ldx, const 
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = 0; k < tp; k += 32) {
-        _tile_loadd(4, xt + i0 * ldx + k, ldx * 2);
-        _tile_loadd(5, xt + (i0 + 16) * ldx + k, ldx * 2);
-        _tile_loadd(6, pairs + (k / 2) * cp + j0, cp * 4);
-        _tile_loadd(7, pairs + (k / 2) * cp + j0 + 16, cp * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, &c[0][0], 128);
-    _tile_stored(1, &c[0][16], 128);
-    _tile_stored(2, &c[16][0], 128);
-    _tile_stored(3, &c[16][16], 128);
+    for (int64_t k = 0; k < tp; k += 32)
+        step(xt + i0 * ldx + k, xt + (i0 + 16) * ldx + k, ldx * 2, pairs + (k / 2) * cp + j0, pairs + (k / 2) * cp + j0 + 16, cp * 4);
+    store(c);
 }
 
 /* acc[r][q] += c[r][q] in float64, for r < rows and q < width (acc rows `stride` doubles apart) */

@@ -99,6 +99,14 @@ class BlockPlan:
                 chosen[later] = ZeroAnswer(*self.zeros[later])
         return chosen
 
+    def last_needed(self, group: list[nn.Module] | None, answered: list[nn.Module]) -> nn.Module | None:
+        """The group's member entered last, where every other stand-in of its stage
+        (``answered``) is entered before it: a batch can stop there (None for the outputs stage)."""
+        if group is None or any(m not in self.order for m in [*group, *answered]):
+            return None
+        last = max(group, key=self.order.index)
+        return last if all(self.order.index(m) <= self.order.index(last) for m in answered) else None
+
     def _reached(self, seeds: set[nn.Module], cut: set[nn.Module]) -> set[nn.Module]:
         """``seeds`` and every submodule they are computed from, not looking behind ``cut``."""
         found: set[nn.Module] = set()

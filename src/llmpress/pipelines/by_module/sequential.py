@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from llmpress.contract.block import CalibrationBlock, tokens_per_batch
-from llmpress.contract.observation import Observation, primary_input
+from llmpress.contract.observation import InputsSeen, Observation, primary_input
 from llmpress.errors import UnsupportedModelError
 from llmpress.lifecycle.kv_cache import KVCacheQuantizer
 from llmpress.memory import release_free_memory
@@ -118,7 +118,7 @@ def _run(block: CalibrationBlock, stage: _Stage, hand_outputs_on: bool = False) 
                 stage.batch = index
                 try:
                     output = block.module(*args, **kwargs)
-                except _StageDone:
+                except InputsSeen:
                     continue
                 if hand_outputs_on:
                     rest = hand_on(block.inputs, index, output)
@@ -138,7 +138,6 @@ class _Stage:
         self.plan, self.rows, self.observation, self.batch, self.spill = plan, rows, observation, -1, spill
         self.calls: Counter[nn.Module] = Counter()
         self.answers: dict[nn.Module, Callable[..., Any]] = {}
-        self.stop_after: nn.Module | None = None
         self.kept = Kept()
         # the parent that answers next stage from this group's (single) Linear's input
         owner = None
@@ -170,7 +169,7 @@ class _Stage:
         zeroed = plan.zeroed_for(group, set(self.answers), standing, running)
         # a batch stops at the group's last member where nothing after it keeps a value: the
         # rest (a q/k/v group's attention on zeros) is not computed
-        self.stop_after = _last_needed(plan, group, [m for m in self.answers if m not in zeroed])
+        self.stop_after = plan.last_needed(group, [m for m in self.answers if m not in zeroed])
         if self.stop_after is not None:
             last = plan.order.index(self.stop_after)
             zeroed = {m: z for m, z in zeroed.items() if plan.order.index(m) < last}
@@ -223,7 +222,7 @@ class _Stage:
             if park is not None:
                 park.put(index, x)
             if module is self.stop_after:
-                raise _StageDone
+                raise InputsSeen("the stage's last needed input is observed")
             return zeros(x) if zeros is not None else module(*args, **kwargs)
 
         return observed
@@ -240,20 +239,6 @@ class _Stage:
         if missed:
             raise _control_flow_changed(
                 f"{type(missed[0]).__name__} was not called in every forward of {block}, as planned")
-
-
-class _StageDone(Exception):
-    """Raised by a stage's last needed stand-in (``_Stage.stop_after``) and caught by ``_run``:
-    the rest of the batch's forward is not computed."""
-
-
-def _last_needed(plan: BlockPlan, group: list[nn.Module] | None, answered: list[nn.Module]) -> nn.Module | None:
-    """The group's member entered last, where every other stand-in of the stage (``answered``)
-    is entered before it; else None (and always for the outputs stage)."""
-    if group is None or any(m not in plan.order for m in [*group, *answered]):
-        return None
-    last = max(group, key=plan.order.index)
-    return last if all(plan.order.index(m) <= plan.order.index(last) for m in answered) else None
 
 
 def _control_flow_changed(what: str) -> UnsupportedModelError:
