@@ -480,3 +480,27 @@ def test_a_stage_skips_what_feeds_only_the_outputs_kept_from_before_and_what_fol
     # product are not computed on zeros)
     assert calls == {"input_layernorm": 1 + 2 * len(inputs), "post_attention_layernorm": 1 + 2 * len(inputs),
                      "act_fn": 1 + len(inputs)}
+
+
+class _DictOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj, self.side = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        normed = self.norm(x)
+        return {"hidden_states": x + self.proj(normed), "side": self.side(normed)}
+
+
+def test_the_outputs_stage_zeroes_only_what_it_saw_the_output_made_from():
+    """A block whose output the probe cannot walk (a dict, a cache object) has no output
+    sources: its outputs stage runs whole. A plain tensor's are the modules it came from."""
+    x = ((torch.randn(2, 3, 8),), {})
+    block = _DictOutput()
+    plan = plan_block(block, x, [block.proj, block.side])
+    assert isinstance(plan, BlockPlan) and plan.output_sources is None
+    assert plan.zeroed_for(None, set()) == {}
+    llama = find_blocks(make_tiny_llama())[0]
+    inputs = _inputs(make_tiny_llama())
+    plan = plan_block(llama, inputs[0], [m for m in llama.modules() if isinstance(m, nn.Linear)])
+    assert plan.output_sources == {llama.self_attn, llama.mlp}  # the residual sums of the attention's and the MLP's

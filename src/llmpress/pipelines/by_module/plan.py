@@ -83,7 +83,7 @@ class BlockPlan:
         from what was kept, never reading their inputs), is needed, wherever it was entered.
         Untraced: the submodules entered after the group's last member."""
         members = set(group or ())
-        if self.needs is None or self.sources is None:
+        if self.needs is None or self.sources is None or (group is None and self.output_sources is None):
             if group is None:
                 return {}
             start, needed = self.order.index(group[-1]) + 1, set()
@@ -160,7 +160,8 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
     output_sources = None
     with record, (observation.paused() if observation is not None else nullcontext()):
         output = block(*record.leaves(None, args), **{k: record.leaves(None, v) for k, v in kwargs.items()})
-        output_sources = record.sources_of(output)
+        if isinstance(output, torch.Tensor) or (type(output) is tuple and all(o is None or isinstance(o, torch.Tensor) for o in output)):
+            output_sources = record.sources_of(output)  # else (a cache, a dict) the outputs stage zeroes nothing
         del output
     if record.untraced is not None:  # the plain probe: call order
         logger.debug("block %s: data flow not traced (%s); its targets go in call order", type(block).__name__, record.untraced)
