@@ -196,7 +196,7 @@ def test_a_block_that_changes_a_kept_output_in_place_still_gets_the_reference_re
     inputs = [((torch.randn(2, 8, generator=torch.Generator().manual_seed(s)),), {}) for s in range(2)]
     # autograd refuses the in-place change of a traced output: the plan falls back to call order
     plan = plan_block(block, inputs[0], [block.inner.proj, block.out])
-    assert plan.needs is None and plan.groups == [[block.inner.proj], [block.out]]
+    assert plan.sources is None and plan.groups == [[block.inner.proj], [block.out]]
     reference_block, reference_inputs = copy.deepcopy(block), copy.deepcopy(inputs)
     seen, _, outputs = _calibrate(block, inputs, by_module=True)
     expected_seen, _, expected_outputs = _calibrate(reference_block, reference_inputs, by_module=False)
@@ -347,7 +347,7 @@ def _named(plan: BlockPlan, block: nn.Module) -> tuple:
     return ([names(g) for g in plan.groups], names(plan.order), {n[k]: names(v) for k, v in plan.ancestors.items()},
             {n[k]: sorted(names(v)) for k, v in plan.targets_in.items()},
             {n[k]: (n[a.last], a.length) for k, a in plan.answers.items()}, {n[k]: v for k, v in plan.zeros.items()},
-            plan.parked_bytes_per_token, None if plan.needs is None else {n[k]: sorted(names(v)) for k, v in plan.needs.items()},
+            plan.parked_bytes_per_token,
             *(None if found is None else {n[k]: sorted(names(v)) for k, v in found.items()} for found in (plan.sources, plan.input_sources)),
             None if plan.output_sources is None else sorted(names(plan.output_sources)))
 

@@ -18,11 +18,10 @@ passes). The plan says:
   returns o_proj's, its MLP down_proj's) can answer from that module's input alone;
 * ``zeros``: submodules whose output can be replaced by zeros where it is never used (its shape
   follows from its input: the input's leading dimensions, a fixed number of features);
-* ``needs``: for each target, every submodule its input was computed from (traced plans only),
-  so a stage zeroes exactly what its group does not need; ``sources``, ``input_sources`` and
-  ``output_sources``: who feeds whom directly (each submodule's output, each target's input, the
-  block's output), so that a stage also zeroes what feeds only stand-ins that never read their
-  inputs (Llama's input norm once its attention's output is kept).
+* ``sources``, ``input_sources`` and ``output_sources`` (traced plans only): who feeds whom
+  directly (each submodule's output, each target's input, the block's output), so that a stage
+  zeroes exactly what it does not need, including what feeds only stand-ins that never read
+  their inputs (Llama's input norm once its attention's output is kept).
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ class BlockPlan:
     answers: dict[nn.Module, ParkedAnswer] = field(default_factory=dict)
     zeros: dict[nn.Module, tuple[int, int | None, torch.dtype]] = field(default_factory=dict)
     parked_bytes_per_token: int = 0  # the inputs parked for the parents' answers
-    needs: dict[nn.Module, set[nn.Module]] | None = None  # target -> the submodules its input comes from
     sources: dict[nn.Module, set[nn.Module]] | None = None  # submodule -> those its output is computed from, directly
     input_sources: dict[nn.Module, set[nn.Module]] | None = None  # target -> those its input is computed from, directly
     output_sources: set[nn.Module] | None = None  # those the block's output is computed from, directly
@@ -83,7 +81,7 @@ class BlockPlan:
         from what was kept, never reading their inputs), is needed, wherever it was entered.
         Untraced: the submodules entered after the group's last member."""
         members = set(group or ())
-        if self.needs is None or self.sources is None or (group is None and self.output_sources is None):
+        if self.sources is None or (group is None and self.output_sources is None):
             if group is None:
                 return {}
             start, needed = self.order.index(group[-1]) + 1, set()
@@ -136,7 +134,6 @@ class BlockPlan:
             answers={m(k): ParkedAnswer(m(a.last), a.length) for k, a in self.answers.items()},
             zeros={m(k): shape for k, shape in self.zeros.items()},
             parked_bytes_per_token=self.parked_bytes_per_token,
-            needs=None if self.needs is None else {m(k): {m(n) for n in need} for k, need in self.needs.items()},
             sources=None if self.sources is None else {m(k): {m(n) for n in found} for k, found in self.sources.items()},
             input_sources=None if self.input_sources is None else {m(k): {m(n) for n in found}
                                                                    for k, found in self.input_sources.items()},
@@ -179,7 +176,7 @@ def plan_block(block: nn.Module, first: tuple[tuple, dict], targets: list[nn.Mod
             return f"{type(module).__name__} sees a subset of the batch's tokens (routed experts?)"
     needs = record.needs()
     plan = BlockPlan(groups=record.groups(needs), order=[m for m in record.order if record.calls[m] == 1],
-                     ancestors=_ancestors(block), needs=needs)
+                     ancestors=_ancestors(block))
     if needs is not None:
         plan.sources, plan.input_sources, plan.output_sources = record.sources(), record.input_sources(), output_sources
     for module in targets:
