@@ -16,10 +16,12 @@ from helpers import logits, make_tiny_llama, text_path, token_batches, trained_m
 import llmpress
 from llmpress.errors import DataError, MissingStateError, RecipeError
 from llmpress.modifiers import GPTQModifier, MixedPrecisionModifier, QuantizationModifier
+from llmpress.modifiers.hessians import accumulate
 from llmpress.modifiers.mixed_precision.budget import Group, choose_options
+from llmpress.modifiers.mixed_precision.measure import measure
 from llmpress.modifiers.mixed_precision.menu import DEFAULT_MENU, DENSE, MixedPrecision, default_menu, menu_option, weight_bits
 from llmpress.modifiers.mixed_precision.report import choice_summary, plot_choice
-from llmpress.modifiers.mixed_precision.sensitivity import gather_statistics, module_groups, round_to_nearest, sensitivities
+from llmpress.modifiers.mixed_precision.sensitivity import module_groups, round_to_nearest
 from llmpress.recipe import Recipe
 
 
@@ -117,30 +119,69 @@ def test_sensitivities_leave_the_model_as_it_was_and_rank_the_widths():
     before = {n: (p.detach().clone(), p.requires_grad) for n, p in model.named_parameters()}
     modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     rows = [torch.tensor(b) for b in token_batches(4, 32)]
-    stats = gather_statistics(model, modules, rows)
+    options = MixedPrecision(average_bits=5, schemes=["W2A16", "W4A16_G32", "W8A16", DENSE]).options()
+    measured = measure(model, modules, rows, options)
     assert all(p.requires_grad == before[n][1] and torch.equal(p, before[n][0]) for n, p in model.named_parameters())
     assert all(p.grad is None for p in model.parameters())
-    assert stats.tokens == 4 * 32
-    layer = "model.layers.0."
-    assert stats.hessians[layer + "self_attn.q_proj"] is stats.hessians[layer + "self_attn.v_proj"]  # one input, one Hessian
+    assert measured.tokens == 4 * 32
+    layer = "model.layers.1."
+    assert measured.input_of[layer + "self_attn.v_proj"] == layer + "self_attn.q_proj"  # one input, one Hessian
+    assert all(bool(g.gt(0).all()) for g in measured.output_grads.values())
+    for values in measured.costs.values():
+        assert values[0] > values[1] > values[2] > values[3] == 0.0
+    # the cost is 1/2 sum_i g_i dW_i H dW_i^T with H the Hessian of the inputs the whole model gives
+    # the second block's down_proj (the blocks ran one by one on kept inputs: the same ones)
     seen = []
-    hook = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+    down = model.model.layers[1].mlp.down_proj
+    hook = down.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
     with torch.no_grad():
         for row in rows:
             model(input_ids=row[None])
     hook.remove()
-    inputs = torch.cat(seen)
-    assert torch.allclose(stats.hessians[layer + "mlp.down_proj"], inputs.t() @ inputs, rtol=1e-4, atol=1e-4)
-    assert all(bool(g.gt(0).all()) for g in stats.output_grads.values())
-    mixed = MixedPrecision(average_bits=5, schemes=["W2A16", "W4A16_G32", "W8A16", DENSE])
-    for values in sensitivities(modules, stats, mixed.options()).values():
-        assert values[0] > values[1] > values[2] > values[3] == 0.0
+    inputs = torch.cat(seen).double()
+    error = (round_to_nearest(down.weight.detach(), None, options[1].scheme) - down.weight.detach()).double()
+    grads = measured.output_grads[layer + "mlp.down_proj"] / measured.tokens
+    expected = 0.5 * float((grads * ((error @ (inputs.t() @ inputs)) * error).sum(1)).sum())
+    assert measured.costs[layer + "mlp.down_proj"][1] == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_hessians_of_one_layer_at_a_time_are_alive(monkeypatch):
+    """Summed for every module at once, the Hessians outweighed the model (32 GB for a Llama-3-8B):
+    the blocks are weighed one after another, each one's Hessians freed before the next's exist."""
+    import weakref
+
+    live: list[weakref.ref] = []
+    most = 0
+    made = accumulate.HessianAccumulator.__init__
+
+    def counted(self, *args, **kwargs):
+        nonlocal most
+        made(self, *args, **kwargs)
+        live.append(weakref.ref(self))
+        most = max(most, sum(ref() is not None for ref in live))
+
+    monkeypatch.setattr(accumulate.HessianAccumulator, "__init__", counted)
+    model = make_tiny_llama()
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}  # lm_head too: outside the blocks
+    runs = []
+    hook = model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *_: runs.append(torch.is_grad_enabled()))
+    measured = measure(model, modules, [torch.tensor(b) for b in token_batches(3, 16)],
+                       MixedPrecision(average_bits=5, schemes=["W4A16_G32", DENSE]).options())
+    hook.remove()
+    assert len(live) == 9  # q/k/v, o, gate/up and down in each of the two layers, and lm_head
+    assert most == 4  # one layer's four inputs
+    assert all(measured.costs[name][0] > 0 for name in modules)
+    # the backward passes keep each block's inputs, not its activations: it runs again to give them
+    # (twice a row with gradients), and once more, without, as the blocks are weighed one by one
+    assert runs == [True, True] * 3 + [False] * 3
+    assert not any("forward" in block.__dict__ for block in model.model.layers)
 
 
 def test_modules_reading_one_input_are_one_group():
     model = make_tiny_llama()
     modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    groups = module_groups(modules, gather_statistics(model, modules, [torch.tensor(token_batches(1, 16)[0])]))
+    options = MixedPrecision(average_bits=5, schemes=["W4A16_G32", DENSE]).options()
+    groups = module_groups(modules, measure(model, modules, [torch.tensor(token_batches(1, 16)[0])], options).input_of)
     short = [[n.split(".", 3)[3] for n in g] for g in groups]
     assert short[:4] == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                          ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
@@ -151,10 +192,10 @@ def test_gptq_weighs_each_scheme_by_what_gptq_leaves():
     """With GPTQ after it, a scheme costs what GPTQ's rounding costs: less than round-to-nearest's."""
     model = make_tiny_llama()
     modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    stats = gather_statistics(model, modules, [torch.tensor(b) for b in token_batches(8, 32)])
+    rows = [torch.tensor(b) for b in token_batches(8, 32)]
     options = MixedPrecision(average_bits=4, schemes=["W3A16_G32", "W4A16_G32"]).options()
-    rtn = sensitivities(modules, stats, options, round_to_nearest)
-    solved = sensitivities(modules, stats, options, GPTQModifier(scheme="W4A16")._rounding)
+    rtn = measure(model, modules, rows, options, round_to_nearest).costs
+    solved = measure(model, modules, rows, options, GPTQModifier(scheme="W4A16")._rounding).costs
     assert sum(v[0] for v in solved.values()) < sum(v[0] for v in rtn.values())
     assert all(solved[n][0] > solved[n][1] for n in modules)
 

@@ -20,15 +20,14 @@ from llmpress.lifecycle.compute_dtype import stored_dtype
 from llmpress.lifecycle.records import config_entry
 from llmpress.models.linear import is_linear
 from llmpress.modifiers.mixed_precision.budget import Group, choose_options
+from llmpress.modifiers.mixed_precision.measure import measure
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision, weight_bits
 from llmpress.modifiers.mixed_precision.report import choice_summary
 from llmpress.modifiers.mixed_precision.sensitivity import (
     EXPERT_NAME,
     Rounding,
-    gather_statistics,
     module_groups,
     round_to_nearest,
-    sensitivities,
     sequences,
     shape_of,
 )
@@ -67,11 +66,8 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     options = mixed.options(budget / weights)
     rows = sequences(calibration_data, mixed.samples)
     logger.info("%s: measuring the sensitivity of %d modules on %d sequences", modifier, len(modules), len(rows))
-    stats = gather_statistics(model, modules, rows)
-    names = module_groups(modules, stats)
-    table = sensitivities(modules, stats, options, rounding)
-    del stats
-    groups = [_group(members, modules, table, options) for members in names]
+    measured = measure(model, modules, rows, options, rounding)
+    groups = [_group(members, modules, measured.costs, options) for members in module_groups(modules, measured.input_of)]
     picks = choose_options(groups, budget)
     spent = sum(g.bits[p] for g, p in zip(groups, picks))
     counts = Counter(options[p].name for g, p in zip(groups, picks) for _ in g.modules)
