@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import text_path, trained_model_dir
 
+import llmpress
 from llmpress.cli import main
 
 pytestmark = pytest.mark.integration  # the trained model through the command
@@ -179,3 +181,23 @@ def test_inspect_a_plain_checkpoint(capsys):
     assert main(["inspect", str(trained_model_dir())]) == 0
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" in out
+
+
+def test_under_torchrun_rank_zero_alone_warns(tmp_path):
+    """The ranks run the same code on shares of one input and warn alike: a rank other than 0
+    (``RANK``, as torchrun sets it) says only its errors."""
+    from helpers import make_tiny_llama, token_batches
+
+    make_tiny_llama(intermediate=200).save_pretrained(tmp_path / "model")  # groups of 128 do not divide 200: a warning
+    data = tmp_path / "samples.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": b}) for b in token_batches(2, 16)))
+    said = {}
+    for rank in ("0", "1"):
+        command = [sys.executable, "-m", "llmpress", "oneshot", "--model", str(tmp_path / "model"), "--recipe", "W4A16",
+                   "--dataset", str(data), "--output", str(tmp_path / f"out{rank}"), "--seq-len", "16"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "RANK": rank, "TQDM_DISABLE": "1", "PYTHONPATH": str(Path(llmpress.__file__).parents[1])})
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[rank] = done.stderr
+    assert "vLLM and compressed-tensors refuse" in said["0"]
+    assert "WARNING" not in said["1"] and "Warning" not in said["1"]

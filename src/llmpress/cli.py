@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 
 from llmpress.errors import LlmpressError, os_failure
 
@@ -365,9 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun the other ranks only warn
-    logging.basicConfig(level=logging.INFO if args.verbose and main_rank else logging.WARNING,
+    # under torchrun rank 0 reports: the ranks run the same code on shares of one input and warn
+    # alike, so the others say only their errors (as ranks forked by --ranks do)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(level=logging.ERROR if not main_rank else logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not main_rank:
+        warnings.simplefilter("ignore")
     try:
         return args.run(args)
     except (LlmpressError, OSError) as exc:
