@@ -195,9 +195,11 @@ def test_gptq_weighs_each_scheme_by_what_gptq_leaves():
     rows = [torch.tensor(b) for b in token_batches(8, 32)]
     options = MixedPrecision(average_bits=4, schemes=["W3A16_G32", "W4A16_G32"]).options()
     rtn = measure(model, modules, rows, options, round_to_nearest).costs
-    solved = measure(model, modules, rows, options, GPTQModifier(scheme="W4A16")._rounding).costs
+    gptq = GPTQModifier(scheme="W4A16")
+    solved = measure(model, modules, rows, options, gptq._rounding).costs
     assert sum(v[0] for v in solved.values()) < sum(v[0] for v in rtn.values())
     assert all(solved[n][0] > solved[n][1] for n in modules)
+    assert getattr(gptq, "_last_factor", None) is None  # each Hessian's factor went with it
 
 
 def test_a_moe_blocks_experts_take_one_scheme_written_as_one_pattern(tmp_path):

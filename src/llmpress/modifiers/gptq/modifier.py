@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -132,12 +133,19 @@ class GPTQModifier(Modifier):
         mixed-precision choice weighs each scheme (``modifiers/mixed_precision``)."""
         args = _with_gptq_defaults(scheme, self.config.actorder).weights
         ordered = args.actorder is not None
-        cached = getattr(self, "_last_factor", None)  # a module's menu options (and q/k/v's) come in a row: one factor
-        if cached is None or cached[0] is not hessian or cached[1] != ordered:
-            self._last_factor = cached = (hessian, ordered, factor_hessian(hessian, self.config.dampening_frac, ordered))
+        # a module's menu options (and q/k/v's) come in a row: one factor, kept as long as its
+        # Hessian lives (the next layer's Hessians are summed after this one's are freed)
+        cached = getattr(self, "_last_factor", None)
+        if cached is None or cached[0]() is not hessian or cached[1] != ordered:
+            self._last_factor = cached = (weakref.ref(hessian), ordered, factor_hessian(hessian, self.config.dampening_frac, ordered))
+            weakref.finalize(hessian, self._forget_factor, cached)
         factor = cached[2]
         global_scale = weight_global_scale([weight]).reshape(1).expand(weight.shape[0]) if args.has_global_scale else None
         return gptq_quantize(weight, factor, args, block_size=self.config.block_size, global_scale=global_scale).weight
+
+    def _forget_factor(self, cached: tuple) -> None:
+        if getattr(self, "_last_factor", None) is cached:
+            self._last_factor = None
 
     def calibration_targets(self) -> dict[str, nn.Module]:
         return {n: m for n, (m, s) in self.pending.items() if s.weights is not None or has_static_inputs(s)}
