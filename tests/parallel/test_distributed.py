@@ -21,6 +21,7 @@ from helpers import GPTQ_W4_G32, REPO, checkpoint_tensors, gloo_rank, make_tiny_
 import llmpress
 from llmpress.data import CalibrationOptions
 from llmpress.errors import DataError, SessionError
+from llmpress.modifiers import GPTQModifier
 from llmpress.modifiers.pruning.oneshot import owl_sparsities
 from llmpress.parallel import distributed
 from llmpress.pipelines.by_module import planner
@@ -202,6 +203,47 @@ def test_owl_sparsities_on_two_ranks_are_the_one_process_ones(tmp_path):
     assert len(set(one)) == 4  # four different sparsities
     assert ranks[0] == ranks[1]
     torch.testing.assert_close(torch.tensor(ranks[0]), torch.tensor(one), rtol=1e-6, atol=0)
+
+
+def _mixed_rank(rank: int, world: int, init: str, out: str) -> None:
+    from llmpress.modifiers.mixed_precision.measure import measure
+
+    with gloo_rank(rank, world, init):
+        model, modules, rows, options = _mixed_inputs()
+        shapes = []
+
+        def rounding(weight, hessian, scheme):
+            shapes.append(list(weight.shape))
+            return GPTQModifier(scheme="W4A16")._rounding(weight, hessian, scheme)
+
+        costs = measure(model, modules, rows, options, rounding).costs
+        Path(out, f"{rank}.json").write_text(json.dumps({"costs": costs, "shapes": shapes}))
+
+
+def _mixed_inputs():
+    from llmpress.modifiers.mixed_precision.menu import MixedPrecision
+
+    model = _owl_model()
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    options = MixedPrecision(average_bits=4, schemes=["W3A16_G32", "W4A16_G32", "W8A16"]).options()
+    return model, modules, [torch.tensor(s) for s in token_batches(count=4, length=32)], options
+
+
+def test_two_ranks_weigh_each_module_by_halves_of_its_rows(tmp_path):
+    """Each layer's Hessians go to both ranks and each weighs half of every module's rows (the
+    options round row by row): the work of a layer splits evenly, not by whole Hessians (one
+    down_proj outweighed the rest of its layer), and the sums are the one process's."""
+    from llmpress.modifiers.mixed_precision.measure import measure
+
+    mp.spawn(_mixed_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
+    model, modules, rows, options = _mixed_inputs()
+    one = measure(model, modules, rows, options, GPTQModifier(scheme="W4A16")._rounding).costs
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["costs"] == ranks[1]["costs"]
+    torch.testing.assert_close(torch.tensor([ranks[0]["costs"][n] for n in modules]), torch.tensor([one[n] for n in modules]),
+                               rtol=1e-6, atol=0)
+    every_row = sum(m.weight.shape[0] for m in modules.values()) * len(options)
+    assert [sum(rows for rows, _ in share["shapes"]) for share in ranks] == [every_row // 2] * 2
 
 
 def _near_the_budget_rank(rank: int, world: int, init: str, model_dir: str, output: str) -> None:

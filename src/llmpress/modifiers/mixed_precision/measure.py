@@ -15,7 +15,9 @@ about 1 GB; all 32 layers' at once, 32 GB). So the calibration sequences go thro
    sequences, its modules weighed, and the Hessians freed before the next block.
 
 Under torch.distributed each rank runs every ``world_size``-th sequence; the gradients and token
-counts are summed over the ranks, and each Hessian onto the one rank that weighs its modules.
+counts are summed over the ranks, and each Hessian onto every rank, each weighing a share of its
+modules' rows (or, where an option's rounding is not row by row, onto the one rank that weighs
+its modules).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from llmpress.contract.block import find_blocks, hidden_of
 from llmpress.contract.observation import primary_input, with_primary_input
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import linear_weight
-from llmpress.modifiers.hessians import HessianCollector
+from llmpress.modifiers.hessians import HessianAccumulator, HessianCollector
 from llmpress.modifiers.mixed_precision.menu import MenuOption
 from llmpress.modifiers.mixed_precision.sensitivity import Rounding, option_costs, round_to_nearest, shape_of
 from llmpress.parallel.distributed import assign_owners, gather_objects, is_main_process, rank, sum_across_ranks, world_size
+from llmpress.parallel.node import node_team
 
 __all__ = ["Measured", "measure"]
 
@@ -81,7 +84,10 @@ def measure(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Te
     release_free_memory()  # the rows' graphs go back before the blocks' Hessians come
     if first_inputs is not None:
         _block_by_block(blocks, modules, inside, first_inputs, mean, options, rounding, costs, input_of)
-    table = {name: values for part in gather_objects(costs) for name, values in part.items()}
+    table: dict[str, list[float]] = {}
+    for part in gather_objects(costs):  # in rank order: the shares of split modules added up, the others as weighed
+        for name, values in part.items():
+            table[name] = values if name not in table else [a + b for a, b in zip(table[name], values, strict=True)]
     return Measured({name: table[name] for name in modules}, input_of, grads, tokens)
 
 
@@ -212,22 +218,52 @@ def _feeding(collector: HessianCollector, name: str):
 
 def _weigh(modules: dict[str, nn.Module], names: list[str], collector: HessianCollector, grads: dict[str, torch.Tensor],
            options: list[MenuOption], rounding: Rounding, costs: dict[str, list[float]], input_of: dict[str, str]) -> None:
-    """The costs of ``names`` from ``collector``'s Hessians, into ``costs`` on the rank that weighs
-    each (the modules of one input go to one rank: one Hessian for all their options, the largest
-    solves first to the least loaded rank); their accumulators are freed. Collective."""
+    """The costs of ``names`` from ``collector``'s Hessians, into ``costs``; their accumulators are
+    freed. Collective. Under torch.distributed a Hessian whose options all round row by row
+    (groups, channels: GPTQ and round-to-nearest treat each row on its own) goes to every rank,
+    each weighing its share of every module's rows (``costs`` then holds that share's sum, which
+    ``measure`` adds up over the ranks); any other goes whole to one rank (the largest solves
+    first to the least loaded)."""
     if not names:
         return
     collector.agree(names, next(iter(modules[n] for n in names)).weight.device)  # an expert one rank's tokens never reached
     accumulators = list({id(a): a for n in names if (a := collector.of_module.get(n)) is not None}.values())
-    owners = assign_owners([a.columns ** 2 * (a.columns + sum(shape_of(modules[n])[0] for n in a.members)) for a in accumulators])
-    for accumulator, owner in zip(accumulators, owners, strict=True):
-        accumulator.reduce(owner)
-        if owner == rank():
-            hessian = accumulator.result().mul_(accumulator.samples / 2)  # 2/n X^T X back to X^T X
+    split = [world_size() > 1 and _row_wise(options) for _ in accumulators]
+    owners = assign_owners([0.0 if by_rows else a.columns ** 2 * (a.columns + sum(shape_of(modules[n])[0] for n in a.members))
+                            for a, by_rows in zip(accumulators, split, strict=True)])
+    node = node_team() if any(split) else None  # ranks on one machine sum the shared Hessians in memory they share
+    for accumulator, owner, by_rows in zip(accumulators, owners, split, strict=True):
+        accumulator.reduce(None if by_rows else owner, node=node if by_rows else None)
+        if by_rows or owner == rank():
+            hessian = _sum_of_products(accumulator)
             for member in accumulator.members:
-                costs[member] = option_costs(modules[member], hessian, grads[member], options, rounding)
+                share = _row_share(shape_of(modules[member])[0]) if by_rows else None
+                costs[member] = option_costs(modules[member], hessian, grads[member], options, rounding, share)
             del hessian
         input_of.update({member: accumulator.members[0] for member in accumulator.members})
     if rank() == 0:  # a module no token reached on any rank: no Hessian, no cost
         costs.update({n: option_costs(modules[n], None, grads[n], options, rounding) for n in names if n not in collector.of_module})
     collector.release(names)
+
+
+def _sum_of_products(accumulator: HessianAccumulator) -> torch.Tensor:
+    """The Hessian ``X^T X`` (the accumulator's ``2/n X^T X`` scaled back), in place: by one rank
+    where the ranks share it in memory (``HessianAccumulator.reduce`` with a node), the others
+    waiting until it is done."""
+    hessian, shared = accumulator.result(), accumulator.node
+    if shared is None or shared.rank == 0:
+        hessian.mul_(accumulator.samples / 2)
+    if shared is not None:
+        shared.sync()
+    return hessian
+
+
+def _row_wise(options: list[MenuOption]) -> bool:
+    """Whether every option rounds a weight row by row (qparams by group or channel, no scale
+    over the whole tensor): the rounding of a share of the rows is then those rows' rounding."""
+    return all(o.scheme is None or o.scheme.weights is None or o.scheme.weights.strategy in ("group", "channel") for o in options)
+
+
+def _row_share(rows: int) -> tuple[int, int]:
+    """This rank's rows of ``rows``, in rank order."""
+    return rows * rank() // world_size(), rows * (rank() + 1) // world_size()

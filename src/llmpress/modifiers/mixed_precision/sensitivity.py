@@ -73,15 +73,18 @@ def round_to_nearest(weight: torch.Tensor, hessian: torch.Tensor, scheme: Quanti
 
 
 def option_costs(module: nn.Module, hessian: torch.Tensor | None, grads: torch.Tensor, options: list[MenuOption],
-                 rounding: Rounding = round_to_nearest) -> list[float]:
+                 rounding: Rounding = round_to_nearest, rows: tuple[int, int] | None = None) -> list[float]:
     """``module``'s cost under each option: for the option's rounding error ``dW`` (made by
     ``rounding``, the algorithm that will round the weight), ``1/2 sum_i g_i dW_i H dW_i^T``,
     ``g_i`` the mean squared output gradient of row ``i`` (``grads``) and ``H`` the inputs'
     Hessian ``sum_t x_t x_t^T``: the loss's second-order rise with its Fisher information factored
     into outputs and inputs. The whole ``H`` sees what GPTQ does (it moves each rounding error
     where the inputs make it cheap). Zero for an option that leaves the weight as it is, and for
-    a module no token reached (``hessian`` None)."""
+    a module no token reached (``hessian`` None). ``rows``: only the rows ``start:end`` (where
+    each row rounds on its own), their part of the sum."""
     weight = linear_weight(module.weight.detach(), module).float()
+    if rows is not None:
+        weight, grads = weight[rows[0] : rows[1]], grads[rows[0] : rows[1]]
     costs = []
     for option in options:
         if option.scheme is None or option.scheme.weights is None or hessian is None:
