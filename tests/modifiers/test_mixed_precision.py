@@ -328,3 +328,30 @@ def test_awq_searches_each_mapping_against_the_scheme_chosen_for_it():
     assert bits == {4, 8}
     ids = torch.tensor([token_batches(1, 24, seed=3)[0]])
     assert not torch.equal(logits(alone, ids), logits(smoothed, ids))  # AWQ moved the scales before the rounding
+
+
+def test_a_layer_called_with_arguments_of_its_own_is_weighed_on_its_own_inputs():
+    """Gemma 3's global layer takes its own rotary tables and mask: weighed block by block, its
+    o_proj sees what the whole model gives it (the first layer's arguments would give another)."""
+    from architectures import SMALL
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3_text", **{**SMALL, "head_dim": 32, "num_hidden_layers": 6})).eval()
+    assert model.config.layer_types[-1] == "full_attention"
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    rows = [torch.tensor(b) for b in token_batches(2, 16, vocab=4096)]
+    options = MixedPrecision(average_bits=5, schemes=["W4A16_G32", DENSE]).options()
+    measured = measure(model, modules, rows, options)
+    name = "model.layers.5.self_attn.o_proj"
+    seen = []
+    hook = modules[name].register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for row in rows:
+            model(input_ids=row[None])
+    hook.remove()
+    inputs = torch.cat(seen).double()
+    weight = modules[name].weight.detach()
+    error = (round_to_nearest(weight, None, options[0].scheme) - weight).double()
+    expected = 0.5 * float((measured.output_grads[name] / measured.tokens * ((error @ (inputs.t() @ inputs)) * error).sum(1)).sum())
+    assert measured.costs[name][0] == pytest.approx(expected, rel=1e-5)

@@ -50,7 +50,7 @@ class _Squash(Modifier):
 def _inputs(model: nn.Module, batches: int = 3) -> list:
     blocks = find_blocks(model)
     ids = [torch.tensor(token_batches(2, 16, seed=s)) for s in range(batches)]
-    inputs, _ = capture_block_inputs(model, blocks, ids, torch.device("cpu"), Observation([]))
+    inputs, _, _ = capture_block_inputs(model, blocks, ids, torch.device("cpu"), Observation([]))
     return inputs
 
 

@@ -26,8 +26,8 @@ from torch import nn
 from llmpress.contract.observation import Observation, primary_input
 from llmpress.errors import UnsupportedModelError
 
-__all__ = ["CalibrationBlock", "Inputs", "find_blocks", "hidden_of", "rest_of", "rows_of", "structure_of", "tokens_per_batch",
-           "with_rest"]
+__all__ = ["BlockArguments", "CalibrationBlock", "Inputs", "find_blocks", "hidden_of", "rest_of", "rows_of", "shared_alike",
+           "structure_of", "tokens_per_batch", "with_rest"]
 
 #: one ``(args, kwargs)`` per calibration batch
 Inputs = list[tuple[tuple, dict]]
@@ -128,3 +128,88 @@ def tokens_per_batch(inputs: Inputs) -> list[int]:
     if hasattr(inputs, "token_rows"):  # spilled or on a device: without reading every batch back
         return inputs.token_rows()
     return [rows_of(primary_input(args, kwargs)) for args, kwargs in inputs]
+
+
+#: distinct tensors ``BlockArguments`` compares a new one with at each place (Gemma 3: two kinds of layer)
+_KEPT_PER_PLACE = 4
+
+
+class BlockArguments:
+    """What each block is called with besides its hidden states, where some block's differs from
+    the first block's: Gemma 3's global layers take their own rotary tables and mask, gpt-oss's
+    and Gemma 2's sliding layers their window's mask. Per block, per batch, its keyword arguments
+    (objects the batches share kept once, as ``share_repeated`` does), or None for a block called
+    with the first block's very objects. ``adopt`` makes a block's inputs carry its own."""
+
+    def __init__(self, blocks: int) -> None:
+        self.of_block: list[list[dict[str, Any]]] = [[] for _ in range(blocks)]
+        self.differs = [False] * blocks
+        self._seen: dict[tuple, list[torch.Tensor]] = {}  # the last distinct tensors kept at each place
+        self._first_raw: dict[str, Any] = {}  # the first block's, in the batch being captured
+        self.holding: int | None = 0  # whose arguments the inputs carry (None: not known)
+
+    def note(self, index: int, kwargs: dict[str, Any], hidden: Any) -> None:
+        """Block ``index``'s keyword arguments in the batch being captured (blocks in order)."""
+        own = {k: v for k, v in kwargs.items() if v is not hidden}
+        if index == 0:
+            self._first_raw = own
+        else:
+            first = self._first_raw
+            self.differs[index] |= own.keys() != first.keys() or not all(_same(v, first[k]) for k, v in own.items())
+        self.of_block[index].append({k: self._once((k,), v) for k, v in own.items()})
+
+    def _once(self, path: tuple, value: Any) -> Any:
+        """``value`` with each tensor replaced by an equal one kept already at its place (one of
+        the last few: the batches' rotary tables, a layer kind's mask), so each is held once."""
+        if type(value) is tuple:
+            return tuple(self._once((*path, i), item) for i, item in enumerate(value))
+        if not isinstance(value, torch.Tensor):
+            return value
+        seen = self._seen.setdefault(path, [])
+        for kept in seen:
+            if kept is value or (kept.shape == value.shape and kept.dtype == value.dtype and kept.device == value.device
+                                 and torch.equal(kept, value)):
+                return kept
+        seen.append(value)
+        del seen[:-_KEPT_PER_PLACE]
+        return value
+
+    def kept(self) -> BlockArguments | None:
+        """Self where a block's arguments differ from the first's, else None; the arguments of
+        blocks called with the first block's are let go."""
+        if not any(self.differs):
+            return None
+        self.of_block = [own if self.differs[i] or i == 0 else [] for i, own in enumerate(self.of_block)]
+        self._seen, self._first_raw = {}, {}
+        return self
+
+    def adopt(self, inputs: Inputs, index: int) -> None:
+        """Each batch of ``inputs`` (a block's, its hidden states as they are) takes block
+        ``index``'s keyword arguments."""
+        wanted = index if self.differs[index] else 0
+        if wanted == self.holding:
+            return
+        items = getattr(inputs, "skeletons", inputs)  # spilled: the hidden states stay where they are
+        for batch, (args, kwargs) in enumerate(items):
+            hidden = primary_input(args, kwargs)
+            items[batch] = (args, {**{k: v for k, v in kwargs.items() if v is hidden}, **self.of_block[wanted][batch]})
+        self.holding = wanted
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The very same object, or tuples of the very same objects."""
+    return a is b or (type(a) is tuple and type(b) is tuple and len(a) == len(b) and all(x is y for x, y in zip(a, b)))
+
+
+def shared_alike(first: dict[tuple, torch.Tensor], path: tuple, value: Any) -> Any:
+    """``value`` with its tensors replaced by the equal ones ``first`` holds at their paths
+    (a module-level function: a nested one that calls itself is a reference cycle, and it kept
+    the first batch's tensors until the garbage collector ran)."""
+    if isinstance(value, torch.Tensor):
+        seen = first.setdefault(path, value)
+        same = (seen is not value and seen.shape == value.shape and seen.dtype == value.dtype
+                and seen.device == value.device and torch.equal(seen, value))
+        return seen if same else value
+    if type(value) is tuple:
+        return tuple(shared_alike(first, (*path, i), item) for i, item in enumerate(value))
+    return value

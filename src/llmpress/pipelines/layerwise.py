@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmpress.contract.block import CalibrationBlock, Inputs, find_blocks
+from llmpress.contract.block import BlockArguments, CalibrationBlock, Inputs, find_blocks
 from llmpress.contract.observation import primary_input
 from llmpress.errors import SessionError
 from llmpress.memory import release_free_memory
@@ -112,12 +112,12 @@ def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batche
     observation = session.observation
     if place.device != place.home:
         logger.info("calibrating each layer on %s; the model stays on %s", place.device, place.home)
-    inputs, reached = capture_block_inputs(model, blocks, batches, place.home, observation, spill)
+    inputs, reached, arguments = capture_block_inputs(model, blocks, batches, place.home, observation, spill)
     share_repeated(inputs)
     inside = set(blocks.modules())
     tail = [m for m in observation.targets if m not in inside and m not in reached]  # e.g. a quantized lm_head
     rest = _calibrate_blocks(blocks, inputs, session, true_sequential, outputs_needed_at_end=bool(tail), held=held, work=work,
-                             spill=spill, place=place)
+                             spill=spill, place=place, arguments=arguments)
     if tail:
         try:
             run_tail(model, blocks, batches, [primary_input(*batch) for batch in inputs], rest, tail, place.home, observation)
@@ -130,15 +130,15 @@ def _calibrate(model: nn.Module, blocks: nn.ModuleList, session: Session, batche
 
 def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, true_sequential: bool | None,
                       outputs_needed_at_end: bool, held: CompactWeights, work: WorkFolder | None,
-                      spill: Path | None, place: Placement) -> tuple | None:
-    """Each block in turn, each on ``place.device``; returns what the last block returns besides
-    its hidden states (at home)."""
+                      spill: Path | None, place: Placement, arguments: BlockArguments | None = None) -> tuple | None:
+    """Each block in turn, each on ``place.device`` with its own arguments (``arguments``);
+    returns what the last block returns besides its hidden states (at home)."""
     watched = set(session.observation.targets)
     by_module = true_sequential is not False and session.calibrates_by_module
     if true_sequential and not by_module:
         logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
     planner = Planner(automatic=true_sequential is None, by_module=by_module)
-    start, rest = _restore_finished(blocks, inputs, session, held, work, spill, place)
+    start, rest = _restore_finished(blocks, inputs, session, held, work, spill, place, arguments)
     bar = tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process())
     for index, module in enumerate(blocks):
         if index < start:
@@ -147,6 +147,8 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
         # the watched modules and every linear: each one is handed over (modules_calibrated) in
         # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
         targets = [m for m in module.modules() if m in watched or is_linear(m)]
+        if arguments is not None:
+            arguments.adopt(inputs, index)
         with place.block(module):
             block = CalibrationBlock(index, module, place.inputs(inputs), session.observation, spill)
             plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
@@ -187,7 +189,8 @@ def _hold_on_rank_zero(layer: nn.Module, held: CompactWeights) -> None:
 
 
 def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, held: CompactWeights,
-                      work: WorkFolder | None, spill: Path | None, place: Placement) -> tuple[int, tuple | None]:
+                      work: WorkFolder | None, spill: Path | None, place: Placement,
+                      arguments: BlockArguments | None) -> tuple[int, tuple | None]:
     """Put back the blocks an earlier run of this one finished (``work``), and the inputs of the
     next (``inputs`` holds the first block's): the last ones written, through the finished
     blocks after them. Returns how many, and what the last returned besides its hidden states."""
@@ -208,7 +211,11 @@ def _restore_finished(blocks: nn.ModuleList, inputs: Inputs, session: Session, h
     written, rest = min(work.inputs_after, done - 1), None
     if written >= 0:
         inputs[:], rest = work.last_inputs()
+        if arguments is not None:
+            arguments.holding = None  # whichever block's arguments they were written with
     for index in range(written + 1, done):  # finished after the inputs were last written: forward them
+        if arguments is not None:
+            arguments.adopt(inputs, index)
         held.release(blocks[index])
         with session.observation.paused(), place.block(blocks[index]):
             rest = place.back(run_block(CalibrationBlock(index, blocks[index], place.inputs(inputs), session.observation, spill)))

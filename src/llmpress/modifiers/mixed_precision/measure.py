@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from llmpress.contract.block import find_blocks, hidden_of
+from llmpress.contract.block import BlockArguments, find_blocks, hidden_of
 from llmpress.contract.observation import primary_input, with_primary_input
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import linear_weight
@@ -71,8 +71,8 @@ def measure(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Te
     inside = [n for n, m in modules.items() if m in in_blocks]
     mine = rows[rank()::world_size()]
     first_inputs: list[tuple[tuple, dict]] | None = [] if inside else None
-    outside_hessians, grads, tokens = _backward_pass(model, modules, mine, [n for n in modules if n not in inside],
-                                                     blocks, first_inputs)
+    outside_hessians, grads, tokens, arguments = _backward_pass(model, modules, mine, [n for n in modules if n not in inside],
+                                                                blocks, first_inputs)
     for total in grads.values():
         sum_across_ranks(total)
     tokens = int(sum_across_ranks(torch.tensor([tokens], dtype=torch.float64)).item())
@@ -83,7 +83,7 @@ def measure(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Te
     del outside_hessians
     release_free_memory()  # the rows' graphs go back before the blocks' Hessians come
     if first_inputs is not None:
-        _block_by_block(blocks, modules, inside, first_inputs, mean, options, rounding, costs, input_of)
+        _block_by_block(blocks, modules, inside, first_inputs, arguments, mean, options, rounding, costs, input_of)
     table: dict[str, list[float]] = {}
     for part in gather_objects(costs):  # in rank order: the shares of split modules added up, the others as weighed
         for name, values in part.items():
@@ -93,9 +93,10 @@ def measure(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Te
 
 def _backward_pass(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Tensor], hessians_of: list[str],
                    blocks: nn.ModuleList | None, first_inputs: list[tuple[tuple, dict]] | None
-                   ) -> tuple[HessianCollector, dict[str, torch.Tensor], int]:
+                   ) -> tuple[HessianCollector, dict[str, torch.Tensor], int, BlockArguments | None]:
     """One forward and backward a row: the squared output gradients of every module, the input
-    Hessians of ``hessians_of``, and (``first_inputs``) what each row gives the first block."""
+    Hessians of ``hessians_of``, and (``first_inputs``) what each row gives the first block and
+    what the other blocks get besides their hidden states where it is not the first one's."""
     collector = HessianCollector()
     grads = {name: torch.zeros(linear_weight(m.weight, m).shape[0], dtype=torch.float64, device=m.weight.device)
              for name, m in modules.items()}
@@ -122,10 +123,17 @@ def _backward_pass(model: nn.Module, modules: dict[str, nn.Module], rows: list[t
     def keep_first(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         first_inputs.append(with_primary_input(args, kwargs, primary_input(args, kwargs).detach().clone()))
 
+    def note(index: int):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            arguments.note(index, kwargs, primary_input(args, kwargs))
+        return hook
+
     handles = [module.register_forward_hook(watch(name)) for name, module in modules.items()]
     handles.append(model.get_input_embeddings().register_forward_hook(start_graph))
+    arguments = BlockArguments(len(blocks)) if first_inputs is not None else None
     if first_inputs is not None:
         handles.append(blocks[0].register_forward_pre_hook(keep_first, with_kwargs=True))
+        handles += [block.register_forward_pre_hook(note(i), with_kwargs=True) for i, block in enumerate(blocks)]
     device = next(iter(modules.values())).weight.device
     no_cache = {"use_cache": False} if _takes(model, "use_cache") else {}  # a block runs again on the kept inputs: no cache of this run's keys
     tokens = 0
@@ -144,15 +152,16 @@ def _backward_pass(model: nn.Module, modules: dict[str, nn.Module], rows: list[t
         for handle in handles:
             handle.remove()
         collector.end_of_first_pass()
-    return collector, grads, tokens
+    return collector, grads, tokens, None if arguments is None else arguments.kept()
 
 
 @torch.no_grad()
 def _block_by_block(blocks: nn.ModuleList, modules: dict[str, nn.Module], inside: list[str], inputs: list[tuple[tuple, dict]],
-                    grads: dict[str, torch.Tensor], options: list[MenuOption], rounding: Rounding,
-                    costs: dict[str, list[float]], input_of: dict[str, str]) -> None:
-    """Each block on every row's inputs, its modules' Hessians summed and weighed, then freed;
-    the block's outputs become the next block's inputs, up to the last block with a module to weigh."""
+                    arguments: BlockArguments | None, grads: dict[str, torch.Tensor], options: list[MenuOption],
+                    rounding: Rounding, costs: dict[str, list[float]], input_of: dict[str, str]) -> None:
+    """Each block on every row's inputs (with its own other arguments: ``arguments``), its
+    modules' Hessians summed and weighed, then freed; the block's outputs become the next block's
+    inputs, up to the last block with a module to weigh."""
     of_module = {modules[name]: name for name in inside}
     names_by_block = [[of_module[m] for m in block.modules() if m in of_module] for block in blocks]
     last = max(i for i, names in enumerate(names_by_block) if names)
@@ -161,6 +170,8 @@ def _block_by_block(blocks: nn.ModuleList, modules: dict[str, nn.Module], inside
         if index > last:
             break
         names = names_by_block[index]
+        if arguments is not None:
+            arguments.adopt(inputs, index)
         collector = HessianCollector()
         handles = [modules[name].register_forward_hook(_feeding(collector, name)) for name in names]
         try:
