@@ -1,6 +1,6 @@
 """Blocks called with arguments of their own: Gemma 3's global layers take their own rotary
-tables (another base frequency) and mask, and the calibration must give each block what the
-model gives it, not the first block's."""
+tables (another base frequency) and mask, gpt-oss's sliding layers their window's mask, and the
+calibration must give each block what the model gives it, not the first block's."""
 
 from __future__ import annotations
 
@@ -14,22 +14,27 @@ from llmpress.contract.observation import Observation, primary_input
 from llmpress.pipelines.blocks import capture_block_inputs, hand_on, share_repeated
 from llmpress.pipelines.storage.kept import close_spill_files
 
-
-def _gemma3():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("gemma3_text", **{**SMALL, "head_dim": 32, "num_hidden_layers": 6})
-    assert config.layer_types[-1] == "full_attention" and config.layer_types[0] == "sliding_attention"
-    return AutoModelForCausalLM.from_config(config).eval()
+#: families whose layers get arguments of their own, the tokens a batch takes, and which blocks:
+#: Gemma 3's last of six is a global layer (its own rotary tables and mask); gpt-oss alternates
+#: sliding and full layers (their own masks past the sliding window of 128 tokens)
+FAMILIES = {
+    "gemma3_text": ({"head_dim": 32}, 16, [False] * 5 + [True]),
+    "gpt_oss": ({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128, "head_dim": 32,
+                 "max_position_embeddings": 512}, 160, [False, True] * 3),
+}
 
 
 @pytest.mark.parametrize("spilled", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.no_grad()
-def test_each_block_runs_on_what_the_model_gives_it(tmp_path, spilled):
-    model = _gemma3()
+def test_each_block_runs_on_what_the_model_gives_it(tmp_path, family, spilled):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields, tokens, own = FAMILIES[family]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**SMALL, **fields, "num_hidden_layers": 6})).eval()
     blocks = find_blocks(model)
-    batches = [torch.tensor([b]) for b in token_batches(2, 16, vocab=4096)]
+    batches = [torch.tensor([b]) for b in token_batches(2, tokens, vocab=4096)]
     expected = []
     hook = blocks[-1].register_forward_hook(lambda _m, _a, output: expected.append(hidden_of(output)))
     for batch in batches:
@@ -38,7 +43,7 @@ def test_each_block_runs_on_what_the_model_gives_it(tmp_path, spilled):
     inputs, _, arguments = capture_block_inputs(model, blocks, batches, torch.device("cpu"), Observation([]),
                                                 tmp_path if spilled else None)
     share_repeated(inputs)
-    assert arguments is not None and arguments.differs == [False] * 5 + [True]  # the global layer's own
+    assert arguments is not None and arguments.differs == own
     try:
         for index, block in enumerate(blocks):
             arguments.adopt(inputs, index)
