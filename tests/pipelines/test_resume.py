@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, Stop, checkpoint_tensors, four_layers, oneshot_stopping_after, token_batches
+from helpers import GPTQ_W4_G32, REPO, Stop, checkpoint_tensors, four_layers, oneshot_stopping_after, token_batches
 
 import llmpress
 from llmpress.data import CalibrationOptions
@@ -315,3 +315,33 @@ def test_a_stopped_run_with_run_time_rotations_resumes_to_the_uninterrupted_chec
     ids = torch.tensor([token_batches(count=1, seed=5)[0]])
     with torch.no_grad():
         assert torch.equal(resumed(input_ids=ids).logits, whole(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("inputs_after", [5, 4])
+def test_a_model_whose_layers_take_their_own_arguments_resumes_to_the_same_checkpoint(tmp_path, monkeypatch, inputs_after):
+    """Gemma 3's sixth layer is a global one (its own rotary tables and mask): stopped after it,
+    with the next inputs written after it (they carry its arguments) or after the layer before (it
+    is forwarded when resuming), the resumed run gives the later sliding layers their own again."""
+    from architectures import SMALL
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmpress.pipelines.storage import resume
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma3_text", **{**SMALL, "head_dim": 32, "num_hidden_layers": 8})
+    assert config.layer_types[5] == "full_attention" and config.layer_types[6] == "sliding_attention"
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "model")
+    recipe, samples = GPTQ_W4_G32, token_batches(count=4, length=32, vocab=4096)
+    run(tmp_path, tmp_path / "whole", recipe=recipe, samples=samples)
+    save = WorkFolder.save_layer
+
+    def save_when_due(self, index, *args):
+        monkeypatch.setattr(resume, "INPUTS_EVERY_S", 0.0 if index == inputs_after else 1e9)
+        save(self, index, *args)
+
+    monkeypatch.setattr(WorkFolder, "save_layer", save_when_due)
+    with pytest.raises(Stop):
+        run(tmp_path, tmp_path / "cut", stop_after=5, recipe=recipe, samples=samples, monkeypatch=monkeypatch)
+    run(tmp_path, tmp_path / "cut", resume=True, recipe=recipe, samples=samples)
+    one, two = checkpoint_tensors(tmp_path / "whole"), checkpoint_tensors(tmp_path / "cut")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
