@@ -26,8 +26,8 @@ from torch import nn
 from llmpress.contract.observation import Observation, primary_input
 from llmpress.errors import UnsupportedModelError
 
-__all__ = ["BlockArguments", "CalibrationBlock", "Inputs", "find_blocks", "hidden_of", "rest_of", "rows_of", "shared_alike",
-           "structure_of", "tokens_per_batch", "with_rest"]
+__all__ = ["BlockArguments", "CalibrationBlock", "Inputs", "find_blocks", "hidden_of", "rest_of", "rows_of", "structure_of",
+           "tokens_per_batch", "with_rest"]
 
 #: one ``(args, kwargs)`` per calibration batch
 Inputs = list[tuple[tuple, dict]]
@@ -138,8 +138,8 @@ class BlockArguments:
     """What each block is called with besides its hidden states, where some block's differs from
     the first block's: Gemma 3's global layers take their own rotary tables and mask, gpt-oss's
     and Gemma 2's sliding layers their window's mask. Per block, per batch, its keyword arguments
-    (objects the batches share kept once, as ``share_repeated`` does), or None for a block called
-    with the first block's very objects. ``adopt`` makes a block's inputs carry its own."""
+    (equal tensors kept once, as ``share_repeated`` does), none for a block called with the first
+    block's very objects. ``adopt`` makes a block's inputs carry its own."""
 
     def __init__(self, blocks: int) -> None:
         self.of_block: list[list[dict[str, Any]]] = [[] for _ in range(blocks)]
@@ -149,13 +149,20 @@ class BlockArguments:
         self.holding: int | None = 0  # whose arguments the inputs carry (None: not known)
 
     def note(self, index: int, kwargs: dict[str, Any], hidden: Any) -> None:
-        """Block ``index``'s keyword arguments in the batch being captured (blocks in order)."""
+        """Block ``index``'s keyword arguments in the batch being captured (blocks in order). A
+        block given the first block's very objects costs an identity test: nothing is kept or
+        compared by value for it (the first block's are the inputs' own objects until ``kept``)."""
         own = {k: v for k, v in kwargs.items() if v is not hidden}
         if index == 0:
             self._first_raw = own
-        else:
-            first = self._first_raw
-            self.differs[index] |= own.keys() != first.keys() or not all(_same(v, first[k]) for k, v in own.items())
+            self.of_block[0].append(own)
+            return
+        first = self._first_raw
+        if not self.differs[index]:
+            if own.keys() == first.keys() and all(_same(v, first[k]) for k, v in own.items()):
+                return
+            self.differs[index] = True  # the batches before gave it the first block's
+            self.of_block[index] = list(self.of_block[0][:-1])
         self.of_block[index].append({k: self._once((k,), v) for k, v in own.items()})
 
     def _once(self, path: tuple, value: Any) -> Any:
@@ -178,8 +185,10 @@ class BlockArguments:
         """Self where a block's arguments differ from the first's, else None; the arguments of
         blocks called with the first block's are let go."""
         if not any(self.differs):
+            self.of_block = []
             return None
-        self.of_block = [own if self.differs[i] or i == 0 else [] for i, own in enumerate(self.of_block)]
+        self.of_block = [[{k: self._once((k,), v) for k, v in kwargs.items()} for kwargs in own] if self.differs[i] or i == 0 else []
+                         for i, own in enumerate(self.of_block)]
         self._seen, self._first_raw = {}, {}
         return self
 
@@ -200,16 +209,3 @@ def _same(a: Any, b: Any) -> bool:
     """The very same object, or tuples of the very same objects."""
     return a is b or (type(a) is tuple and type(b) is tuple and len(a) == len(b) and all(x is y for x, y in zip(a, b)))
 
-
-def shared_alike(first: dict[tuple, torch.Tensor], path: tuple, value: Any) -> Any:
-    """``value`` with its tensors replaced by the equal ones ``first`` holds at their paths
-    (a module-level function: a nested one that calls itself is a reference cycle, and it kept
-    the first batch's tensors until the garbage collector ran)."""
-    if isinstance(value, torch.Tensor):
-        seen = first.setdefault(path, value)
-        same = (seen is not value and seen.shape == value.shape and seen.dtype == value.dtype
-                and seen.device == value.device and torch.equal(seen, value))
-        return seen if same else value
-    if type(value) is tuple:
-        return tuple(shared_alike(first, (*path, i), item) for i, item in enumerate(value))
-    return value

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmpress.contract.block import BlockArguments, Inputs, hidden_of, rest_of, shared_alike, with_rest
+from llmpress.contract.block import BlockArguments, Inputs, hidden_of, rest_of, with_rest
 from llmpress.contract.observation import Observation, primary_input, with_primary_input
 from llmpress.pipelines.stand_ins import stood_in
 from llmpress.pipelines.storage.kept import SpilledInputs
@@ -106,4 +106,18 @@ def share_repeated(inputs: Inputs) -> None:
     first: dict[tuple, torch.Tensor] = {}
     items = inputs.skeletons if isinstance(inputs, SpilledInputs) else inputs  # the spilled hidden states stay where they are
     for index, (args, kwargs) in enumerate(items):
-        items[index] = (args, {k: v if k == "hidden_states" else shared_alike(first, (k,), v) for k, v in kwargs.items()})
+        items[index] = (args, {k: v if k == "hidden_states" else _shared(first, (k,), v) for k, v in kwargs.items()})
+
+
+def _shared(first: dict[tuple, torch.Tensor], path: tuple, value: Any) -> Any:
+    """``value`` with its tensors replaced by the equal ones ``first`` holds at their paths
+    (a module-level function: a nested one that calls itself is a reference cycle, and it kept
+    the first batch's tensors until the garbage collector ran)."""
+    if isinstance(value, torch.Tensor):
+        seen = first.setdefault(path, value)
+        same = (seen is not value and seen.shape == value.shape and seen.dtype == value.dtype
+                and seen.device == value.device and torch.equal(seen, value))
+        return seen if same else value
+    if type(value) is tuple:
+        return tuple(_shared(first, (*path, i), item) for i, item in enumerate(value))
+    return value
