@@ -23,7 +23,6 @@ its modules).
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -135,13 +134,12 @@ def _backward_pass(model: nn.Module, modules: dict[str, nn.Module], rows: list[t
         handles.append(blocks[0].register_forward_pre_hook(keep_first, with_kwargs=True))
         handles += [block.register_forward_pre_hook(note(i), with_kwargs=True) for i, block in enumerate(blocks)]
     device = next(iter(modules.values())).weight.device
-    no_cache = {"use_cache": False} if _takes(model, "use_cache") else {}  # a block runs again on the kept inputs: no cache of this run's keys
     tokens = 0
     try:
         with torch.enable_grad(), _recomputed(blocks):
             for ids in tqdm(rows, desc="Measuring sensitivity", unit="seq", leave=False, disable=not is_main_process()):
                 ids = ids.reshape(1, -1).to(device)
-                output = model(input_ids=ids, **no_cache)
+                output = model(input_ids=ids, use_cache=False)  # the blocks run again on kept inputs: no cache of these keys
                 logits = output.logits if hasattr(output, "logits") else output[0]
                 loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
                 torch.autograd.grad(loss, starts)  # through every module's output, firing their hooks
@@ -214,11 +212,6 @@ def _recomputed(blocks: nn.ModuleList | None) -> Iterator[None]:
                 del block.forward
             else:
                 block.forward = forward
-
-
-def _takes(model: nn.Module, keyword: str) -> bool:
-    parameters = inspect.signature(model.forward).parameters
-    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def _feeding(collector: HessianCollector, name: str):
