@@ -120,23 +120,26 @@ void gram_bf16_add_(at::TensorList blocks, at::IntArrayRef starts, const at::Ten
                 "llmpress gram_bf16_add_: a contiguous bf16 x [sequences, tokens, columns]");
     TORCH_CHECK((int64_t)blocks.size() == (int64_t)starts.size(), "llmpress gram_bf16_add_: one start per block");
     const int64_t sequences = x.size(0), tokens = x.size(1), cols = x.size(2), steps = (tokens + 1) / 2;
-    std::vector<Tile> tiles;
+    std::vector<double *> acc;
+    std::vector<int64_t> heights;
+    int64_t rows = 0;
     for (size_t k = 0; k < blocks.size(); k++) {
         const at::Tensor &block = blocks[k];
         const int64_t start = starts[k];
         TORCH_CHECK(block.device().is_cpu() && block.scalar_type() == at::kDouble && block.dim() == 2 && block.is_contiguous() &&
                         start >= 0 && block.size(1) == cols - start && start + block.size(0) <= cols,
                     "llmpress gram_bf16_add_: contiguous float64 blocks [rows, columns - start]");
-        for (int64_t i = 0; i < block.size(0); i += MR) tiles.push_back({(int64_t)k, start + i, std::min(MR, block.size(0) - i)});
+        acc.push_back(block.data_ptr<double>());
+        heights.push_back(block.size(0));
+        rows += block.size(0);
     }
-    if (sequences == 0 || tokens == 0 || tiles.empty()) return;
-    const uint16_t *values = reinterpret_cast<const uint16_t *>(x.data_ptr<at::BFloat16>());
-    std::vector<double *> acc;
-    std::vector<int64_t> heights;
-    for (const at::Tensor &block : blocks) acc.push_back(block.data_ptr<double>()), heights.push_back(block.size(0));
-    if (llmpress::amx_gram_add(values, sequences, tokens, cols, acc.data(), starts.data(), heights.data(), (int64_t)blocks.size())) return;
-    std::vector<uint32_t> pairs((size_t)(sequences * steps * cols));
+    if (sequences == 0 || tokens == 0 || rows == 0) return;
     const uint16_t *data = reinterpret_cast<const uint16_t *>(x.data_ptr<at::BFloat16>());
+    if (llmpress::amx_gram_add(data, sequences, tokens, cols, acc.data(), starts.data(), heights.data(), (int64_t)blocks.size())) return;
+    std::vector<Tile> tiles;
+    for (size_t k = 0; k < blocks.size(); k++)
+        for (int64_t i = 0; i < heights[k]; i += MR) tiles.push_back({(int64_t)k, starts[k] + i, std::min(MR, heights[k] - i)});
+    std::vector<uint32_t> pairs((size_t)(sequences * steps * cols));
     at::parallel_for(0, sequences, 1, [&](int64_t s0, int64_t s1) {
         for (int64_t s = s0; s < s1; s++) pack_pairs(data + s * tokens * cols, tokens, cols, pairs.data() + s * steps * cols);
     });
@@ -147,12 +150,12 @@ void gram_bf16_add_(at::TensorList blocks, at::IntArrayRef starts, const at::Ten
         const Tile t = tiles[n];
         const int64_t start = starts[t.block];
         const int64_t stride = cols - start;
-        double *acc = blocks[t.block].data_ptr<double>() + (t.i0 - start) * stride;
+        double *out = acc[t.block] + (t.i0 - start) * stride;
         for (int64_t s = 0; s < sequences; s++) { /* in order: the sum is the same however the work is split */
             const uint32_t *p = pairs.data() + s * steps * cols;
             for (int64_t j0 = start; j0 < cols; j0 += NR) {
                 const int64_t width = std::min(NR, cols - j0);
-                tile(p, steps, cols, t.i0, t.rows, j0, width, acc + (j0 - start), stride);
+                tile(p, steps, cols, t.i0, t.rows, j0, width, out + (j0 - start), stride);
             }
         }
     }
