@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from llmpress.checkpoint.save_pretrained import route_save_pretrained
@@ -31,48 +30,20 @@ from llmpress.errors import MissingStateError, SessionError
 from llmpress.lifecycle.records import applied_recipe, record_recipe
 from llmpress.parallel.distributed import require_reducing_modifiers
 from llmpress.recipe import Recipe
+from llmpress.session.order import PHASE_WORDS, check_order, phase_after
+from llmpress.session.status import Status, require_status
+from llmpress.session.training_step import TrainingStep
 
 if TYPE_CHECKING:
     from torch import nn
 
     from llmpress.contract.block import CalibrationBlock
 
-__all__ = ["EVENTS", "Session", "TrainingStep", "active_session"]
+__all__ = ["Session", "active_session"]
 
 logger = logging.getLogger(__name__)
 
-# which events may come next, by where the session is in a batch or a calibration
-_NEXT: dict[str, tuple[str, ...]] = {
-    "idle": ("batch_start", "calibration_start"),
-    "batch": ("loss_calculated", "optim_pre_step", "batch_end"),
-    "optimizer": ("optim_post_step",),
-    "stepped": ("loss_calculated", "batch_end"),
-    "calibration": ("block_start", "modules_calibrated", "layer_calibrated", "layer_restored", "calibration_end"),
-}
-_AFTER: dict[str, str] = {
-    "batch_start": "batch",
-    "optim_pre_step": "optimizer",
-    "optim_post_step": "stepped",
-    "batch_end": "idle",
-    "calibration_start": "calibration",
-    "calibration_end": "idle",
-}
-_PHASE_WORDS = {
-    "idle": "between batches",
-    "batch": "inside a batch",
-    "optimizer": "between optim_pre_step and optim_post_step",
-    "stepped": "after this batch's optimizer step",
-    "calibration": "during calibration",
-}
-
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar("llmpress_session", default=None)
-
-
-class Status(str, Enum):
-    CREATED = "created"
-    INITIALIZED = "initialized"
-    FINALIZED = "finalized"
-    FAILED = "failed"  # initialize() or calibration raised after modifiers began to change the model
 
 
 def active_session() -> Session:
@@ -112,14 +83,14 @@ class Session:
     # -- lifecycle ---------------------------------------------------------------------------
     def update_state(self, **state: Any) -> Session:
         """Record state for the modifiers; they see it at ``initialize()``."""
-        self._require(Status.CREATED, "update_state")
+        require_status(self.status, Status.CREATED, "update_state")
         self._check_fields(state, "update_state")
         self.state.update({k: v for k, v in state.items() if v is not None})
         return self
 
     def initialize(self, **overrides: Any) -> Session:
         """Initialize every modifier exactly once with the recorded state (overrides win)."""
-        self._require(Status.CREATED, "initialize")
+        require_status(self.status, Status.CREATED, "initialize")
         self._check_fields(overrides, "initialize")
         self.state.update({k: v for k, v in overrides.items() if v is not None})
         for modifier in self.modifiers:  # every need is checked before any modifier acts
@@ -136,10 +107,10 @@ class Session:
 
     def finalize(self) -> Session:
         """Make every modifier's result permanent and end the session."""
-        self._require(Status.INITIALIZED, "finalize")
+        require_status(self.status, Status.INITIALIZED, "finalize")
         if self._phase != "idle":
             raise SessionError(
-                "finalize() called " + _PHASE_WORDS[self._phase],
+                "finalize() called " + PHASE_WORDS[self._phase],
                 got=f"no {'calibration_end' if self._phase == 'calibration' else 'batch_end'} yet",
                 expected="finalize() between batches, after calibration_end()",
                 fix="send the closing event first",
@@ -179,7 +150,7 @@ class Session:
         """Continue a training run from ``step`` optimizer steps (a resumed checkpoint): windows
         that already closed are opened and closed once, so their results (final masks, the
         last learning rate) hold; the others open at the next ``batch_start`` as usual."""
-        self._require(Status.INITIALIZED, "resume_at")
+        require_status(self.status, Status.INITIALIZED, "resume_at")
         if self._phase != "idle" or self.state.step or any(m.window.state != "waiting" for m in self.modifiers):
             raise SessionError(
                 "resume_at() called after training events",
@@ -226,8 +197,8 @@ class Session:
         after every modifier had its say; other events return None."""
         if name not in EVENTS:
             raise SessionError(f"unknown event {name!r}", expected=f"one of {', '.join(EVENTS)}")
-        self._require(Status.INITIALIZED, f"event {name!r}")
-        self._check_order(name)
+        require_status(self.status, Status.INITIALIZED, f"event {name!r}")
+        check_order(self._phase, name)
         if name == "batch_start":
             self._trained = True
             self._open_windows()
@@ -249,23 +220,11 @@ class Session:
                 payload["loss"] = result
         if name == "calibration_start":
             self.observation = Observation(self.modifiers)
-        self._phase = _AFTER.get(name, self._phase)
+        self._phase = phase_after(self._phase, name)
         if name == "optim_post_step":
             self.state.step += 1
             self._close_windows()
         return payload.get("loss") if name == "loss_calculated" else None
-
-    def _check_order(self, name: str) -> None:
-        allowed = _NEXT[self._phase]
-        if name in allowed:
-            return
-        raise SessionError(
-            f"event {name!r} out of order: it came {_PHASE_WORDS[self._phase]}",
-            got=name,
-            expected=f"next one of {', '.join(allowed)}",
-            fix="send a batch as batch_start, loss_calculated, optim_pre_step, optim_post_step, batch_end "
-            "(session.training_step() does this), and calibration as calibration_start ... calibration_end",
-        )
 
     @staticmethod
     def _reaches(modifier: Modifier) -> bool:
@@ -399,35 +358,6 @@ class Session:
                 fix="one-shot runs have no epochs: remove start/end from the recipe there" if window else None,
             )
 
-    def _require(self, wanted: Status, call: str) -> None:
-        if self.status == wanted:
-            return
-        if self.status == Status.FAILED:
-            raise SessionError(
-                f"{call} called on a session that failed part way",
-                got="a failed session (its modifiers may have changed the model part way)",
-                fix="reload the model and create a new llmpress.Session(recipe)",
-            )
-        if self.status == Status.FINALIZED:
-            raise SessionError(
-                f"{call} called after finalize(): the session has ended",
-                got="a finalized session",
-                fix="create a new llmpress.Session(recipe) for more work",
-            )
-        if self.status == Status.INITIALIZED:
-            raise SessionError(
-                f"{call} called on a session that is already initialized",
-                got="an initialized session",
-                expected="update_state() and initialize() only before the one initialize()",
-                fix="supply all state before initialize() (update_state(...) or initialize(**overrides)); "
-                "to start over, create a new llmpress.Session(recipe)",
-            )
-        raise SessionError(
-            f"{call} called before initialize()",
-            got="a session that is not initialized",
-            fix="call session.initialize() first",
-        )
-
     @staticmethod
     def _check_fields(state: dict[str, Any], call: str) -> None:
         unknown = sorted(set(state) - set(STATE_FIELDS))
@@ -437,30 +367,3 @@ class Session:
                 got=", ".join(unknown),
                 expected=f"fields among {', '.join(STATE_FIELDS)}",
             )
-
-
-class TrainingStep:
-    def __init__(self, session: Session) -> None:
-        self.session = session
-
-    def __enter__(self) -> TrainingStep:
-        self.session.batch_start()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.session.batch_end()
-        else:
-            self.session.abandon_batch()
-
-    def loss(self, loss: Any) -> Any:
-        """Send ``loss_calculated`` and return the loss with every modifier's term added."""
-        return self.session.loss_calculated(loss)
-
-    def optimizer_step(self, optimizer: Any, *, scheduler: Any = None) -> None:
-        """``optim_pre_step``, ``optimizer.step()``, ``optim_post_step`` (and ``scheduler.step()``)."""
-        self.session.optim_pre_step()
-        optimizer.step()
-        self.session.optim_post_step()
-        if scheduler is not None:
-            scheduler.step()
