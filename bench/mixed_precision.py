@@ -1,10 +1,13 @@
 """Mixed precision to a budget (issue 44): a scheme per module chosen by sensitivity, against every
-uniform scheme near the same size, all with GPTQ.
+uniform scheme near the same size, all with one algorithm (GPTQ by default).
 
     python bench/mixed_precision.py [--model DIR] [--dtype bfloat16] [--targets 3.5 4.25] [--seeds 0 1]
                                     [--samples 64] [--seq-len 256] [--menu W3A16,W4A16,...] [--windows 40]
+                                    [--algorithm gptq|awq|rtn]
 
-Every row runs once per seed: GPTQ (static column order, ``lm_head`` as it is) on ``--samples``
+Every row runs once per seed: the algorithm (GPTQ: static column order; AWQ: llm-compressor's
+example's search, ``duo_scaling`` and a grid of 20, then the rounding to nearest; RTN: the rounding
+to nearest alone; ``lm_head`` as it is) on ``--samples``
 windows of the shared calibration text drawn with that seed, the checkpoint saved, its bytes and
 the perplexity of ``--windows`` held-out windows of 256 tokens of the shared evaluation text (40;
 the tiny model's text holds 134) measured with
@@ -34,7 +37,7 @@ from common import fixture
 
 import llmpress
 from llmpress.evaluation import evaluation_windows, perplexity
-from llmpress.modifiers import GPTQModifier
+from llmpress.modifiers import AWQModifier, GPTQModifier, QuantizationModifier
 from llmpress.modifiers.mixed_precision.menu import default_menu, menu_option, weight_bits
 
 UNIFORM = ("W3A16", "W3A16_G64", "W3A16_G32", "W4A16", "W4A16_G64", "W4A16_G32")
@@ -64,10 +67,19 @@ def average_bits(model, scheme_name: str) -> float:
     return bits / total
 
 
-def run(model_dir: str, dtype: str | None, modifier: GPTQModifier, batches, windows, out: Path, reference) -> dict:
+def recipe(algorithm: str, **fields) -> list:
+    """The modifiers of ``algorithm`` with ``fields`` (a scheme or a mixed-precision choice)."""
+    if algorithm == "gptq":
+        return [GPTQModifier(**fields)]
+    if algorithm == "awq":
+        return [AWQModifier(duo_scaling=True, n_grid=20), QuantizationModifier(**fields)]
+    return [QuantizationModifier(**fields)]
+
+
+def run(model_dir: str, dtype: str | None, modifiers: list, batches, windows, out: Path, reference) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    model = llmpress.oneshot(load(model_dir, dtype), [modifier], batches, output_dir=out)
+    model = llmpress.oneshot(load(model_dir, dtype), modifiers, batches, output_dir=out)
     seconds = time.perf_counter() - start
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     record = json.loads((out / "config.json").read_text()).get("llmpress_mixed_precision")
@@ -86,6 +98,7 @@ def main() -> None:
     parser.add_argument("--menu", help="comma-separated (default: the modifier's default menu for each target)")
     parser.add_argument("--uniform", nargs="*", default=list(UNIFORM))
     parser.add_argument("--windows", type=int, default=40, help="held-out windows of 256 tokens (fewer if the text is shorter)")
+    parser.add_argument("--algorithm", choices=["gptq", "awq", "rtn"], default="gptq")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -95,7 +108,7 @@ def main() -> None:
     uniform_bits = {name: average_bits(base, name) for name in args.uniform}  # in the stored dtype, before the cast
     dense = perplexity(base.float(), windows, progress=False).perplexity
     work = Path(tempfile.mkdtemp(prefix="mixed-"))
-    print(f"{args.model} ({args.dtype or 'its own dtype'}): unquantized perplexity {dense:.3f} on {windows.shape[0]} windows; GPTQ on {args.samples} x "
+    print(f"{args.model} ({args.dtype or 'its own dtype'}): unquantized perplexity {dense:.3f} on {windows.shape[0]} windows; {args.algorithm} on {args.samples} x "
           f"{args.seq_len} calibration tokens, drawn with seeds {args.seeds}; menu "
           + (args.menu or "; ".join(f"{t}: {','.join(default_menu(t))}" for t in args.targets)))
     rows: dict[str, list[dict]] = {}
@@ -104,13 +117,13 @@ def main() -> None:
         batches = calibration(tokenizer, args.samples, args.seq_len, seed)
         for name in args.uniform:
             scheme = menu_option(name).scheme.model_copy(update={"targets": ["Linear"]})
-            row = run(args.model, args.dtype, GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]), batches, windows,
-                      work / name, base)
+            row = run(args.model, args.dtype, recipe(args.algorithm, config_groups={"group_0": scheme}, ignore=["lm_head"]), batches,
+                      windows, work / name, base)
             rows.setdefault(f"{name} (uniform)", []).append({**row, "bits": uniform_bits[name]})
         for target in args.targets:
             choice = {"average_bits": target, **({"schemes": args.menu} if args.menu else {})}
-            modifier = GPTQModifier(mixed_precision=choice, targets=["Linear"], ignore=["lm_head"])
-            row = run(args.model, args.dtype, modifier, batches, windows, work / f"mixed-{target}", base)
+            modifiers = recipe(args.algorithm, mixed_precision=choice, targets=["Linear"], ignore=["lm_head"])
+            row = run(args.model, args.dtype, modifiers, batches, windows, work / f"mixed-{target}", base)
             record = row["record"]
             choices.setdefault(target, []).append({m: g["chosen"] for g in record["groups"] for m in g["modules"]})
             rows.setdefault(f"mixed, target {target}", []).append({**row, "bits": record["average_bits"]})
