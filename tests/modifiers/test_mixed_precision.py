@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -291,6 +292,20 @@ def test_a_size_target_bounds_the_whole_file(tmp_path):
                                                   ignore=["lm_head"])], batches, output_dir=out)
     written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert written <= size and written > 0.9 * size
+
+
+@pytest.mark.parametrize("target", [{"average_bits": 3.9}, {"size": "10KB"}])
+def test_a_target_below_the_cheapest_scheme_is_refused_before_anything_is_measured(monkeypatch, target):
+    import llmpress.modifiers.mixed_precision.choose as choose
+
+    monkeypatch.setattr(choose, "measure", lambda *a, **k: pytest.fail("measured a choice that cannot fit"))
+    batches = [torch.tensor(b) for b in token_batches(2, 16)]
+    choice = {**target, "schemes": ["W4A16", "W8A16"]}
+    with pytest.raises(RecipeError, match="below the cheapest") as refused:
+        llmpress.oneshot(make_tiny_llama(), [QuantizationModifier(mixed_precision=choice, ignore=["lm_head"])], batches)
+    said = str(refused.value)
+    assert re.search(r"at least 4\.\d+ bits per targeted weight" if "average_bits" in target else r"at least \d+\.\d\d MB", said)
+    assert "every module at its cheapest: W4A16 for 14" in said
 
 
 def test_the_command_line_turns_a_recipe_into_a_mixed_one(tmp_path):

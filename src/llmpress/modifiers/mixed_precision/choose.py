@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from llmpress.errors import UnsupportedModelError
+from llmpress.errors import RecipeError, UnsupportedModelError
 from llmpress.lifecycle.compute_dtype import stored_dtype
 from llmpress.lifecycle.records import config_entry
 from llmpress.models.linear import is_linear
@@ -64,6 +64,7 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     weights = sum(rows_ * columns for rows_, columns in (shape_of(modules[n]) for n in modules))
     budget = _budget(model, mixed, modules, weights)
     options = mixed.options(budget / weights)
+    _check_budget(mixed, modules, options, budget, weights)  # before the measure: a too low target fails at once
     rows = sequences(calibration_data, mixed.samples)
     logger.info("%s: measuring the sensitivity of %d modules on %d sequences", modifier, len(modules), len(rows))
     measured = measure(model, modules, rows, options, rounding)
@@ -112,6 +113,32 @@ def _budget(model: nn.Module, mixed: MixedPrecision, modules: dict[str, nn.Modul
     fixed = sum(t.numel() * t.element_size() + len(n) + _HEADER_ENTRY for n, t in others.values())
     fixed += sum(16 + _QUANTIZED_TENSORS * (len(n) + 16 + _HEADER_ENTRY) for n in modules)
     return 8 * (mixed.size_bytes() - fixed)
+
+
+def _check_budget(mixed: MixedPrecision, modules: dict[str, nn.Module], options: list, budget: float, weights: int) -> None:
+    """Refuse a target that even every module at its cheapest option overshoots (said in average
+    bits per targeted weight: what ``average_bits`` counts, and what a ``size`` leaves them)."""
+    cheapest: dict[str, int] = {}
+    least = 0
+    for name, module in modules.items():
+        rows, columns = shape_of(module)
+        dtype = stored_dtype(module)
+        bits = [weight_bits(option.scheme, rows, columns, dtype) for option in options]
+        least += min(bits)
+        cheapest[options[bits.index(min(bits))].name] = cheapest.get(options[bits.index(min(bits))].name, 0) + 1
+    if least <= budget:
+        return
+    at_cheapest = ", ".join(f"{name} for {n}" for name, n in cheapest.items())
+    if mixed.average_bits is not None:
+        got, expected = f"average_bits {mixed.average_bits}", f"at least {least / weights:.3f} bits per targeted weight"
+    else:  # the budget is what the size leaves the targeted weights, in bits
+        smallest = mixed.size_bytes() - (budget - least) / 8
+        got, expected = f"size {mixed.size}", f"at least {smallest / 1e6:.2f} MB"
+    raise RecipeError(
+        "mixed precision: the target is below the cheapest scheme of the menu", got=got,
+        expected=f"{expected} (every module at its cheapest: {at_cheapest}; the menu: {', '.join(o.name for o in options)})",
+        fix="raise the target, or add a cheaper scheme to the menu (schemes: [...] in the recipe, --schemes on the command line)",
+    )
 
 
 def _target(mixed: MixedPrecision) -> str:
