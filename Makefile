@@ -30,8 +30,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# the tests in a process a core (at most 4: each takes up to 2-3 GB); an idle one takes queued tests from a busy one
+PYTEST_WORKERS = -n auto --maxprocesses 4 --dist worksteal
+
 test: $(STAMP) $(EVAL_VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_WORKERS)
 	PYTHONPATH=src $(EVAL_VENV)/bin/python -m pytest -q tests/test_eval_tasks.py
 
 $(EVAL_VENV)/.installed: $(STAMP)
@@ -42,7 +45,7 @@ $(EVAL_VENV)/.installed: $(STAMP)
 	touch $@
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 $(VLLM_VENV)/.installed: Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)

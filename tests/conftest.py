@@ -5,9 +5,22 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from helpers import REPO, make_tiny_llama, text_path, trained_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs ``-n auto``) each worker takes its share of the
+    cores, and so do the processes its tests start: workers times threads stays the number of
+    cores. (Two workers of two threads each on two cores ran the suite slower than one process
+    of two; two of one thread each, 1.5x faster.)"""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
