@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from llmpress.errors import LlmpressError, os_failure
 
@@ -54,7 +55,21 @@ def _oneshot(args: argparse.Namespace) -> int:
         print(f"nothing to do: {args.output} is the finished checkpoint of this run")
     else:
         print(f"saved {args.output} in {time.perf_counter() - start:.1f}s")
+        _print_mixed_choice(args.output)
     return 0
+
+
+def _print_mixed_choice(output: str) -> None:
+    """A mixed-precision run's choice by layer, as ``llmpress inspect`` shows it."""
+    config = Path(output) / "config.json"
+    if not config.is_file():
+        return
+    from llmpress.modifiers.mixed_precision.choose import record_of
+    from llmpress.modifiers.mixed_precision.report import choice_summary
+
+    record = record_of(json.loads(config.read_text()))
+    if record:
+        print("\n".join(choice_summary(record)) + f"\n(llmpress inspect {output} --plot choice.png draws it)")
 
 
 def _model_dtype(name: str) -> str | None:

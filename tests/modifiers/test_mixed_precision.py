@@ -310,11 +310,14 @@ def test_a_target_below_the_cheapest_scheme_is_refused_before_anything_is_measur
 
 def test_the_command_line_turns_a_recipe_into_a_mixed_one(tmp_path):
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "llmpress", "oneshot", "--model", str(trained_model_dir()), "--recipe", "W4A16",
-                    "--average-bits", "4.25", "--schemes", "W3A16,W4A16_G32,W8A16", "--dataset", str(text_path("calibration.txt")),
-                    "--num-samples", "8", "--seq-len", "64", "--output", str(out)], check=True, capture_output=True)
+    ran = subprocess.run([sys.executable, "-m", "llmpress", "oneshot", "--model", str(trained_model_dir()), "--recipe", "W4A16",
+                          "--average-bits", "4.25", "--schemes", "W3A16,W4A16_G32,W8A16", "--dataset", str(text_path("calibration.txt")),
+                          "--num-samples", "8", "--seq-len", "64", "--output", str(out)], check=True, capture_output=True, text=True)
     record = json.loads((out / "config.json").read_text())["llmpress_mixed_precision"]
     assert record["menu"] == ["W3A16", "W4A16_G32", "W8A16"] and record["average_bits"] <= 4.25
+    assert record["samples"] == 8  # the sequences measured, not the most it would take (32)
+    said = ran.stdout.splitlines()  # the choice by layer, as inspect shows it
+    assert said[1].startswith("mixed precision: ") and "on 8 sequences" in said[1] and said[2].split() == ["layer", "q/k/v", "o", "gate/up", "down"]
 
 
 def test_without_calibration_data_mixed_precision_is_refused_with_the_fix():

@@ -74,7 +74,7 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     counts = Counter(options[p].name for g, p in zip(groups, picks) for _ in g.modules)
     logger.info("%s: mixed precision chose %s: %.3f bits per weight on average (%s)", modifier,
                 ", ".join(f"{name} for {n} module(s)" for name, n in counts.most_common()), spent / weights, _target(mixed))
-    record = _record(model, mixed, options, groups, picks, spent / weights)
+    record = _record(model, mixed, options, groups, picks, spent / weights, len(rows))
     logger.info("%s: the choice by layer (llmpress inspect shows it again, --plot draws it):\n%s", modifier, "\n".join(choice_summary(record)[1:]))
     chosen: dict[int, list[str]] = {}
     for group, pick in zip(groups, picks):
@@ -158,14 +158,15 @@ def _targets(names: list[str]) -> list[str]:
 
 
 def _record(model: nn.Module, mixed: MixedPrecision, options: list, groups: list[Group], picks: list[int],
-            average: float) -> dict[str, Any]:
-    """The choice as ``config.json`` keeps it (on ``model.config`` where there is one)."""
+            average: float, sequences: int) -> dict[str, Any]:
+    """The choice as ``config.json`` keeps it (on ``model.config`` where there is one);
+    ``sequences``: how many the sensitivities were measured on (``samples`` at most)."""
     target = {"average_bits": mixed.average_bits} if mixed.average_bits is not None else {"size": mixed.size}
     record = {
         "target": target,
         "average_bits": round(average, 4),
         "menu": [o.name for o in options],
-        "samples": mixed.samples,
+        "samples": sequences,
         "measure": "1/2 sum_i g_i dW_i H dW_i^T (g: squared output gradients, H: input Hessian, dW: the algorithm's rounding error)",
         "groups": [{"modules": g.modules, "chosen": options[p].name, "weights": g.weights, "bits": g.bits,
                     "sensitivity": [float(f"{s:.4g}") for s in g.sensitivity]} for g, p in zip(groups, picks)],
