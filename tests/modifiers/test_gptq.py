@@ -473,13 +473,22 @@ def test_columns_go_in_activation_order_unless_the_recipe_says_null(recipe_order
     assert same == (expected is None)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [1, 2, 7, 64])
-def test_activation_order_permutes_in_place(n):
+def test_activation_order_permutes_in_place(n, dtype, native, monkeypatch):
+    from llmpress import native as kernels
     from llmpress.modifiers.gptq.linalg import permute_rows_
 
+    if native and not kernels.available():
+        pytest.skip("llmpress's CPU kernels are not available here")
+    if not native:
+        monkeypatch.setattr(kernels, "permute_rows_", lambda *args: False)
     torch.manual_seed(n)
-    hessian, weight, perm = torch.randn(n, n), torch.randn(n, 5), torch.randperm(n)
+    hessian, weight, perm = torch.randn(n, n, dtype=dtype), torch.randn(n, 5, dtype=dtype), torch.randperm(n)
     for matrix, columns_too, expected in ((hessian, True, hessian[perm][:, perm]), (weight, False, weight[perm])):
         work = matrix.clone()
         pointer = work.data_ptr()
         assert torch.equal(permute_rows_(work, perm, columns_too), expected) and work.data_ptr() == pointer
+    strided = torch.randn(5, n, dtype=dtype).t()  # not contiguous: the row loop, with the same result
+    assert torch.equal(permute_rows_(strided.clone(memory_format=torch.preserve_format), perm), strided[perm])

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "add_gram_bf16_", "autoround_qdq", "autoround_qdq_backward", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear",
+    "add_float32_", "add_gram_bf16_", "autoround_qdq", "autoround_qdq_backward", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear", "permute_rows_",
     "int8_linear_bf16", "transposed",
 ]
 
@@ -228,6 +228,16 @@ def add_float32_(acc: torch.Tensor, x: torch.Tensor) -> None:
         torch.ops.llmpress.add_float32_(acc, x)
     else:
         acc.add_(x)
+
+
+def permute_rows_(matrix: torch.Tensor, perm: torch.Tensor, columns_too: bool) -> bool:
+    """``matrix[perm]`` (``columns_too``: ``matrix[perm][:, perm]``) in ``matrix``'s own memory
+    where it is a contiguous float32 / float64 CPU matrix; False (nothing done) elsewhere."""
+    if (matrix.device.type == "cpu" and matrix.dtype in (torch.float32, torch.float64) and matrix.dim() == 2
+            and matrix.is_contiguous() and available()):
+        torch.ops.llmpress.permute_rows_(matrix, perm.to(device="cpu", dtype=torch.int64), columns_too)
+        return True
+    return False
 
 
 def add_gram_bf16_(blocks: list[torch.Tensor], starts: list[int], x: torch.Tensor) -> bool:
