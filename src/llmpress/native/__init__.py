@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "add_float32_", "add_gram_bf16_", "autoround_qdq", "autoround_qdq_backward", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear", "permute_rows_",
-    "int8_linear_bf16", "transposed",
+    "add_float32_", "add_gram_bf16_", "autoround_qdq", "autoround_qdq_backward", "available", "bf16_native", "candidate_errors", "cpu_flags", "fp4_quantize_pack", "group_min_max", "gptq_columns", "gpu_columns_available", "int4_dequantize", "int4_linear", "int8_linear",
+    "int8_linear_bf16", "permute_rows_", "transposed",
 ]
 
 logger = logging.getLogger(__name__)

@@ -120,12 +120,13 @@ def _check_budget(mixed: MixedPrecision, modules: dict[str, nn.Module], options:
     bits per targeted weight: what ``average_bits`` counts, and what a ``size`` leaves them)."""
     cheapest: dict[str, int] = {}
     least = 0
-    for name, module in modules.items():
+    for module in modules.values():
         rows, columns = shape_of(module)
         dtype = stored_dtype(module)
         bits = [weight_bits(option.scheme, rows, columns, dtype) for option in options]
         least += min(bits)
-        cheapest[options[bits.index(min(bits))].name] = cheapest.get(options[bits.index(min(bits))].name, 0) + 1
+        at = options[bits.index(min(bits))].name
+        cheapest[at] = cheapest.get(at, 0) + 1
     if least <= budget:
         return
     at_cheapest = ", ".join(f"{name} for {n}" for name, n in cheapest.items())
