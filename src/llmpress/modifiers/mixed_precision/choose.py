@@ -64,11 +64,12 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     weights = sum(rows_ * columns for rows_, columns in (shape_of(modules[n]) for n in modules))
     budget = _budget(model, mixed, modules, weights)
     options = mixed.options(budget / weights)
-    _check_budget(mixed, modules, options, budget, weights)  # before the measure: a too low target fails at once
+    bits = {name: _option_bits(module, options) for name, module in modules.items()}
+    _check_budget(mixed, bits, options, budget, weights)  # before the measure: a too low target fails at once
     rows = sequences(calibration_data, mixed.samples)
     logger.info("%s: measuring the sensitivity of %d modules on %d sequences", modifier, len(modules), len(rows))
     measured = measure(model, modules, rows, options, rounding)
-    groups = [_group(members, modules, measured.costs, options) for members in module_groups(modules, measured.input_of)]
+    groups = [_group(members, modules, bits, measured.costs, options) for members in module_groups(modules, measured.input_of)]
     picks = choose_options(groups, budget)
     spent = sum(g.bits[p] for g, p in zip(groups, picks))
     counts = Counter(options[p].name for g, p in zip(groups, picks) for _ in g.modules)
@@ -83,17 +84,19 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
             for k, members in sorted(chosen.items()) if options[k].scheme is not None]
 
 
-def _group(members: list[str], modules: dict[str, nn.Module], table: dict[str, list[float]], options: list) -> Group:
-    bits = [0] * len(options)
-    weights = 0
-    for name in members:
-        rows, columns = shape_of(modules[name])
-        weights += rows * columns
-        dtype = stored_dtype(modules[name])
-        for k, option in enumerate(options):
-            bits[k] += weight_bits(option.scheme, rows, columns, dtype)
+def _option_bits(module: nn.Module, options: list) -> list[int]:
+    """The bits ``module``'s weight takes under each option, as the checkpoint stores it."""
+    rows, columns = shape_of(module)
+    dtype = stored_dtype(module)
+    return [weight_bits(option.scheme, rows, columns, dtype) for option in options]
+
+
+def _group(members: list[str], modules: dict[str, nn.Module], bits: dict[str, list[int]], table: dict[str, list[float]],
+           options: list) -> Group:
+    weights = sum(rows * columns for rows, columns in (shape_of(modules[name]) for name in members))
+    summed = [sum(bits[name][k] for name in members) for k in range(len(options))]
     sensitivity = [sum(table[name][k] for name in members) for k in range(len(options))]
-    return Group(members, bits, sensitivity, weights)
+    return Group(members, summed, sensitivity, weights)
 
 
 #: bytes a tensor's entry takes in a safetensors header beyond its name (dtype, shape, offsets), at most
@@ -115,17 +118,15 @@ def _budget(model: nn.Module, mixed: MixedPrecision, modules: dict[str, nn.Modul
     return 8 * (mixed.size_bytes() - fixed)
 
 
-def _check_budget(mixed: MixedPrecision, modules: dict[str, nn.Module], options: list, budget: float, weights: int) -> None:
-    """Refuse a target that even every module at its cheapest option overshoots (said in average
-    bits per targeted weight: what ``average_bits`` counts, and what a ``size`` leaves them)."""
+def _check_budget(mixed: MixedPrecision, bits: dict[str, list[int]], options: list, budget: float, weights: int) -> None:
+    """Refuse a target that even every module at its cheapest option (``bits``: each module's
+    bits per option) overshoots, said in average bits per targeted weight (what ``average_bits``
+    counts, and what a ``size`` leaves them)."""
     cheapest: dict[str, int] = {}
     least = 0
-    for module in modules.values():
-        rows, columns = shape_of(module)
-        dtype = stored_dtype(module)
-        bits = [weight_bits(option.scheme, rows, columns, dtype) for option in options]
-        least += min(bits)
-        at = options[bits.index(min(bits))].name
+    for each in bits.values():
+        least += min(each)
+        at = options[each.index(min(each))].name
         cheapest[at] = cheapest.get(at, 0) + 1
     if least <= budget:
         return

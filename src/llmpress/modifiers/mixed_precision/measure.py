@@ -232,12 +232,12 @@ def _weigh(modules: dict[str, nn.Module], names: list[str], collector: HessianCo
         return
     collector.agree(names, next(iter(modules[n] for n in names)).weight.device)  # an expert one rank's tokens never reached
     accumulators = list({id(a): a for n in names if (a := collector.of_module.get(n)) is not None}.values())
-    split = [world_size() > 1 and _row_wise(options) for _ in accumulators]
+    by_rows = world_size() > 1 and _row_wise(options)
     owners = assign_owners([0.0 if by_rows else a.columns ** 2 * (a.columns + sum(shape_of(modules[n])[0] for n in a.members))
-                            for a, by_rows in zip(accumulators, split, strict=True)])
-    node = node_team() if any(split) else None  # ranks on one machine sum the shared Hessians in memory they share
-    for accumulator, owner, by_rows in zip(accumulators, owners, split, strict=True):
-        accumulator.reduce(None if by_rows else owner, node=node if by_rows else None)
+                            for a in accumulators])
+    node = node_team() if by_rows and accumulators else None  # ranks on one machine sum the shared Hessians in memory they share
+    for accumulator, owner in zip(accumulators, owners, strict=True):
+        accumulator.reduce(None if by_rows else owner, node=node)
         if by_rows or owner == rank():
             hessian = _sum_of_products(accumulator)
             for member in accumulator.members:
