@@ -16,9 +16,11 @@ def pytest_configure(config):
     cores, and so do the processes its tests start: workers times threads stays the number of
     cores. (Two workers of two threads each on two cores ran the suite slower than one process
     of two; two of one thread each, 1.5x faster.)"""
+    from llmpress.parallel.fork import _threads_per_rank  # the cores shared out as --ranks shares them
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    threads = _threads_per_rank(workers) if workers > 1 else None  # None where OMP_NUM_THREADS says already
+    if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
