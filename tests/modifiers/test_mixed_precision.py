@@ -271,6 +271,25 @@ def test_a_mixed_checkpoint_loads_in_transformers_as_in_llmpress(mixed_checkpoin
     assert ((theirs - ours).norm() / ours.norm()) < 1e-4
 
 
+def test_a_module_given_a_smaller_group_is_named_by_one_config_group_only(tmp_path):
+    """down_proj's 192 inputs take groups of 64 where the choice gave it groups of 128: its own
+    config group names it, and the choice's group of 128 no longer does (compressed-tensors took
+    that one, and refused the file)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    batches = [torch.tensor(b) for b in token_batches(4, 32)]
+    model = llmpress.oneshot(make_tiny_llama(intermediate=192), [QuantizationModifier(
+        mixed_precision={"average_bits": 4.3, "schemes": ["W4A16", "W8A16"]}, ignore=["lm_head"])], batches, output_dir=out)
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    named = [name for group in groups for name in group["targets"]]
+    assert len(named) == len(set(named))
+    assert any(g["weights"]["group_size"] == 64 and any("down_proj" in t for t in g["targets"]) for g in groups)
+    ids = torch.tensor([token_batches(1, 24, seed=3)[0]])
+    theirs = logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids)
+    assert ((theirs - logits(model, ids)).norm() / logits(model, ids).norm()) < 1e-4
+
+
 def test_inspect_shows_the_choice_and_plots_it(mixed_checkpoint, tmp_path):
     png = tmp_path / "choice.png"
     result = subprocess.run([sys.executable, "-m", "llmpress", "inspect", str(mixed_checkpoint), "--plot", str(png)],

@@ -217,16 +217,22 @@ def _has_matrix(module: nn.Module) -> bool:
 
 def _reached_targets(scheme: QuantizationScheme, modules: list[tuple[str, nn.Module, QuantizationScheme]],
                      dense: list[tuple[str, nn.Module]]) -> QuantizationScheme:
-    """``scheme`` without the targets that only name modules llmpress left dense: a recipe's
-    ``Embedding`` target (llmpress quantizes linear weights) must not tell compressed-tensors to
-    look for a packed embedding (transformers then fails on "'Embedding' object has no attribute
-    'weight'"). A target that names nothing in memory stays (``Conv1D`` after quantize-on-load,
-    whose modules are llmpress's runtime ones until transformers builds them again)."""
-    def left_dense(target: str) -> bool:
-        reaches = any(s is scheme and matches(n, m, [target], linear_alias=True) for n, m, s in modules)
-        return not reaches and any(matches(n, m, [target]) for n, m in dense)
+    """``scheme`` without the targets that name only modules it does not quantize: ones llmpress
+    left dense (a recipe's ``Embedding`` target: llmpress quantizes linear weights, and
+    transformers fails on "'Embedding' object has no attribute 'weight'" where compressed-tensors
+    looks for a packed embedding), or ones quantized by another scheme (a module given a smaller
+    group than its scheme's, ``quant/groups.py``, is written in a group of its own; a mixed
+    choice's group that still named it matched it twice, and compressed-tensors took the group
+    that does not divide its inputs). A target that names nothing in memory stays (``Conv1D``
+    after quantize-on-load, whose modules are llmpress's runtime ones until transformers builds
+    them again)."""
+    def elsewhere_only(target: str) -> bool:
+        if any(s is scheme and matches(n, m, [target], linear_alias=True) for n, m, s in modules):
+            return False
+        return (any(matches(n, m, [target]) for n, m in dense)
+                or any(matches(n, m, [target], linear_alias=True) for n, m, _ in modules))  # none of them is this scheme's
 
-    kept = [t for t in scheme.targets if not left_dense(t)]
+    kept = [t for t in scheme.targets if not elsewhere_only(t)]
     return scheme if kept == list(scheme.targets) or not kept else scheme.model_copy(update={"targets": kept})
 
 
