@@ -3,6 +3,8 @@ prefixed checkpoint keys, and MoE experts held one Linear per expert."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from architectures import save_tiny
@@ -121,6 +123,31 @@ def test_oneshot_quantizes_every_expert_of_a_transformers_moe_model(tmp_path):
     llmpress.oneshot(model, GPTQModifier(scheme="W4A16", ignore=["lm_head"]), samples)
     experts = model.model.layers[1].mlp.experts
     assert all(hasattr(p, "weight_scale") for e in experts for p in (e.w1, e.w2, e.w3))
+
+
+@pytest.mark.parametrize("model_free", [False, True])
+def test_experts_under_their_own_config_group_load_in_transformers(tmp_path, model_free):
+    """Int8 attention and int4 experts, each config group targeted by a pattern that does not say
+    "experts": transformers 5 builds a block's experts as one module and takes their scheme from
+    the group whose ``re:`` target names experts, else the first; it took the attention's int8
+    group and failed. The save path names the experts' group as theirs."""
+    from transformers import AutoModelForCausalLM
+
+    from llmpress.modifiers import QuantizationModifier
+
+    int_weights = {"type": "int", "symmetric": True}
+    groups = {"attention": {"targets": [r"re:.*self_attn\.[qkvo]_proj$"], "weights": {**int_weights, "num_bits": 8, "strategy": "channel"}},
+              "mlp": {"targets": [r"re:.*mlp\..*_proj$"], "weights": {**int_weights, "num_bits": 4, "strategy": "group", "group_size": 32}}}
+    out = tmp_path / "out"
+    samples = [torch.randint(3, 4096, (16,)).tolist() for _ in range(4)]
+    llmpress.oneshot(str(save_tiny("qwen3_moe", tmp_path / "model")), QuantizationModifier(config_groups=groups, ignore=["lm_head"]),
+                     samples, output_dir=out, return_model=False, model_free=model_free)  # layerwise: the attention's group first
+    targets = [t for g in json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values() for t in g["targets"]]
+    assert r"re:.*\.experts\.\d+\.(down_proj|gate_proj|up_proj)$" in targets
+    ids = torch.randint(3, 4096, (1, 12))
+    ours = llmpress.load(out, dtype=torch.float32, dequantize=True)(ids).logits
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    assert ((theirs - ours).norm() / ours.norm()) < 1e-4
 
 
 def test_hub_model_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 import re
 import subprocess
@@ -203,26 +204,55 @@ def test_gptq_weighs_each_scheme_by_what_gptq_leaves():
     assert getattr(gptq, "_last_factor", None) is None  # each Hessian's factor went with it
 
 
-def test_a_moe_blocks_experts_take_one_scheme_written_as_one_pattern(tmp_path):
+@pytest.mark.parametrize("experts", ["shared", "per_block"])
+def test_a_moes_experts_take_one_scheme_written_as_experts(experts, caplog):
+    """By default every expert of the model takes one scheme (transformers 5 reads one for all);
+    ``per_block`` gives each experts block its own, and the save says transformers cannot read it
+    where the blocks' choices differ."""
     from helpers import tiny_of_family
 
+    from llmpress.checkpoint.compressed_state import quantization_config_for
     from llmpress.models.experts import linearize_experts
 
     model = tiny_of_family("qwen3_moe")
     linearize_experts(model)
     batches = [torch.tensor(b) for b in token_batches(4, 16, vocab=model.config.vocab_size)]
-    out = llmpress.oneshot(model, [QuantizationModifier(mixed_precision={"average_bits": 6, "schemes": ["W4A16_G32", "W8A16"]},
-                                                        ignore=["lm_head", "re:.*gate$"])], batches)
+    mixed = {"average_bits": 6, "schemes": ["W4A16_G32", "W8A16"], "experts": experts}
+    out = llmpress.oneshot(model, [QuantizationModifier(mixed_precision=mixed, ignore=["lm_head", "re:.*gate$"])], batches)
     record = out.config.llmpress_mixed_precision
-    experts = [g for g in record["groups"] if any(".experts." in m for m in g["modules"])]
-    assert experts and all(all(".experts." in m for m in g["modules"]) for g in experts)
-    layers = {g["modules"][0].split(".experts.")[0] for g in experts}
-    assert len(layers) == len(experts)  # one group per block: every expert's gate, up and down
-    from llmpress.checkpoint.compressed_state import quantization_config_for
+    groups = [g for g in record["groups"] if any(".experts." in m for m in g["modules"])]
+    assert groups and all(all(".experts." in m for m in g["modules"]) for g in groups)
+    layers = [{m.split(".experts.")[0] for m in g["modules"]} for g in groups]
+    assert all(len(g["modules"]) == 2 * 4 * 3 // len(groups) for g in groups)  # every expert's gate, up and down
+    assert len(groups) == (1 if experts == "shared" else 2) and sum(map(len, layers)) == 2
+    with caplog.at_level(logging.WARNING):
+        config = quantization_config_for(out, True)
+    for group in config["config_groups"].values():
+        named = [t for t in group["targets"] if ".experts." in t or "experts\\." in t]
+        assert all(t.startswith("re:") for t in named)  # one pattern a projection or block, not a name an expert
+    assert any(t.startswith("re:") and "experts" in t for g in config["config_groups"].values() for t in g["targets"])
+    differ = len({g["chosen"] for g in groups}) > 1
+    assert ("transformers (5.17-5.25) reads one scheme" in caplog.text) == differ
 
-    targets = [t for group in quantization_config_for(out, True)["config_groups"].values() for t in group["targets"]]
-    assert any(t.startswith("re:") and "experts" in t for t in targets)
-    assert not any(".experts.0." in t for t in targets if not t.startswith("re:"))
+
+def test_a_mixed_moe_checkpoint_loads_in_transformers_as_in_llmpress(tmp_path):
+    """transformers 5 builds a Qwen3-MoE block's experts as one module and takes their scheme
+    from the config group whose ``re:`` target names experts: it found none (the experts' groups
+    of 64 were named by their last names), took the attention's 8-bit group, and refused."""
+    from helpers import tiny_of_family
+    from transformers import AutoModelForCausalLM
+
+    tiny_of_family("qwen3_moe").save_pretrained(tmp_path / "model")
+    batches = [torch.tensor(b) for b in token_batches(8, 32, vocab=512)]
+    out = tmp_path / "out"
+    llmpress.oneshot(str(tmp_path / "model"), [QuantizationModifier(mixed_precision={"average_bits": 5}, ignore=["lm_head"])],
+                     batches, output_dir=out, return_model=False)
+    config = json.loads((out / "config.json").read_text())
+    assert len({g["chosen"] for g in config["llmpress_mixed_precision"]["groups"]}) >= 2
+    ids = torch.tensor([token_batches(1, 24, seed=3, vocab=512)[0]])
+    ours = logits(llmpress.load(out, dtype=torch.float32, dequantize=True), ids)
+    theirs = logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids)
+    assert ((theirs - ours).norm() / ours.norm()) < 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,26 @@ def test_a_pattern_that_would_catch_others_becomes_names():
     assert fitted["m.layers.1.o_proj"] is scheme
 
 
+def test_an_experts_blocks_projections_take_one_group_named_as_experts():
+    """gate/up read 64 features and down 128: all three take groups of 64 (vLLM serves a block's
+    experts as one layer of one scheme), targeted as experts (transformers 5 finds the experts'
+    group by an ``re:`` target naming them); the attention keeps its own pattern."""
+    scheme = preset_scheme("W4A16")
+    widths = {f"m.layers.{layer}.mlp.experts.{e}.{p}": 128 if p == "down_proj" else 64
+              for layer in range(2) for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")}
+    widths |= {"m.layers.0.self_attn.q_proj": 64, "m.layers.0.self_attn.o_proj": 256}
+    fitted = dividing_groups({name: (scheme, width) for name, width in widths.items()}, "Q")
+    moved = {fitted[n].weights.group_size for n in widths if ".experts." in n}
+    assert moved == {64} and fitted["m.layers.0.self_attn.o_proj"] is scheme
+    experts = fitted["m.layers.1.mlp.experts.2.down_proj"]
+    assert experts is fitted["m.layers.0.self_attn.q_proj"]  # one scheme and group: one config group
+    assert experts.targets == [r"re:.*\.(q_proj)$", r"re:.*\.experts\.\d+\.(down_proj|gate_proj|up_proj)$"]
+    w8 = preset_scheme("W8A16")
+    one_block = dividing_groups({n: (scheme, w) for n, w in widths.items() if "layers.0.mlp" in n or "o_proj" in n}
+                                | {n: (w8, w) for n, w in widths.items() if "layers.1.mlp" in n}, "Q")
+    assert one_block["m.layers.0.mlp.experts.0.up_proj"].targets == [r"re:m\.layers\.0\.mlp\.experts\.\d+\.(down_proj|gate_proj|up_proj)$"]
+
+
 def test_no_fitting_group_is_said_before_any_work_with_the_fix(caplog):
     """llmpress keeps its shorter last group (it reads it back), and says what vLLM needs instead."""
     scheme = preset_scheme("W4A16")

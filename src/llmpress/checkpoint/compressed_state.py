@@ -23,11 +23,12 @@ from llmpress.lifecycle.records import HeldWeights, held_weights, transform_conf
 from llmpress.lifecycle.state import Status, quantized_modules, status_of
 from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
+from llmpress.quant.groups import EXPERT_NAME, name_targets
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import matches
 from llmpress.transforms.online import drop_repeated_matrices, written_transform_config
 
-__all__ = ["compressed_state_dict", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
+__all__ = ["compressed_state_dict", "name_experts", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
     ignore += [n for n in dense_routers if n not in ignore]
     dense = [(n, m) for n, m in model.named_modules() if id(m) not in quantized and not is_linear(m)]
     reached = {id(s): _reached_targets(s, modules, dense) for _, _, s in modules}  # once per scheme, not per module
-    config = quantization_config_of([reached[id(s)] for _, _, s in modules], ignore, kv_cache, save_compressed)
+    schemes = name_experts([(n, reached[id(s)]) for n, _, s in modules])
+    config = quantization_config_of(schemes, ignore, kv_cache, save_compressed)
     if transforms is not None:
         config["transform_config"] = written_transform_config(model, transforms)
         logger.warning(
@@ -234,6 +236,32 @@ def _reached_targets(scheme: QuantizationScheme, modules: list[tuple[str, nn.Mod
 
     kept = [t for t in scheme.targets if not elsewhere_only(t)]
     return scheme if kept == list(scheme.targets) or not kept else scheme.model_copy(update={"targets": kept})
+
+
+def name_experts(named: list[tuple[str, QuantizationScheme]]) -> list[QuantizationScheme]:
+    """``named``'s schemes (one a module), each that quantizes experts given an ``re:`` target
+    naming them where it has none: transformers 5 builds an MoE block's experts as one module and
+    takes their scheme from the first config group whose ``re:`` target names experts (else the
+    first with a name or class target: another group's, where a module took a group of its own).
+    Says where the experts are under more than one scheme, which transformers cannot read."""
+    experts: dict[int, list[str]] = {}
+    schemes = {id(scheme): scheme for _, scheme in named}
+    for name, scheme in named:
+        if EXPERT_NAME.fullmatch(name):
+            experts.setdefault(id(scheme), []).append(name)
+    out = dict(schemes)
+    for key, members in experts.items():
+        targets = schemes[key].targets
+        if not any(t.startswith("re:") and "experts" in t for t in targets):
+            added = [t for t in name_targets(members, [n for n, _ in named]) if t.startswith("re:") and t not in targets]
+            out[key] = schemes[key].model_copy(update={"targets": [*targets, *added]})
+    kinds = {_scheme_key(schemes[key]): members[0] for key, members in experts.items()}
+    if len(kinds) > 1:
+        logger.warning(
+            "the experts are quantized under %d schemes (%s, ...): vLLM and llmpress.load read each block's own, but transformers "
+            "(5.17-5.25) reads one scheme for all of a model's experts and cannot load this checkpoint. For one it loads, give "
+            "every expert one scheme (mixed precision: experts: shared)", len(kinds), ", ".join(list(kinds.values())[:3]))
+    return [out[id(scheme)] for _, scheme in named]
 
 
 def quantization_config_of(schemes: list[QuantizationScheme], ignore: list[str], kv_cache: Any = None,

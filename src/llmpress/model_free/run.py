@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmpress.checkpoint.atomic import atomic_directory
-from llmpress.checkpoint.compressed_state import quantization_config_of
+from llmpress.checkpoint.compressed_state import name_experts, quantization_config_of
 from llmpress.checkpoint.output import RECORD_NAME, claimed_output, write_record
 from llmpress.checkpoint.save import RECIPE_NAME, is_checkpoint_file
 from llmpress.compat import own_buffers, own_parameters
@@ -221,7 +221,8 @@ class _GlobalScales:
 
 def _write_config(folder: Path, plan: ModelFreePlan) -> None:
     config = dict(plan.config)
-    config["quantization_config"] = quantization_config_of(list(plan.schemes.values()), plan.ignore)
+    named = name_experts([(name.removesuffix(".weight"), scheme) for name, scheme in plan.schemes.items()])
+    config["quantization_config"] = quantization_config_of(named, plan.ignore)
     dtype = plan.dtype or (plan.fp8_dtype if plan.fp8_weights else None)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")

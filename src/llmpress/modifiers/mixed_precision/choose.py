@@ -24,13 +24,13 @@ from llmpress.modifiers.mixed_precision.measure import measure
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision, weight_bits
 from llmpress.modifiers.mixed_precision.report import choice_summary
 from llmpress.modifiers.mixed_precision.sensitivity import (
-    EXPERT_NAME,
     Rounding,
     module_groups,
     round_to_nearest,
     sequences,
     shape_of,
 )
+from llmpress.quant.groups import EXPERT_NAME, shared_columns
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -64,12 +64,14 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     weights = sum(rows_ * columns for rows_, columns in (shape_of(modules[n]) for n in modules))
     budget = _budget(model, mixed, modules, weights)
     options = mixed.options(budget / weights)
-    bits = {name: _option_bits(module, options) for name, module in modules.items()}
+    widths = shared_columns({name: shape_of(module)[1] for name, module in modules.items()})  # what each one's groups divide
+    bits = {name: _option_bits(module, options, widths[name]) for name, module in modules.items()}
     _check_budget(mixed, bits, options, budget, weights)  # before the measure: a too low target fails at once
     rows = sequences(calibration_data, mixed.samples)
     logger.info("%s: measuring the sensitivity of %d modules on %d sequences", modifier, len(modules), len(rows))
     measured = measure(model, modules, rows, options, rounding)
-    groups = [_group(members, modules, bits, measured.costs, options) for members in module_groups(modules, measured.input_of)]
+    groups = [_group(members, modules, bits, measured.costs, options)
+              for members in module_groups(modules, measured.input_of, mixed.experts)]
     picks = choose_options(groups, budget)
     spent = sum(g.bits[p] for g, p in zip(groups, picks))
     counts = Counter(options[p].name for g, p in zip(groups, picks) for _ in g.modules)
@@ -84,11 +86,12 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
             for k, members in sorted(chosen.items()) if options[k].scheme is not None]
 
 
-def _option_bits(module: nn.Module, options: list) -> list[int]:
-    """The bits ``module``'s weight takes under each option, as the checkpoint stores it."""
+def _option_bits(module: nn.Module, options: list, divides: int) -> list[int]:
+    """The bits ``module``'s weight takes under each option, as the checkpoint stores it (its
+    groups made to divide ``divides``)."""
     rows, columns = shape_of(module)
     dtype = stored_dtype(module)
-    return [weight_bits(option.scheme, rows, columns, dtype) for option in options]
+    return [weight_bits(option.scheme, rows, columns, dtype, divides) for option in options]
 
 
 def _group(members: list[str], modules: dict[str, nn.Module], bits: dict[str, list[int]], table: dict[str, list[float]],

@@ -43,6 +43,7 @@ from llmpress.modifiers.mixed_precision.menu import MenuOption
 from llmpress.modifiers.mixed_precision.sensitivity import Rounding, option_costs, round_to_nearest, shape_of
 from llmpress.parallel.distributed import assign_owners, gather_objects, is_main_process, rank, sum_across_ranks, world_size
 from llmpress.parallel.node import node_team
+from llmpress.quant.groups import shared_columns
 
 __all__ = ["Measured", "measure"]
 
@@ -76,13 +77,14 @@ def measure(model: nn.Module, modules: dict[str, nn.Module], rows: list[torch.Te
         sum_across_ranks(total)
     tokens = int(sum_across_ranks(torch.tensor([tokens], dtype=torch.float64)).item())
     mean = {name: total / max(tokens, 1) for name, total in grads.items()}
+    divides = shared_columns({name: shape_of(module)[1] for name, module in modules.items()})  # an expert's: its block's
     costs: dict[str, list[float]] = {}
     input_of: dict[str, str] = {}
-    _weigh(modules, [n for n in modules if n not in inside], outside_hessians, mean, options, rounding, costs, input_of)
+    _weigh(modules, [n for n in modules if n not in inside], outside_hessians, mean, options, rounding, costs, input_of, divides)
     del outside_hessians
     release_free_memory()  # the rows' graphs go back before the blocks' Hessians come
     if first_inputs is not None:
-        _block_by_block(blocks, modules, inside, first_inputs, arguments, mean, options, rounding, costs, input_of)
+        _block_by_block(blocks, modules, inside, first_inputs, arguments, mean, options, rounding, costs, input_of, divides)
     table: dict[str, list[float]] = {}
     for part in gather_objects(costs):  # in rank order: the shares of split modules added up, the others as weighed
         for name, values in part.items():
@@ -156,7 +158,7 @@ def _backward_pass(model: nn.Module, modules: dict[str, nn.Module], rows: list[t
 @torch.no_grad()
 def _block_by_block(blocks: nn.ModuleList, modules: dict[str, nn.Module], inside: list[str], inputs: list[tuple[tuple, dict]],
                     arguments: BlockArguments | None, grads: dict[str, torch.Tensor], options: list[MenuOption],
-                    rounding: Rounding, costs: dict[str, list[float]], input_of: dict[str, str]) -> None:
+                    rounding: Rounding, costs: dict[str, list[float]], input_of: dict[str, str], divides: dict[str, int]) -> None:
     """Each block on every row's inputs (with its own other arguments: ``arguments``), its
     modules' Hessians summed and weighed, then freed; the block's outputs become the next block's
     inputs, up to the last block with a module to weigh."""
@@ -181,7 +183,7 @@ def _block_by_block(blocks: nn.ModuleList, modules: dict[str, nn.Module], inside
         finally:
             for handle in handles:
                 handle.remove()
-        _weigh(modules, names, collector, grads, options, rounding, costs, input_of)
+        _weigh(modules, names, collector, grads, options, rounding, costs, input_of, divides)
         del collector
         release_free_memory()  # the block's Hessians and solver temporaries go back
         bar.update()
@@ -221,10 +223,12 @@ def _feeding(collector: HessianCollector, name: str):
 
 
 def _weigh(modules: dict[str, nn.Module], names: list[str], collector: HessianCollector, grads: dict[str, torch.Tensor],
-           options: list[MenuOption], rounding: Rounding, costs: dict[str, list[float]], input_of: dict[str, str]) -> None:
-    """The costs of ``names`` from ``collector``'s Hessians, into ``costs``; their accumulators are
-    freed. Collective. Under torch.distributed a Hessian whose options all round row by row
-    (groups, channels: GPTQ and round-to-nearest treat each row on its own) goes to every rank,
+           options: list[MenuOption], rounding: Rounding, costs: dict[str, list[float]], input_of: dict[str, str],
+           divides: dict[str, int]) -> None:
+    """The costs of ``names`` from ``collector``'s Hessians, into ``costs`` (each module's groups
+    made to divide its width in ``divides``); their accumulators are freed. Collective. Under
+    torch.distributed a Hessian whose options all round row by row (groups, channels: GPTQ and
+    round-to-nearest treat each row on its own) goes to every rank,
     each weighing its share of every module's rows (``costs`` then holds that share's sum, which
     ``measure`` adds up over the ranks); any other goes whole to one rank (the largest solves
     first to the least loaded)."""
@@ -242,7 +246,7 @@ def _weigh(modules: dict[str, nn.Module], names: list[str], collector: HessianCo
             hessian = _sum_of_products(accumulator)
             for member in accumulator.members:
                 share = _row_share(shape_of(modules[member])[0]) if by_rows else None
-                costs[member] = option_costs(modules[member], hessian, grads[member], options, rounding, share)
+                costs[member] = option_costs(modules[member], hessian, grads[member], options, rounding, share, divides[member])
             del hessian
         input_of.update({member: accumulator.members[0] for member in accumulator.members})
     if rank() == 0:  # a module no token reached on any rank: no Hessian, no cost

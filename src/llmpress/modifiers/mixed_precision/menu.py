@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, field_validator, model_validator
@@ -100,13 +100,15 @@ def _describe(scheme: QuantizationScheme) -> str:
     return f"{kind}{weights.num_bits}{'' if weights.symmetric else '_ASYM'}{group}"
 
 
-def weight_bits(scheme: QuantizationScheme | None, rows: int, columns: int, dtype: torch.dtype) -> int:
+def weight_bits(scheme: QuantizationScheme | None, rows: int, columns: int, dtype: torch.dtype, divides: int | None = None) -> int:
     """The bits a ``rows`` x ``columns`` weight takes in the checkpoint under ``scheme`` (None:
     as it is, in ``dtype``): its values as compressed-tensors packs them, its scales (in the
-    weight's dtype unless the scheme names theirs), zero points, global scale and group indices."""
+    weight's dtype unless the scheme names theirs), zero points, global scale and group indices.
+    ``divides``: the width its groups must divide where not its own (an expert's: its block's,
+    ``quant.groups.shared_columns``)."""
     if scheme is None or scheme.weights is None:
         return rows * columns * _bits(dtype)
-    args = fitted_weight_group(scheme, columns).weights
+    args = fitted_weight_group(scheme, divides or columns).weights
     assert args is not None
     if args.is_float:
         values = rows * columns * args.num_bits
@@ -139,7 +141,8 @@ def _bits(dtype: torch.dtype) -> int:
 class MixedPrecision(BaseModel):
     """A mixed-precision choice: a scheme per module from ``schemes`` so that the targeted
     weights average ``average_bits`` (scales included), or the checkpoint is ``size`` bytes
-    (``"60MB"``); each module's sensitivity is measured on ``samples`` calibration sequences."""
+    (``"60MB"``); each module's sensitivity is measured on ``samples`` calibration sequences;
+    an MoE's experts take one scheme (``experts``)."""
 
     model_config = CONFIG
 
@@ -147,6 +150,9 @@ class MixedPrecision(BaseModel):
     size: int | str | None = None
     schemes: list[str | dict[str, Any]] | None = None  # None: ``default_menu`` of the target
     samples: int = 32
+    #: the experts of an MoE: one scheme for all of them ("shared": transformers 5 reads one), or one
+    #: per experts block ("per_block": vLLM and llmpress.load read it, transformers does not)
+    experts: Literal["shared", "per_block"] = "shared"
 
     @field_validator("schemes", mode="before")
     @classmethod

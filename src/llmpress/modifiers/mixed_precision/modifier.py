@@ -33,13 +33,13 @@ if TYPE_CHECKING:
 
 __all__ = ["MixedPrecisionModifier", "MixedPrecisionModifierConfig", "with_mixed_precision"]
 
-_CHOICE_FIELDS = ("average_bits", "size", "schemes", "samples")
+_CHOICE_FIELDS = ("average_bits", "size", "schemes", "samples", "experts")
 _SCHEME_CHOICES = ("scheme", "config_groups", "mixed_precision")
 
 
 class MixedPrecisionModifierConfig(QuantizationModifierConfig):
     """``QuantizationModifier``'s fields, with the mixed-precision choice's own at the top level
-    (``average_bits`` or ``size``, ``schemes``, ``samples``)."""
+    (``average_bits`` or ``size``, ``schemes``, ``samples``, ``experts``)."""
 
     @model_validator(mode="before")
     @classmethod

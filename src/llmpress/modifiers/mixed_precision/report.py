@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llmpress.errors import MissingDependencyError
-from llmpress.modifiers.mixed_precision.sensitivity import EXPERT_NAME
+from llmpress.quant.groups import EXPERT_NAME
 
 __all__ = ["choice_rows", "choice_summary", "plot_choice"]
 
@@ -25,16 +25,17 @@ def _kind(modules: list[str]) -> str:
 
 
 def choice_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per group: its layer (None outside the numbered layers), kind, choice, bits per
+    """One row per group: its layer (None outside the numbered layers, or where the group spans
+    several: an MoE's experts under one scheme), the layers it spans, kind, choice, bits per
     weight, and the sensitivity of each option, in the record's order."""
     rows = []
     for group in record.get("groups", []):
-        found = _LAYER.search(group["modules"][0])
+        layers = sorted({int(found.group(1)) for m in group["modules"] if (found := _LAYER.search(m))})
         weights = max(int(group.get("weights") or 0), 1)
         chosen = record["menu"].index(group["chosen"])
-        rows.append({"layer": int(found.group(1)) if found else None, "kind": _kind(group["modules"]), "chosen": group["chosen"],
-                     "bits_per_weight": group["bits"][chosen] / weights, "sensitivity": group["sensitivity"],
-                     "modules": group["modules"]})
+        rows.append({"layer": layers[0] if len(layers) == 1 else None, "layers": layers, "kind": _kind(group["modules"]),
+                     "chosen": group["chosen"], "bits_per_weight": group["bits"][chosen] / weights,
+                     "sensitivity": group["sensitivity"], "modules": group["modules"]})
     return rows
 
 
@@ -49,7 +50,8 @@ def choice_summary(record: dict[str, Any]) -> list[str]:
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
     table: dict[Any, dict[str, str]] = {}
     for row in rows:
-        table.setdefault(row["layer"], {})[row["kind"]] = row["chosen"]
+        for layer in row["layers"] or [None]:
+            table.setdefault(layer, {})[row["kind"]] = row["chosen"]
     width = max([len(k) for k in kinds] + [len(c) for cells in table.values() for c in cells.values()] + [5])
     lines.append("    layer  " + "  ".join(k.ljust(width) for k in kinds))
     for layer, cells in table.items():
@@ -60,7 +62,8 @@ def choice_summary(record: dict[str, Any]) -> list[str]:
 
 def plot_choice(record: dict[str, Any], png: str | Path) -> Path:
     """A PNG: above, the bits per weight chosen for each group kind by layer; below, each
-    kind's sensitivity at the menu's cheapest scheme (what the choice weighed), log scale."""
+    kind's sensitivity at the menu's cheapest scheme (what the choice weighed), log scale; a
+    group spanning layers (an MoE's experts under one scheme) above only."""
     try:
         import matplotlib
 
@@ -69,14 +72,14 @@ def plot_choice(record: dict[str, Any], png: str | Path) -> Path:
         import matplotlib.ticker
     except ImportError:
         raise MissingDependencyError("--plot needs matplotlib", fix="pip install matplotlib  (or 'llmpress[plot]')") from None
-    rows = [r for r in choice_rows(record) if r["layer"] is not None]
+    rows = [r for r in choice_rows(record) if r["layers"]]
     cheapest = _cheapest(record)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
-        layers = [r["layer"] for r in mine]
-        top.plot(layers, [r["bits_per_weight"] for r in mine], marker="o", label=kind)
-        bottom.plot(layers, [max(r["sensitivity"][cheapest], 1e-12) for r in mine], marker=".", label=kind)
+        top.plot([n for r in mine for n in r["layers"]], [r["bits_per_weight"] for r in mine for _ in r["layers"]], marker="o", label=kind)
+        own = [r for r in mine if r["layer"] is not None]
+        bottom.plot([r["layer"] for r in own], [max(r["sensitivity"][cheapest], 1e-12) for r in own], marker=".", label=kind)
     top.axhline(record.get("average_bits", 0), color="grey", linestyle="--", linewidth=1, label="average")
     top.set_ylabel("bits per weight chosen")
     top.legend(fontsize=8, ncol=4)

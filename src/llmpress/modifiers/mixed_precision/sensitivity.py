@@ -17,7 +17,6 @@ is one group here, with one scheme.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,15 +27,11 @@ from llmpress.errors import DataError
 from llmpress.models.linear import features, linear_weight
 from llmpress.modifiers.mixed_precision.menu import MenuOption
 from llmpress.parallel.distributed import gather_objects, is_distributed
-from llmpress.quant.groups import fitted_weight_group
+from llmpress.quant.groups import EXPERT_NAME, fitted_weight_group
 from llmpress.quant.observers import fake_quantize_weight
 from llmpress.quant.scheme import QuantizationScheme
 
-__all__ = ["EXPERT_NAME", "Rounding", "module_groups", "option_costs", "round_to_nearest", "sequences", "shape_of"]
-
-#: an expert's module: (its experts block, its own name in the expert)
-EXPERT_NAME = re.compile(r"(.*\.experts)\.\d+\.(.+)")
-
+__all__ = ["Rounding", "module_groups", "option_costs", "round_to_nearest", "sequences", "shape_of"]
 
 def sequences(calibration_data: Any, samples: int) -> list[torch.Tensor]:
     """The first ``samples`` token-id sequences of the calibration data (tensors, lists of them,
@@ -73,7 +68,7 @@ def round_to_nearest(weight: torch.Tensor, hessian: torch.Tensor, scheme: Quanti
 
 
 def option_costs(module: nn.Module, hessian: torch.Tensor | None, grads: torch.Tensor, options: list[MenuOption],
-                 rounding: Rounding = round_to_nearest, rows: tuple[int, int] | None = None) -> list[float]:
+                 rounding: Rounding = round_to_nearest, rows: tuple[int, int] | None = None, divides: int | None = None) -> list[float]:
     """``module``'s cost under each option: for the option's rounding error ``dW`` (made by
     ``rounding``, the algorithm that will round the weight), ``1/2 sum_i g_i dW_i H dW_i^T``,
     ``g_i`` the mean squared output gradient of row ``i`` (``grads``) and ``H`` the inputs'
@@ -81,7 +76,8 @@ def option_costs(module: nn.Module, hessian: torch.Tensor | None, grads: torch.T
     into outputs and inputs. The whole ``H`` sees what GPTQ does (it moves each rounding error
     where the inputs make it cheap). Zero for an option that leaves the weight as it is, and for
     a module no token reached (``hessian`` None). ``rows``: only the rows ``start:end`` (where
-    each row rounds on its own), their part of the sum."""
+    each row rounds on its own), their part of the sum. ``divides``: the width the option's groups
+    must divide where not the weight's own (an expert's: its block's, ``shared_columns``)."""
     weight = linear_weight(module.weight.detach(), module).float()
     if rows is not None:
         weight, grads = weight[rows[0] : rows[1]], grads[rows[0] : rows[1]]
@@ -90,20 +86,22 @@ def option_costs(module: nn.Module, hessian: torch.Tensor | None, grads: torch.T
         if option.scheme is None or option.scheme.weights is None or hessian is None:
             costs.append(0.0)
             continue
-        error = rounding(weight, hessian, fitted_weight_group(option.scheme, weight.shape[1])) - weight
+        error = rounding(weight, hessian, fitted_weight_group(option.scheme, divides or weight.shape[1])) - weight
         row_costs = ((error @ hessian) * error).sum(1)
         costs.append(0.5 * float((grads.to(row_costs) * row_costs).sum(dtype=torch.float64)))
     return costs
 
 
-def module_groups(modules: dict[str, nn.Module], input_of: dict[str, str]) -> list[list[str]]:
+def module_groups(modules: dict[str, nn.Module], input_of: dict[str, str], experts: str = "shared") -> list[list[str]]:
     """``modules`` in groups that take one scheme, in the model's order: those that read the
-    same input tensor (``input_of``: each module's first reader of its input), and every
-    expert's modules of one experts block."""
+    same input tensor (``input_of``: each module's first reader of its input), and the experts'
+    modules: of every experts block (``experts="shared"``: transformers 5 reads one scheme for
+    all of a model's experts), or of each block (``"per_block"``: vLLM serves a block as one
+    layer, of one scheme)."""
     key: dict[str, str] = {}
     for name in modules:
         found = EXPERT_NAME.fullmatch(name)
-        key[name] = found.group(1) if found else input_of.get(name, name)
+        key[name] = (" experts" if experts == "shared" else found.group(1)) if found else input_of.get(name, name)
     groups: dict[str, list[str]] = {}
     for name in modules:
         groups.setdefault(key[name], []).append(name)
