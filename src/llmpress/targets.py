@@ -8,8 +8,10 @@ entries match one module, the most specific wins as in compressed-tensors: an ex
 regular expression, then a class name.
 
 Recipes match with ``linear_alias``: their ``Linear`` also names transformers' ``Conv1D``, the
-transposed linear of GPT-2 (see ``llmpress.models.linear``). A checkpoint's config is matched
-without it, as compressed-tensors matches it.
+transposed linear of GPT-2 (see ``llmpress.models.linear``), and does not name an MoE block's
+router (``ROUTER_NAMES``: most are not Linear in transformers 5; Phi-MoE's is a Linear subclass
+that reads its own ``weight``, and a quantized one loads nowhere); a name or pattern still does.
+A checkpoint's config is matched without it, as compressed-tensors matches it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from torch import nn
 
 from llmpress.models.linear import input_major
 
-__all__ = ["matches", "match_priority", "assign_by_targets", "name_conv1d_targets"]
+__all__ = ["ROUTER_NAMES", "matches", "match_priority", "assign_by_targets", "moe_routers", "name_conv1d_targets"]
 
 EXACT, REGEX, CLASS, ALIAS = 0, 1, 2, 3  # ALIAS: a recipe's Linear naming a Conv1D, below its own class name
+
+#: the names of an MoE block's router beside its ``experts``
+ROUTER_NAMES = ("gate", "router")
 
 
 def _class_names(module: nn.Module) -> set[str]:
@@ -54,18 +59,27 @@ def matches(name: str, module: nn.Module, patterns: Iterable[str], linear_alias:
     return match_priority(name, module, patterns, linear_alias) is not None
 
 
+def moe_routers(model: nn.Module) -> set[str]:
+    """The names a router of ``model``'s MoE blocks would have (``ROUTER_NAMES`` beside ``experts``)."""
+    return {f"{n}.{leaf}" if n else leaf for n, m in model.named_modules() if hasattr(m, "experts") for leaf in ROUTER_NAMES}
+
+
 def assign_by_targets(
     model: nn.Module, entries: list[tuple[list[str], object]], ignore: Iterable[str] = (), linear_alias: bool = False,
 ) -> dict[str, tuple[nn.Module, object]]:
     """For each module matched by some entry's targets (and not ignored), the entry's value that
-    matches it most specifically; among equally specific entries the first wins."""
+    matches it most specifically; among equally specific entries the first wins. With
+    ``linear_alias`` (a recipe's targets), ``Linear`` does not reach an MoE router."""
     ignore = list(ignore)
+    routers = moe_routers(model) if linear_alias else set()
     chosen: dict[str, tuple[nn.Module, object]] = {}
     for name, module in model.named_modules():
         if not name or matches(name, module, ignore, linear_alias):
             continue
         best = None
         for targets, value in entries:
+            if name in routers:
+                targets = [t for t in targets if t != "Linear"]
             priority = match_priority(name, module, targets, linear_alias)
             if priority is not None and (best is None or priority < best[0]):
                 best = (priority, value)

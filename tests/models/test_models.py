@@ -150,6 +150,42 @@ def test_experts_under_their_own_config_group_load_in_transformers(tmp_path, mod
     assert ((theirs - ours).norm() / ours.norm()) < 1e-4
 
 
+def test_a_recipes_linear_leaves_a_moe_router_dense(tmp_path):
+    """Phi-MoE's router is a Linear subclass that reads its own ``weight``: quantized by the W4A16
+    preset's ``Linear``, neither transformers ('PhimoeTopKRouter' object has no attribute
+    'weight') nor llmpress.load read the file. ``Linear`` no longer reaches a router; a pattern
+    still does."""
+    from transformers import AutoModelForCausalLM
+
+    from llmpress.modifiers import QuantizationModifier
+    from llmpress.targets import assign_by_targets
+
+    source = save_tiny("phimoe", tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    routers = {"model.layers.0.mlp.router", "model.layers.1.mlp.router"}
+    assert not routers & set(assign_by_targets(model, [(["Linear"], None)], linear_alias=True))
+    assert routers <= set(assign_by_targets(model, [(["Linear", "re:.*router$"], None)], linear_alias=True))
+    assert routers <= set(assign_by_targets(model, [(["Linear"], None)]))  # a checkpoint's config reads as written
+    out = tmp_path / "out"
+    samples = [torch.randint(3, 4096, (16,)).tolist() for _ in range(4)]
+    llmpress.oneshot(str(source), QuantizationModifier(scheme="W4A16", ignore=["lm_head"]), samples, output_dir=out, return_model=False)
+    assert routers <= set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+    ids = torch.randint(3, 4096, (1, 12))
+    ours = llmpress.load(out, dtype=torch.float32, dequantize=True)(ids).logits
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    assert ((theirs - ours).norm() / ours.norm()) < 1e-4
+    # a file whose routers are quantized (a pattern named them): llmpress.load keeps the router's
+    # class, which returns the routing, and gives it the dequantized weight, on either reader
+    quantized = tmp_path / "routers"
+    llmpress.oneshot(str(source), QuantizationModifier(scheme="W4A16", targets=["Linear", "re:.*router$"], ignore=["lm_head"]),
+                     samples, output_dir=quantized, return_model=False)
+    assert not routers & set(json.loads((quantized / "config.json").read_text())["quantization_config"]["ignore"])
+    exact = llmpress.load(quantized, dtype=torch.float32, dequantize=True)
+    kernels = llmpress.load(quantized, dtype=torch.float32)
+    assert type(kernels.model.layers[0].mlp.router).__name__ == "PhimoeTopKRouter"
+    torch.testing.assert_close(kernels(ids).logits, exact(ids).logits, rtol=1e-3, atol=1e-3)
+
+
 def test_hub_model_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):
     """``Qwen/Qwen3-8B``-style ids resolve as from_pretrained resolves them: the cache first;
     HF_HUB_OFFLINE (set for every test) keeps it from going online."""

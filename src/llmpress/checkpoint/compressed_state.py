@@ -25,7 +25,7 @@ from llmpress.memory import release_free_memory
 from llmpress.models.linear import input_major, is_linear
 from llmpress.quant.groups import EXPERT_NAME, name_targets
 from llmpress.quant.scheme import QuantizationScheme
-from llmpress.targets import matches
+from llmpress.targets import matches, moe_routers
 from llmpress.transforms.online import drop_repeated_matrices, written_transform_config
 
 __all__ = ["compressed_state_dict", "name_experts", "quantization_config_for", "quantization_config_of", "unique_state_dict"]
@@ -171,7 +171,7 @@ def _scheme_key(scheme: QuantizationScheme) -> str:
 def quantization_config_for(model: nn.Module, save_compressed: bool = True, names: Any = None) -> dict[str, Any] | None:
     """The compressed-tensors ``quantization_config`` of a quantized model, else ``None``. Its
     ``ignore`` lists the linear layers left dense, by module name (what compressed-tensors matches
-    in transformers), then the MoE routers (``ROUTER_NAMES``) by their names in the checkpoint
+    in transformers), then the MoE routers (``targets.ROUTER_NAMES``) by their names in the checkpoint
     (``names``, a ``KeyMap``: Mixtral's ``block_sparse_moe.gate``, not transformers 5's
     ``mlp.gate``), which is what vLLM matches: it builds a router as a linear layer, where
     transformers does not."""
@@ -187,7 +187,7 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
     if not modules and kv_cache is None:
         return None
     quantized = {id(m) for _, m, _ in modules}
-    routers = {f"{n}.{leaf}" if n else leaf for n, m in model.named_modules() if hasattr(m, "experts") for leaf in ROUTER_NAMES}
+    routers = moe_routers(model)
     ignore = [n for n, m in model.named_modules() if is_linear(m) and id(m) not in quantized]
     dense_routers = [n for n, m in model.named_modules() if n in routers and _has_matrix(m) and id(m) not in quantized and n not in ignore]
     if names is not None:
@@ -205,11 +205,6 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
             "load it without them and compute another function",
             ", ".join(sorted(transforms["config_groups"])))
     return config
-
-
-#: the names of an MoE block's router beside its ``experts``: dense, and listed in ``ignore``, since
-#: vLLM builds the router as a linear layer and would look for it quantized under a ``Linear`` target
-ROUTER_NAMES = ("gate", "router")
 
 
 def _has_matrix(module: nn.Module) -> bool:

@@ -2,7 +2,9 @@
 
 Each targeted ``nn.Linear`` (or ``Conv1D``, in its own layout) of the skeleton becomes a
 ``QuantizedLinear`` (or, with ``dequantize=True``, stays a dense module that receives on-grid
-weights). Targets are matched as compressed-tensors matches them: ``Linear`` is ``nn.Linear``. A module's
+weights). A Linear subclass with a forward of its own (Phi-MoE's router, which returns the
+routing) keeps its class and receives the on-grid weight in either case. Targets are matched as
+compressed-tensors matches them: ``Linear`` is ``nn.Linear``. A module's
 stored tensors are gathered as they stream in and converted as soon as the last one arrives, so
 at most a few modules' tensors wait at any time.
 """
@@ -36,12 +38,14 @@ logger = logging.getLogger(__name__)
 
 
 class _Target:
-    __slots__ = ("scheme", "fmt", "in_features", "out_features", "input_major", "dtype", "expected", "pending", "done")
+    __slots__ = ("scheme", "fmt", "in_features", "out_features", "input_major", "dtype", "expected", "pending", "done", "own_forward")
 
     def __init__(self, linear: nn.Module, scheme: QuantizationScheme, fmt: str, expected: set[str]) -> None:
         self.scheme, self.fmt, self.expected = scheme, fmt, expected
         (self.in_features, self.out_features), self.dtype = features(linear), linear.weight.dtype
         self.input_major = input_major(linear)
+        # a Linear subclass that computes something else (a router): kept, given the dequantized weight
+        self.own_forward = isinstance(linear, nn.Linear) and type(linear).forward is not nn.Linear.forward
         self.pending: dict[str, torch.Tensor] = {}
         self.done = False
 
@@ -79,7 +83,7 @@ class CompressedTensorsQuantizer(Quantizer):
                 continue
             fmt = scheme.format if compressed and scheme.format else "dense"
             self.targets[name] = _Target(module, scheme, fmt, by_module.get(name, set()))
-            if not self.config.dequantize and scheme.weights is not None:
+            if not self.config.dequantize and scheme.weights is not None and not self.targets[name].own_forward:
                 model.set_submodule(name, QuantizedLinear.like(module, scheme))
         self.quantized_modules = sorted(self.targets)
         if self.config.kv_cache_scheme:
@@ -120,11 +124,14 @@ class CompressedTensorsQuantizer(Quantizer):
         if "bias" in state:
             state["bias"] = state["bias"].to(target.dtype)
         try:
-            if self.config.dequantize or target.scheme.weights is None:
+            if self.config.dequantize or target.scheme.weights is None or target.own_forward:
                 # activation-only schemes keep their stored weights as they are ("dense")
                 fmt = target.fmt if target.scheme.weights is not None else "dense"
-                model.set_submodule(name, dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype,
-                                                         target.input_major))
+                dense = dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype, target.input_major)
+                if target.own_forward:
+                    _take_parameters(model.get_submodule(name), dense)
+                else:
+                    model.set_submodule(name, dense)
             else:
                 model.get_submodule(name).load_compressed(state, target.fmt)
         except KeyError as exc:
@@ -153,3 +160,9 @@ class CompressedTensorsQuantizer(Quantizer):
     def is_trainable(self) -> bool:
         return bool(self.config.dequantize)
 
+
+def _take_parameters(module: nn.Module, dense: nn.Module) -> None:
+    """``module`` (a Linear subclass kept for its own forward) with ``dense``'s weight and bias."""
+    module.weight = dense.weight
+    if getattr(dense, "bias", None) is not None:
+        module.bias = dense.bias

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from llmpress.checkpoint.compressed_state import ROUTER_NAMES
 from llmpress.errors import RecipeError
 from llmpress.formats.hf_fp8 import DROPPED_NAMES, SCALE_NAME, check_fp8_source
 from llmpress.lifecycle.attach import FUSED_NAMES
@@ -31,7 +30,7 @@ from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.quant.groups import dividing_groups
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.recipe import Recipe
-from llmpress.targets import CLASS, EXACT, REGEX
+from llmpress.targets import CLASS, EXACT, REGEX, ROUTER_NAMES
 from llmpress.tensorfiles.dtypes import named_dtype
 from llmpress.tensorfiles.read import ShardEntry
 from llmpress.tensorfiles.verify import sound_shards
@@ -94,12 +93,13 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     schemes_of = modifier.config.resolved_schemes()
     ignore = modifier.config.ignore
     chosen: dict[str, QuantizationScheme] = {}
+    routers = set(_routers(entries))  # as assign_by_targets: Linear does not reach them, a name or pattern does
     for module in linear:
         if _priority(module, ignore) is not None:
             continue
         best = None
         for scheme in schemes_of:
-            priority = _priority(module, scheme.targets)
+            priority = _priority(module, [t for t in scheme.targets if t != "Linear" or module not in routers])
             if priority is not None and (best is None or priority < best[0]):
                 best = (priority, scheme)
         if best is not None:
@@ -161,7 +161,7 @@ def _linear_modules(entries: dict[str, ShardEntry]) -> list[str]:
 
 
 def _routers(entries: dict[str, ShardEntry]) -> list[str]:
-    """The MoE routers with a 2-D weight beside their ``experts`` (``checkpoint.ROUTER_NAMES``)."""
+    """The MoE routers with a 2-D weight beside their ``experts`` (``targets.ROUTER_NAMES``)."""
     blocks = {name.rpartition(".experts.")[0] for name in entries if ".experts." in name}
     return [f"{b}.{leaf}" for b in sorted(blocks) for leaf in ROUTER_NAMES
             if (e := entries.get(f"{b}.{leaf}.weight")) is not None and len(e.shape) == 2]
