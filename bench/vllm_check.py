@@ -90,6 +90,8 @@ ROWS = {
     "spinquant-r4-gptq": ("spinquant-r4-gptq", "tiny-llama-bf16", "bfloat16", True),
     "quip-w4a16": ("quip-w4a16", "tiny-llama-bf16", "bfloat16", True),
     "mixed-gptq": ("mixed-gptq", "tiny-llama-bf16", "bfloat16", True),
+    # SmolLM2-135M's widths (576 wide, MLP 1536): groups of 128 fall back to 64 on the 576-wide modules, in groups of their own
+    "mixed-gptq-576": ("mixed-gptq", "llama-576", "bfloat16", True),
     "autoround": ("autoround", "tiny-llama-bf16", "bfloat16", True),
     "moe-w4a16": ("w4a16", "qwen3-moe", "bfloat16", False),
     "gemma-w4a16": ("w4a16", "gemma", "bfloat16", False),
@@ -118,12 +120,13 @@ def make_models(work: Path) -> dict[str, Path]:
     shapes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, vocab_size=int(json.loads((tokenizer / "config.json").read_text())["vocab_size"]))
     families = {"qwen3-moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256}),
-                "gemma": ("gemma", {}), "qwen3": ("qwen3", {})}
+                "gemma": ("gemma", {}), "qwen3": ("qwen3", {}),
+                "llama-576": ("llama", {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3})}
     for name, (model_type, extra) in families.items():
         folder = work / name
         if not (folder / "config.json").exists():
             torch.manual_seed(0)
-            config = AutoConfig.for_model(model_type, **shapes, **extra)
+            config = AutoConfig.for_model(model_type, **{**shapes, **extra})
             AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
             for file in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(tokenizer / file, folder / file)

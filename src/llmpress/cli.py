@@ -32,8 +32,15 @@ def _oneshot(args: argparse.Namespace) -> int:
         from llmpress.modifiers.mixed_precision import MixedPrecision
         from llmpress.modifiers.mixed_precision.modifier import with_mixed_precision
 
-        choice = {"average_bits": args.average_bits, "size": args.target_size, "schemes": args.schemes}
+        choice = {"average_bits": args.average_bits, "size": args.target_size, "schemes": args.schemes, "experts": args.experts}
         recipe = with_mixed_precision(recipe, MixedPrecision(**{k: v for k, v in choice.items() if v is not None}))
+    elif args.schemes is not None or args.experts is not None:
+        from llmpress.errors import RecipeError
+
+        raise RecipeError("--schemes and --experts shape a mixed-precision choice, and none was asked for",
+                          got=" ".join(f"--{k} {v}" for k, v in (("schemes", args.schemes), ("experts", args.experts)) if v is not None),
+                          expected="a target beside them",
+                          fix="add --average-bits 4.25 or --target-size 60MB")
     options = CalibrationOptions(
         num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
         calibrate_all_experts=args.calibrate_all_experts, device=args.device, split=args.split,
@@ -281,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     oneshot.add_argument("--schemes", help="the menu for --average-bits / --target-size, comma-separated (default: int weight-only "
                          "schemes in groups of 128 and 32 from the target's whole bits up to 4, then W8A16 and DENSE; e.g. "
                          "W4A16,W4A16_G32,W8A16,DENSE for 4.25)")
+    oneshot.add_argument("--experts", choices=["shared", "per_block"], help="mixed precision on an MoE: one scheme for every expert "
+                         "(shared, the default: what transformers reads) or one per experts block (vLLM and llmpress.load read it)")
     oneshot.add_argument("--dataset", "--data", help="calibration data: text, JSON-lines file, dataset folder, a Hugging Face Hub dataset "
                          "id or llm-compressor's name for one (ultrachat_200k, open_platypus, gsm8k, ...; the local cache first)")
     oneshot.add_argument("--split", help="a Hub dataset's split, sliced as datasets slices it (train_sft[:512])")

@@ -369,6 +369,23 @@ def test_the_command_line_turns_a_recipe_into_a_mixed_one(tmp_path):
     assert said[1].startswith("mixed precision: ") and "on 8 sequences" in said[1] and said[2].split() == ["layer", "q/k/v", "o", "gate/up", "down"]
 
 
+def test_the_command_line_gives_each_experts_block_its_own_scheme_when_asked(tmp_path, capsys):
+    from helpers import tiny_of_family
+
+    from llmpress.cli import main
+
+    tiny_of_family("qwen3_moe").save_pretrained(tmp_path / "model")
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in token_batches(8, 32, vocab=512)))
+    common = ["oneshot", "--model", str(tmp_path / "model"), "--recipe", "W4A16", "--dataset", str(data), "--num-samples", "8",
+              "--seq-len", "32"]
+    assert main([*common, "--experts", "per_block", "--output", str(tmp_path / "refused")]) != 0
+    assert "--experts per_block" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    assert main([*common, "--average-bits", "5", "--experts", "per_block", "--output", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "config.json").read_text())["llmpress_mixed_precision"]
+    assert len([g for g in record["groups"] if any(".experts." in m for m in g["modules"])]) == 2  # one per block
+
+
 def test_without_calibration_data_mixed_precision_is_refused_with_the_fix():
     with pytest.raises(DataError, match="calibration data"):
         llmpress.oneshot(make_tiny_llama(), [MixedPrecisionModifier(average_bits=4.5)], [])
