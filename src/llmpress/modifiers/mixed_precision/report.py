@@ -77,9 +77,11 @@ def plot_choice(record: dict[str, Any], png: str | Path) -> Path:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
-        top.plot([n for r in mine for n in r["layers"]], [r["bits_per_weight"] for r in mine for _ in r["layers"]], marker="o", label=kind)
+        line, = top.plot([n for r in mine for n in r["layers"]], [r["bits_per_weight"] for r in mine for _ in r["layers"]], marker="o",
+                         label=kind)
         own = [r for r in mine if r["layer"] is not None]
-        bottom.plot([r["layer"] for r in own], [max(r["sensitivity"][cheapest], 1e-12) for r in own], marker=".", label=kind)
+        bottom.plot([r["layer"] for r in own], [max(r["sensitivity"][cheapest], 1e-12) for r in own], marker=".", label=kind,
+                    color=line.get_color())
     top.axhline(record.get("average_bits", 0), color="grey", linestyle="--", linewidth=1, label="average")
     top.set_ylabel("bits per weight chosen")
     top.legend(fontsize=8, ncol=4)
