@@ -111,11 +111,15 @@ _QUANTIZED_TENSORS = 5
 def _budget(model: nn.Module, mixed: MixedPrecision, modules: dict[str, nn.Module], weights: int) -> float:
     """The bits the targeted weights may take: ``average_bits`` of each, or what ``size`` (the
     safetensors files' bytes) leaves once every other tensor of the model is counted as it is
-    stored, and every tensor's header entry and each quantized module's ``weight_shape``."""
+    stored (an embedding tied to a targeted head included: the checkpoint stores both), and
+    every tensor's header entry and each quantized module's ``weight_shape``."""
     if mixed.average_bits is not None:
         return mixed.average_bits * weights
-    chosen = {id(m.weight) for m in modules.values()}
-    others = {id(t): (n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) not in chosen}
+    chosen = {f"{name}.weight" for name in modules}  # by name: a head tied to the embeddings is untied when quantized
+    others: dict[int, tuple[str, Any]] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if name not in chosen:
+            others.setdefault(id(tensor), (name, tensor))
     fixed = sum(t.numel() * t.element_size() + len(n) + _HEADER_ENTRY for n, t in others.values())
     fixed += sum(16 + _QUANTIZED_TENSORS * (len(n) + 16 + _HEADER_ENTRY) for n in modules)
     return 8 * (mixed.size_bytes() - fixed)
