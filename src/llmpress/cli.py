@@ -23,24 +23,12 @@ __all__ = ["main", "run"]
 def _oneshot(args: argparse.Namespace) -> int:
     from llmpress.data import CalibrationOptions
     from llmpress.entrypoints import oneshot
+    from llmpress.modifiers.mixed_precision.modifier import with_command_line_choice
     from llmpress.parallel.distributed import ranks_from_environment
     from llmpress.parallel.fork import forked_ranks, import_before_fork
     from llmpress.recipe import Recipe
 
-    recipe = Recipe.from_any(args.recipe)
-    if args.average_bits is not None or args.target_size is not None:
-        from llmpress.modifiers.mixed_precision import MixedPrecision
-        from llmpress.modifiers.mixed_precision.modifier import with_mixed_precision
-
-        choice = {"average_bits": args.average_bits, "size": args.target_size, "schemes": args.schemes, "experts": args.experts}
-        recipe = with_mixed_precision(recipe, MixedPrecision(**{k: v for k, v in choice.items() if v is not None}))
-    elif args.schemes is not None or args.experts is not None:
-        from llmpress.errors import RecipeError
-
-        raise RecipeError("--schemes and --experts shape a mixed-precision choice, and none was asked for",
-                          got=" ".join(f"--{k} {v}" for k, v in (("schemes", args.schemes), ("experts", args.experts)) if v is not None),
-                          expected="a target beside them",
-                          fix="add --average-bits 4.25 or --target-size 60MB")
+    recipe = with_command_line_choice(Recipe.from_any(args.recipe), args.average_bits, args.target_size, args.schemes, args.experts)
     options = CalibrationOptions(
         num_samples=args.num_samples, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
         calibrate_all_experts=args.calibrate_all_experts, device=args.device, split=args.split,

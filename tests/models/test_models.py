@@ -4,6 +4,7 @@ prefixed checkpoint keys, and MoE experts held one Linear per expert."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -150,6 +151,29 @@ def test_experts_under_their_own_config_group_load_in_transformers(tmp_path, mod
     assert ((theirs - ours).norm() / ours.norm()) < 1e-4
 
 
+def test_targets_by_module_path_also_name_the_checkpoints_paths(tmp_path):
+    """transformers 5 holds Mixtral's experts as ``mlp.experts``; its checkpoint (and vLLM) says
+    ``block_sparse_moe.experts``. A target by path (a mixed choice's block of experts, a module
+    by name) gets the checkpoint's form beside the model's: vLLM matches one, transformers and
+    llmpress.load the other."""
+    from transformers import AutoModelForCausalLM
+
+    from llmpress.checkpoint.compressed_state import _as_stored
+    from llmpress.models.keys import KeyMap
+    from llmpress.quant.scheme import preset_scheme
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("mixtral", tmp_path / "model"))
+    linearize_experts(model)
+    experts = [n for n, _ in model.named_modules() if re.fullmatch(r"model\.layers\.\d\.mlp\.experts\.\d+\.w[123]", n)]
+    block = preset_scheme("W4A16").model_copy(update={"targets": [r"re:model\.layers\.0\.mlp\.experts\.\d+\.(w1|w2|w3)$"]})
+    other = preset_scheme("W8A16").model_copy(update={"targets": [r"re:model\.layers\.1\.mlp\.experts\.\d+\.(w1|w2|w3)$"]})
+    attention = preset_scheme("W8A16").model_copy(update={"targets": ["model.layers.0.self_attn.q_proj", "Linear"]})
+    named = [(n, block if ".layers.0." in n else other) for n in experts] + [("model.layers.0.self_attn.q_proj", attention)]
+    stored = _as_stored(named, KeyMap(model))
+    assert stored[0].targets == [*block.targets, r"re:model\.layers\.0\.block_sparse_moe\.experts\.\d+\.(w1|w2|w3)$"]
+    assert stored[-1] is attention  # the same path in both: nothing to add
+
+
 def test_a_recipes_linear_leaves_a_moe_router_dense(tmp_path):
     """Phi-MoE's router is a Linear subclass that reads its own ``weight``: quantized by the W4A16
     preset's ``Linear``, neither transformers ('PhimoeTopKRouter' object has no attribute
@@ -182,8 +206,15 @@ def test_a_recipes_linear_leaves_a_moe_router_dense(tmp_path):
     assert not routers & set(json.loads((quantized / "config.json").read_text())["quantization_config"]["ignore"])
     exact = llmpress.load(quantized, dtype=torch.float32, dequantize=True)
     kernels = llmpress.load(quantized, dtype=torch.float32)
-    assert type(kernels.model.layers[0].mlp.router).__name__ == "PhimoeTopKRouter"
+    router = kernels.model.layers[0].mlp.router
+    assert type(router).__name__ == "PhimoeTopKRouter" and router.weight.shape == (4, 128)
     torch.testing.assert_close(kernels(ids).logits, exact(ids).logits, rtol=1e-3, atol=1e-3)
+    # other Linear subclasses with a forward of their own (Falcon's FalconLinear) still run on the kernels
+    llmpress.oneshot(str(save_tiny("falcon", tmp_path / "falcon")), QuantizationModifier(scheme="W4A16", ignore=["lm_head"]),
+                     samples, output_dir=tmp_path / "falcon-out", return_model=False, model_free=False)
+    from llmpress.runtime import QuantizedLinear
+
+    assert isinstance(llmpress.load(tmp_path / "falcon-out").transformer.h[0].self_attention.query_key_value, QuantizedLinear)
 
 
 def test_hub_model_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch):

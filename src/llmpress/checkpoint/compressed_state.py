@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -195,7 +196,10 @@ def quantization_config_for(model: nn.Module, save_compressed: bool = True, name
     ignore += [n for n in dense_routers if n not in ignore]
     dense = [(n, m) for n, m in model.named_modules() if id(m) not in quantized and not is_linear(m)]
     reached = {id(s): _reached_targets(s, modules, dense) for _, _, s in modules}  # once per scheme, not per module
-    schemes = name_experts([(n, reached[id(s)]) for n, _, s in modules])
+    named = [(n, reached[id(s)]) for n, _, s in modules]
+    schemes = name_experts(named)
+    if names is not None:
+        schemes = _as_stored([(n, s) for (n, _), s in zip(named, schemes)], names)
     config = quantization_config_of(schemes, ignore, kv_cache, save_compressed)
     if transforms is not None:
         config["transform_config"] = written_transform_config(model, transforms)
@@ -256,6 +260,33 @@ def name_experts(named: list[tuple[str, QuantizationScheme]]) -> list[Quantizati
             "the experts are quantized under %d schemes (%s, ...): vLLM and llmpress.load read each block's own, but transformers "
             "(5.17-5.25) reads one scheme for all of a model's experts and cannot load this checkpoint. For one it loads, give "
             "every expert one scheme (mixed precision: experts: shared)", len(kinds), ", ".join(list(kinds.values())[:3]))
+    return [out[id(scheme)] for _, scheme in named]
+
+
+def _as_stored(named: list[tuple[str, QuantizationScheme]], names: Any) -> list[QuantizationScheme]:
+    """``named``'s schemes, each target that names modules by a path the checkpoint renames
+    (``names``, a ``KeyMap``: transformers 5's ``mlp.experts`` for Mixtral's
+    ``block_sparse_moe.experts``) joined by targets for the checkpoint's names: vLLM matches
+    those, transformers and ``llmpress.load`` the model's. Class targets stay as they are."""
+    stored = {n: names.to_checkpoint(f"{n}.weight").removesuffix(".weight") for n, _ in named}
+    if all(stored[n] == n for n in stored):
+        return [scheme for _, scheme in named]
+    members: dict[int, list[str]] = {}
+    for name, scheme in named:
+        members.setdefault(id(scheme), []).append(name)
+    out: dict[int, QuantizationScheme] = {}
+    for name, scheme in named:
+        if id(scheme) in out:
+            continue
+        added: list[str] = []
+        for target in scheme.targets:
+            if "." not in target and not target.startswith("re:"):
+                continue  # a class name
+            pattern = target[3:] if target.startswith("re:") else re.escape(target) + "$"
+            reached = [n for n in members[id(scheme)] if re.match(pattern, n)]
+            if reached and not all(re.match(pattern, stored[n]) for n in reached):
+                added += [t for t in name_targets([stored[n] for n in reached], list(stored.values())) if t not in scheme.targets + added]
+        out[id(scheme)] = scheme.model_copy(update={"targets": [*scheme.targets, *added]}) if added else scheme
     return [out[id(scheme)] for _, scheme in named]
 
 

@@ -2,8 +2,8 @@
 
 Each targeted ``nn.Linear`` (or ``Conv1D``, in its own layout) of the skeleton becomes a
 ``QuantizedLinear`` (or, with ``dequantize=True``, stays a dense module that receives on-grid
-weights). A Linear subclass with a forward of its own (Phi-MoE's router, which returns the
-routing) keeps its class and receives the on-grid weight in either case. Targets are matched as
+weights). An MoE router that is a Linear subclass with a forward of its own (Phi-MoE's, which
+returns the routing) keeps its class and receives the on-grid weight in either case. Targets are matched as
 compressed-tensors matches them: ``Linear`` is ``nn.Linear``. A module's
 stored tensors are gathered as they stream in and converted as soon as the last one arrives, so
 at most a few modules' tensors wait at any time.
@@ -28,7 +28,7 @@ from llmpress.models.classes import model_dtype
 from llmpress.models.linear import features, input_major, is_linear
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.runtime import QuantizedLinear
-from llmpress.targets import assign_by_targets
+from llmpress.targets import assign_by_targets, moe_routers
 from llmpress.transforms.config import read_transform_config
 from llmpress.transforms.load import StoredTransforms
 
@@ -40,12 +40,12 @@ logger = logging.getLogger(__name__)
 class _Target:
     __slots__ = ("scheme", "fmt", "in_features", "out_features", "input_major", "dtype", "expected", "pending", "done", "own_forward")
 
-    def __init__(self, linear: nn.Module, scheme: QuantizationScheme, fmt: str, expected: set[str]) -> None:
+    def __init__(self, linear: nn.Module, scheme: QuantizationScheme, fmt: str, expected: set[str], router: bool = False) -> None:
         self.scheme, self.fmt, self.expected = scheme, fmt, expected
         (self.in_features, self.out_features), self.dtype = features(linear), linear.weight.dtype
         self.input_major = input_major(linear)
-        # a Linear subclass that computes something else (a router): kept, given the dequantized weight
-        self.own_forward = isinstance(linear, nn.Linear) and type(linear).forward is not nn.Linear.forward
+        # a router that is a Linear subclass computing the routing: kept, given the dequantized weight
+        self.own_forward = router and isinstance(linear, nn.Linear) and type(linear).forward is not nn.Linear.forward
         self.pending: dict[str, torch.Tensor] = {}
         self.done = False
 
@@ -78,11 +78,12 @@ class CompressedTensorsQuantizer(Quantizer):
             owner, _, local = key.rpartition(".")
             by_module.setdefault(owner, set()).add(local)
         self.targets: dict[str, _Target] = {}
+        routers = moe_routers(model)
         for name, (module, scheme) in assign_by_targets(model, [(s.targets, s) for s in schemes], self.config.ignore).items():
             if not is_linear(module):
                 continue
             fmt = scheme.format if compressed and scheme.format else "dense"
-            self.targets[name] = _Target(module, scheme, fmt, by_module.get(name, set()))
+            self.targets[name] = _Target(module, scheme, fmt, by_module.get(name, set()), name in routers)
             if not self.config.dequantize and scheme.weights is not None and not self.targets[name].own_forward:
                 model.set_submodule(name, QuantizedLinear.like(module, scheme))
         self.quantized_modules = sorted(self.targets)
@@ -127,10 +128,10 @@ class CompressedTensorsQuantizer(Quantizer):
             if self.config.dequantize or target.scheme.weights is None or target.own_forward:
                 # activation-only schemes keep their stored weights as they are ("dense")
                 fmt = target.fmt if target.scheme.weights is not None else "dense"
-                dense = dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype, target.input_major)
-                if target.own_forward:
-                    _take_parameters(model.get_submodule(name), dense)
-                else:
+                kept = model.get_submodule(name) if target.own_forward else None
+                dense = dense_linear(target.in_features, target.out_features, state, target.scheme, fmt, target.dtype, target.input_major,
+                                     into=kept)
+                if kept is None:
                     model.set_submodule(name, dense)
             else:
                 model.get_submodule(name).load_compressed(state, target.fmt)
@@ -159,10 +160,3 @@ class CompressedTensorsQuantizer(Quantizer):
     @property
     def is_trainable(self) -> bool:
         return bool(self.config.dequantize)
-
-
-def _take_parameters(module: nn.Module, dense: nn.Module) -> None:
-    """``module`` (a Linear subclass kept for its own forward) with ``dense``'s weight and bias."""
-    module.weight = dense.weight
-    if getattr(dense, "bias", None) is not None:
-        module.bias = dense.bias

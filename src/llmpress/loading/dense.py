@@ -21,12 +21,15 @@ __all__ = ["dense_linear", "dequantize_model"]
 
 def dense_linear(
     in_features: int, out_features: int, state: dict[str, torch.Tensor], scheme: QuantizationScheme,
-    fmt: str, dtype: torch.dtype, input_major: bool = False,
+    fmt: str, dtype: torch.dtype, input_major: bool = False, into: nn.Module | None = None,
 ) -> nn.Module:
     """An ``nn.Linear`` from one module's stored tensors in format ``fmt``; ``input_major``:
-    a ``Conv1D``, its weight stored ``[in, out]``."""
+    a ``Conv1D``, its weight stored ``[in, out]``; ``into``: a module to fill instead (an MoE
+    router that is a Linear subclass computing the routing, kept for its forward)."""
     local = FORMATS.get(fmt).decompress(state, scheme, dtype)
-    if input_major:  # Conv1D always adds a bias
+    if into is not None:
+        linear = into
+    elif input_major:  # Conv1D always adds a bias
         with torch.device("meta"):
             linear = Conv1D(out_features, in_features)
         local.setdefault("bias", torch.zeros(out_features))

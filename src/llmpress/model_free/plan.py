@@ -93,7 +93,7 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     schemes_of = modifier.config.resolved_schemes()
     ignore = modifier.config.ignore
     chosen: dict[str, QuantizationScheme] = {}
-    routers = set(_routers(entries))  # as assign_by_targets: Linear does not reach them, a name or pattern does
+    routers = set(_routers(entries))  # as assign_by_targets: Linear does not reach a router; a name or pattern reaches a `router`
     for module in linear:
         if _priority(module, ignore) is not None:
             continue
@@ -112,7 +112,7 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     chosen = {f"{module}.weight": scheme for module, scheme in fitted.items()}  # as assign_schemes fits them
     heads = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in config.get("architectures") or [])
     tied_head = heads and "lm_head" not in linear and config.get("tie_word_embeddings", True)
-    dense = [m for m in linear if f"{m}.weight" not in chosen] + _routers(entries)  # as the model-class path lists them
+    dense = [m for m in linear if f"{m}.weight" not in chosen] + [r for r in _routers(entries) if r not in linear]  # as the model path lists them
     if tied_head and "lm_head" not in dense:
         if _priority("lm_head", ignore) is None and any(_priority("lm_head", s.targets) is not None for s in schemes_of):
             raise ModelFreeRefused("the recipe quantizes a head tied to the embeddings: it is untied in the model first",
@@ -146,8 +146,9 @@ def _data_free_modifier(recipe: Recipe) -> QuantizationModifier:
 
 
 def _linear_modules(entries: dict[str, ShardEntry]) -> list[str]:
-    """The modules of the checkpoint's linear weights, in file order."""
-    routers = {name.rpartition(".experts.")[0] for name in entries if ".experts." in name}
+    """The modules of the checkpoint's linear weights, in file order: an MoE block's ``gate`` is not
+    one (transformers 5 builds it as a router of its own, not a Linear); a ``router`` is."""
+    routers = _experts_blocks(entries)
     found = []
     for name, entry in entries.items():
         module, _, leaf = name.rpartition(".")
@@ -162,9 +163,13 @@ def _linear_modules(entries: dict[str, ShardEntry]) -> list[str]:
 
 def _routers(entries: dict[str, ShardEntry]) -> list[str]:
     """The MoE routers with a 2-D weight beside their ``experts`` (``targets.ROUTER_NAMES``)."""
-    blocks = {name.rpartition(".experts.")[0] for name in entries if ".experts." in name}
-    return [f"{b}.{leaf}" for b in sorted(blocks) for leaf in ROUTER_NAMES
+    return [f"{b}.{leaf}" for b in sorted(_experts_blocks(entries)) for leaf in ROUTER_NAMES
             if (e := entries.get(f"{b}.{leaf}.weight")) is not None and len(e.shape) == 2]
+
+
+def _experts_blocks(entries: dict[str, ShardEntry]) -> set[str]:
+    """The modules that hold ``experts`` (an MoE block)."""
+    return {name.rpartition(".experts.")[0] for name in entries if ".experts." in name}
 
 
 def _refuse_fused_experts(entries: dict[str, ShardEntry]) -> None:

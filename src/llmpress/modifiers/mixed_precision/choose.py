@@ -9,7 +9,6 @@ the checkpoint says what was chosen and why; ``llmpress inspect`` reads it back.
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from typing import Any
 
@@ -30,7 +29,7 @@ from llmpress.modifiers.mixed_precision.sensitivity import (
     sequences,
     shape_of,
 )
-from llmpress.quant.groups import EXPERT_NAME, shared_columns
+from llmpress.quant.groups import EXPERT_NAME, name_targets, shared_columns
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.targets import assign_by_targets
 
@@ -82,7 +81,7 @@ def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecisio
     chosen: dict[int, list[str]] = {}
     for group, pick in zip(groups, picks):
         chosen.setdefault(pick, []).extend(group.modules)
-    return [options[k].scheme.model_copy(update={"targets": _targets(members)})
+    return [options[k].scheme.model_copy(update={"targets": _targets(members, list(modules))})
             for k, members in sorted(chosen.items()) if options[k].scheme is not None]
 
 
@@ -154,16 +153,12 @@ def _target(mixed: MixedPrecision) -> str:
     return f"target {mixed.average_bits}" if mixed.average_bits is not None else f"to fit {mixed.size}"
 
 
-def _targets(names: list[str]) -> list[str]:
-    """Exact module names, except that all the experts of one block with one projection name are
-    one pattern (a block of 256 experts is one target per projection, not 256)."""
-    out: list[str] = []
-    for name in names:
-        found = EXPERT_NAME.fullmatch(name)
-        target = f"re:{re.escape(found.group(1))}\\.\\d+\\.{re.escape(found.group(2))}$" if found else name
-        if target not in out:
-            out.append(target)
-    return out
+def _targets(names: list[str], all_names: list[str]) -> list[str]:
+    """Exact module names, except the experts': one pattern for all of a model's experts where
+    they share the scheme, else one per experts block (``name_targets``: a block of 256 experts
+    is one target, not 768)."""
+    experts = [n for n in names if EXPERT_NAME.fullmatch(n)]
+    return [n for n in names if n not in experts] + (name_targets(experts, all_names) if experts else [])
 
 
 def _record(model: nn.Module, mixed: MixedPrecision, options: list, groups: list[Group], picks: list[int],

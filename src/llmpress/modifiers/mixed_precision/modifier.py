@@ -31,7 +31,7 @@ from llmpress.modifiers.quantization.modifier import QuantizationModifier
 if TYPE_CHECKING:
     from llmpress.recipe.recipe import Recipe
 
-__all__ = ["MixedPrecisionModifier", "MixedPrecisionModifierConfig", "with_mixed_precision"]
+__all__ = ["MixedPrecisionModifier", "MixedPrecisionModifierConfig", "with_command_line_choice", "with_mixed_precision"]
 
 _CHOICE_FIELDS = ("average_bits", "size", "schemes", "samples", "experts")
 _SCHEME_CHOICES = ("scheme", "config_groups", "mixed_precision")
@@ -76,3 +76,18 @@ def with_mixed_precision(recipe: Recipe, mixed: MixedPrecision) -> Recipe:
                           got=[type(m).__name__ for m in recipe.modifiers],
                           expected="a recipe with QuantizationModifier or GPTQModifier", fix="e.g. --recipe W4A16")
     return recipe
+
+
+def with_command_line_choice(recipe: Recipe, average_bits: float | None = None, size: str | None = None, schemes: str | None = None,
+                             experts: str | None = None) -> Recipe:
+    """``recipe`` as ``llmpress oneshot --average-bits / --target-size`` (with ``--schemes`` and
+    ``--experts``) turns it into a mixed one; as it is without a target, where those two are refused."""
+    if average_bits is None and size is None:
+        if schemes is not None or experts is not None:
+            raise RecipeError("--schemes and --experts shape the mixed-precision choice of --average-bits / --target-size",
+                              got=" ".join(f"--{k} {v}" for k, v in (("schemes", schemes), ("experts", experts)) if v is not None),
+                              expected="a target beside them", fix="add --average-bits 4.25 or --target-size 60MB (a recipe's "
+                              "mixed_precision takes schemes and experts as its own fields)")
+        return recipe
+    choice = {"average_bits": average_bits, "size": size, "schemes": schemes, "experts": experts}
+    return with_mixed_precision(recipe, MixedPrecision(**{k: v for k, v in choice.items() if v is not None}))

@@ -33,6 +33,10 @@ from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["Rounding", "module_groups", "option_costs", "round_to_nearest", "sequences", "shape_of"]
 
+#: the group key of every expert of the model under ``experts="shared"`` (no module name has a space)
+_ALL_EXPERTS = " experts"
+
+
 def sequences(calibration_data: Any, samples: int) -> list[torch.Tensor]:
     """The first ``samples`` token-id sequences of the calibration data (tensors, lists of them,
     batches of them, or dicts with ``input_ids``). Under torch.distributed, where each rank holds
@@ -101,7 +105,7 @@ def module_groups(modules: dict[str, nn.Module], input_of: dict[str, str], exper
     key: dict[str, str] = {}
     for name in modules:
         found = EXPERT_NAME.fullmatch(name)
-        key[name] = (" experts" if experts == "shared" else found.group(1)) if found else input_of.get(name, name)
+        key[name] = (_ALL_EXPERTS if experts == "shared" else found.group(1)) if found else input_of.get(name, name)
     groups: dict[str, list[str]] = {}
     for name in modules:
         groups.setdefault(key[name], []).append(name)
