@@ -174,6 +174,27 @@ def test_targets_by_module_path_also_name_the_checkpoints_paths(tmp_path):
     assert stored[-1] is attention  # the same path in both: nothing to add
 
 
+def test_experts_under_two_schemes_are_said_unreadable_by_transformers(caplog):
+    """transformers reads one scheme for all of a model's experts: the save says so where they
+    are under two, and names each scheme's experts as experts."""
+    import logging
+
+    from llmpress.checkpoint.compressed_state import name_experts
+    from llmpress.quant.scheme import preset_scheme
+
+    w4, w8 = preset_scheme("W4A16"), preset_scheme("W8A16")
+    experts = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for layer in range(2) for e in range(2) for p in ("gate_proj", "down_proj")]
+    with caplog.at_level(logging.WARNING):
+        one = name_experts([(n, w4) for n in experts])
+    assert "reads one scheme" not in caplog.text
+    assert one[0].targets == ["Linear", r"re:.*\.experts\.\d+\.(down_proj|gate_proj)$"]
+    with caplog.at_level(logging.WARNING):
+        two = name_experts([(n, w4 if ".layers.0." in n else w8) for n in experts])
+    assert "under 2 schemes" in caplog.text and "experts: shared" in caplog.text
+    assert two[0].targets[-1] == r"re:model\.layers\.0\.mlp\.experts\.\d+\.(down_proj|gate_proj)$"
+    assert two[-1].targets[-1] == r"re:model\.layers\.1\.mlp\.experts\.\d+\.(down_proj|gate_proj)$"
+
+
 def test_a_recipes_linear_leaves_a_moe_router_dense(tmp_path):
     """Phi-MoE's router is a Linear subclass that reads its own ``weight``: quantized by the W4A16
     preset's ``Linear``, neither transformers ('PhimoeTopKRouter' object has no attribute
