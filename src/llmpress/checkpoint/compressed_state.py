@@ -243,18 +243,18 @@ def name_experts(named: list[tuple[str, QuantizationScheme]]) -> list[Quantizati
     takes their scheme from the first config group whose ``re:`` target names experts (else the
     first with a name or class target: another group's, where a module took a group of its own).
     Says where the experts are under more than one scheme, which transformers cannot read."""
-    experts: dict[int, list[str]] = {}
-    schemes = {id(scheme): scheme for _, scheme in named}
-    for name, scheme in named:
-        if EXPERT_NAME.fullmatch(name):
-            experts.setdefault(id(scheme), []).append(name)
-    out = dict(schemes)
-    for key, members in experts.items():
-        targets = schemes[key].targets
-        if not any(t.startswith("re:") and "experts" in t for t in targets):
-            added = [t for t in name_targets(members, [n for n, _ in named]) if t.startswith("re:") and t not in targets]
-            out[key] = schemes[key].model_copy(update={"targets": [*targets, *added]})
-    kinds = {_scheme_key(schemes[key]): members[0] for key, members in experts.items()}
+    all_names = [n for n, _ in named]
+    out: dict[int, QuantizationScheme] = {}
+    kinds: dict[str, str] = {}
+    for key, (scheme, members) in _by_scheme(named).items():
+        experts = [n for n in members if EXPERT_NAME.fullmatch(n)]
+        out[key] = scheme
+        if not experts:
+            continue
+        kinds.setdefault(_scheme_key(scheme), experts[0])
+        if not any(t.startswith("re:") and "experts" in t for t in scheme.targets):
+            added = [t for t in name_targets(experts, all_names) if t.startswith("re:") and t not in scheme.targets]
+            out[key] = scheme.model_copy(update={"targets": [*scheme.targets, *added]})
     if len(kinds) > 1:
         logger.warning(
             "the experts are quantized under %d schemes (%s, ...): vLLM and llmpress.load read each block's own, but transformers "
@@ -271,23 +271,26 @@ def _as_stored(named: list[tuple[str, QuantizationScheme]], names: Any) -> list[
     stored = {n: names.to_checkpoint(f"{n}.weight").removesuffix(".weight") for n, _ in named}
     if all(stored[n] == n for n in stored):
         return [scheme for _, scheme in named]
-    members: dict[int, list[str]] = {}
-    for name, scheme in named:
-        members.setdefault(id(scheme), []).append(name)
     out: dict[int, QuantizationScheme] = {}
-    for name, scheme in named:
-        if id(scheme) in out:
-            continue
+    for key, (scheme, members) in _by_scheme(named).items():
         added: list[str] = []
         for target in scheme.targets:
             if "." not in target and not target.startswith("re:"):
                 continue  # a class name
             pattern = target[3:] if target.startswith("re:") else re.escape(target) + "$"
-            reached = [n for n in members[id(scheme)] if re.match(pattern, n)]
+            reached = [n for n in members if re.match(pattern, n)]
             if reached and not all(re.match(pattern, stored[n]) for n in reached):
                 added += [t for t in name_targets([stored[n] for n in reached], list(stored.values())) if t not in scheme.targets + added]
-        out[id(scheme)] = scheme.model_copy(update={"targets": [*scheme.targets, *added]}) if added else scheme
+        out[key] = scheme.model_copy(update={"targets": [*scheme.targets, *added]}) if added else scheme
     return [out[id(scheme)] for _, scheme in named]
+
+
+def _by_scheme(named: list[tuple[str, QuantizationScheme]]) -> dict[int, tuple[QuantizationScheme, list[str]]]:
+    """``named`` (module, scheme) by scheme object: the scheme and its modules, in order."""
+    groups: dict[int, tuple[QuantizationScheme, list[str]]] = {}
+    for name, scheme in named:
+        groups.setdefault(id(scheme), (scheme, []))[1].append(name)
+    return groups
 
 
 def quantization_config_of(schemes: list[QuantizationScheme], ignore: list[str], kv_cache: Any = None,

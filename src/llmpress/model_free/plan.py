@@ -93,7 +93,7 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     schemes_of = modifier.config.resolved_schemes()
     ignore = modifier.config.ignore
     chosen: dict[str, QuantizationScheme] = {}
-    routers = set(_routers(entries))  # as assign_by_targets: Linear does not reach a router; a name or pattern reaches a `router`
+    routers = _routers(entries)  # as assign_by_targets: Linear does not reach a router; a name or pattern reaches a `router`
     for module in linear:
         if _priority(module, ignore) is not None:
             continue
@@ -112,7 +112,7 @@ def plan_model_free(folder: Path, recipe: Recipe, dtype: torch.dtype | None = No
     chosen = {f"{module}.weight": scheme for module, scheme in fitted.items()}  # as assign_schemes fits them
     heads = any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in config.get("architectures") or [])
     tied_head = heads and "lm_head" not in linear and config.get("tie_word_embeddings", True)
-    dense = [m for m in linear if f"{m}.weight" not in chosen] + [r for r in _routers(entries) if r not in linear]  # as the model path lists them
+    dense = [m for m in linear if f"{m}.weight" not in chosen] + [r for r in routers if r not in linear]  # as the model path lists them
     if tied_head and "lm_head" not in dense:
         if _priority("lm_head", ignore) is None and any(_priority("lm_head", s.targets) is not None for s in schemes_of):
             raise ModelFreeRefused("the recipe quantizes a head tied to the embeddings: it is untied in the model first",

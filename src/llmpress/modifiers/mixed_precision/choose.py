@@ -158,7 +158,7 @@ def _targets(names: list[str], all_names: list[str]) -> list[str]:
     they share the scheme, else one per experts block (``name_targets``: a block of 256 experts
     is one target, not 768)."""
     experts = [n for n in names if EXPERT_NAME.fullmatch(n)]
-    return [n for n in names if n not in experts] + (name_targets(experts, all_names) if experts else [])
+    return [n for n in names if not EXPERT_NAME.fullmatch(n)] + (name_targets(experts, all_names) if experts else [])
 
 
 def _record(model: nn.Module, mixed: MixedPrecision, options: list, groups: list[Group], picks: list[int],
