@@ -226,10 +226,15 @@ def oneshot(
             logger.warning("%s is already the finished checkpoint of this run: nothing to do", output_dir)
             return model if return_model else None
         keep_held = output_dir is not None and not return_model
-        for number, stage in enumerate(recipe.stages):
-            _oneshot_stage(model, stage, batches, processor, options, work, keep_held=keep_held and number == len(recipe.stages) - 1)
-        if output_dir is not None:
-            save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
+        try:
+            for number, stage in enumerate(recipe.stages):
+                _oneshot_stage(model, stage, batches, processor, options, work, keep_held=keep_held and number == len(recipe.stages) - 1)
+            if output_dir is not None:
+                save_checkpoint(output_dir, model, processor, save_compressed=save_compressed)
+        except BaseException:
+            if work is not None:
+                work.abandon()
+            raise
         if work is not None:
             work.finish()
         return model if return_model else None

@@ -146,6 +146,22 @@ def test_resume_of_a_finished_run_does_nothing(model_dir, caplog):
     assert "fingerprint" not in json.loads((model_dir / "out" / "llmpress_run.json").read_text())
 
 
+def test_a_run_failing_in_its_first_layer_leaves_no_work_folder(model_dir, monkeypatch):
+    """Nothing to go on from (a recipe refused on the model's first block, say): the folder goes;
+    after a finished layer it stays for --resume."""
+    def fail(self, index, *args):
+        raise Stop
+
+    with monkeypatch.context() as patched:
+        patched.setattr(WorkFolder, "save_layer", fail)
+        with pytest.raises(Stop):
+            run(model_dir, model_dir / "out")
+    assert not (model_dir / "out.llmpress-work").exists() and not (model_dir / "out").exists()
+    with pytest.raises(Stop):
+        run(model_dir, model_dir / "out", stop_after=0, monkeypatch=monkeypatch)
+    assert json.loads((model_dir / "out.llmpress-work" / "progress.json").read_text())["layers"] == 1
+
+
 def test_a_work_folder_of_another_run_is_refused(model_dir, monkeypatch):
     with pytest.raises(Stop):
         run(model_dir, model_dir / "out", stop_after=0, monkeypatch=monkeypatch)

@@ -139,42 +139,42 @@ def _calibrate_blocks(blocks: nn.ModuleList, inputs: Inputs, session: Session, t
         logger.info("two passes per block: a modifier of this stage does not compress group by group (modules_calibrated)")
     planner = Planner(automatic=true_sequential is None, by_module=by_module)
     start, rest = _restore_finished(blocks, inputs, session, held, work, spill, place, arguments)
-    bar = tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process())
-    for index, module in enumerate(blocks):
-        if index < start:
-            continue
-        outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
-        # the watched modules and every linear: each one is handed over (modules_calibrated) in
-        # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
-        targets = [m for m in module.modules() if m in watched or is_linear(m)]
-        if arguments is not None:
-            arguments.adopt(inputs, index)
-        with place.block(module):
-            block = CalibrationBlock(index, module, place.inputs(inputs), session.observation, spill)
-            plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
-            block.observed_at_once = plan is None
-            session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
-            if plan is None:
-                rest = calibrate_block_reference(block, session, [targets], outputs_needed)
+    # closed on the way out of an error too, so that the error starts on a line of its own
+    with tqdm(total=len(blocks), initial=start, desc="Calibrating layers", unit="layer", disable=not is_main_process()) as bar:
+        for index, module in enumerate(blocks):
+            if index < start:
+                continue
+            outputs_needed = index + 1 < len(blocks) or outputs_needed_at_end  # they feed what follows
+            # the watched modules and every linear: each one is handed over (modules_calibrated) in
+            # its place, so a modifier compresses the unwatched ones (RTN, say) before later stages
+            targets = [m for m in module.modules() if m in watched or is_linear(m)]
+            if arguments is not None:
+                arguments.adopt(inputs, index)
+            with place.block(module):
+                block = CalibrationBlock(index, module, place.inputs(inputs), session.observation, spill)
+                plan = planner.plan(block, targets) if any(m in watched for m in targets) else None
+                block.observed_at_once = plan is None
+                session.block_start(block)  # transforms first (smoothing): the block is then calibrated as it will be
+                if plan is None:
+                    rest = calibrate_block_reference(block, session, [targets], outputs_needed)
+                else:
+                    rest = calibrate_block_by_module(block, plan, session, outputs_needed)
+                rest = place.back(rest)
+            # another rank maps the integers rank 0 writes into the work folder: the same weights, held once
+            from_rank_zero = work is not None and not is_main_process()
+            if work is not None and is_distributed():
+                _hold_on_rank_zero(module, held)
             else:
-                rest = calibrate_block_by_module(block, plan, session, outputs_needed)
-            rest = place.back(rest)
-        # another rank maps the integers rank 0 writes into the work folder: the same weights, held once
-        from_rank_zero = work is not None and not is_main_process()
-        if work is not None and is_distributed():
-            _hold_on_rank_zero(module, held)
-        else:
-            held.hold(module)
-        if work is not None:
-            state_file = work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
-            if state_file is not None:
-                held.page_out(module, state_file, adopt=from_rank_zero)  # its integers wait in that file, not in memory
-            elif from_rank_zero:  # a rank on another machine: no such file here
                 held.hold(module)
-        bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
-        bar.update()
-        release_free_memory()  # the block's solver temporaries and float weights go back
-    bar.close()
+            if work is not None:
+                state_file = work.save_layer(index, module, held, inputs if outputs_needed else [], rest, session.resume_notes())
+                if state_file is not None:
+                    held.page_out(module, state_file, adopt=from_rank_zero)  # its integers wait in that file, not in memory
+                elif from_rank_zero:  # a rank on another machine: no such file here
+                    held.hold(module)
+            bar.set_postfix_str(session.step_notes(), refresh=False)  # each module's error, e.g. GPTQ's loss
+            bar.update()
+            release_free_memory()  # the block's solver temporaries and float weights go back
     return rest
 
 

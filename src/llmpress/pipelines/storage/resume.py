@@ -188,6 +188,12 @@ class WorkFolder:
                     stale.unlink(missing_ok=True)
         return state_file if state_file.exists() else None  # (a rank on another machine, without the folder: None)
 
+    def abandon(self) -> None:
+        """The run failed: its folder goes where no layer was finished (nothing to go on from, and
+        a refused recipe should leave nothing behind); otherwise it stays for ``--resume``."""
+        if is_main_process() and self.layers_done == 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+
     def finish(self) -> None:
         """The checkpoint is written: it records the run, and the work folder goes."""
         if is_distributed():
