@@ -45,7 +45,9 @@ class KVCacheCalibration:
             raise UnsupportedModelError(
                 f"{modifier}: kv_cache_scheme found no attention module that caches keys and values",
                 got=type(model).__name__,
-                expected="attention modules (…Attention) whose forward takes past_key_values",
+                expected="attention modules (…Attention) with k_proj / v_proj (or qkv_proj, kv_b_proj, c_attn) whose forward "
+                "takes a cache argument (cache, past_key_values): GPT-NeoX, Bloom and Falcon cache through layer_past and "
+                "query_key_value",
                 fix="remove kv_cache_scheme for this model",
             )
         self.dtype = model_dtype(model)
