@@ -112,3 +112,14 @@ def test_llmcompressor_keyword_names(caplog):
 def test_a_missing_file_is_not_taken_for_a_hub_id():
     with pytest.raises(DataError, match="calibration data not found"):
         load_calibration_samples("data/calib.txt", Words(), CalibrationOptions())
+
+
+def test_the_text_itself_given_as_the_dataset_is_refused_briefly():
+    """A string with lines, or longer than any path, is the text, not its name: said in a line,
+    not as the operating system's "File name too long" with the whole text in it."""
+    text = "def f():\n    return 1\n" * 5000
+    with pytest.raises(DataError, match="looks like the text itself") as caught:
+        load_calibration_samples(text, Words(), CalibrationOptions())
+    assert len(str(caught.value)) < 600 and "[text]" in str(caught.value)
+    with pytest.raises(DataError, match="looks like the text itself"):
+        load_calibration_samples("x" * 5000, Words(), CalibrationOptions())

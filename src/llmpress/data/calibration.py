@@ -124,6 +124,13 @@ def load_calibration_samples(source: Any, tokenizer: Any, options: CalibrationOp
 
 def _load(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torch.Tensor]:
     wanted = SPARE * options.num_samples if options.num_samples else None
+    if isinstance(source, str) and ("\n" in source or len(source) > _LONGEST_NAME):
+        raise DataError(
+            "calibration data given as a string names a file, a dataset folder or a Hub dataset; this one looks like the text itself",
+            got=f"{len(source)} characters over {source.count(chr(10)) + 1} line(s), starting {source[:40]!r}",
+            expected="a path or a dataset id",
+            fix="pass [text] (a list of strings: each one a sample), or write the text to a .txt file (cut into --seq-len-token samples)",
+        )
     if isinstance(source, str) and is_hub_name(source):
         dataset, shortcut = load_hub_dataset(source, options.dataset_config, options.split)
         render = options.preprocess or shortcut.render
@@ -157,6 +164,10 @@ def _load(source: Any, tokenizer: Any, options: CalibrationOptions) -> list[torc
         expected="a text/JSON-lines file or dataset folder, a Hub dataset id or one of "
                  f"{', '.join(SHORTCUTS)}, a datasets.Dataset, a DataLoader, a list of strings or of token-id lists",
     )
+
+
+#: longer than any path a file system takes (Linux's PATH_MAX)
+_LONGEST_NAME = 4096
 
 
 def _split_of(splits: Any, wanted: str | None) -> str:
