@@ -51,6 +51,34 @@ def test_qat_starts_at_the_rtn_model_trains_and_freezes_on_the_grid(tmp_path):
         assert torch.allclose(reloaded(input_ids=batch).logits, mid_logits, atol=1e-4)
 
 
+def test_qat_after_gptq_starts_on_gptqs_grid():
+    """GPTQ fills in its observer and column order (``observer: mse``, ``actorder: static``);
+    neither moves the grid, so a training stage's W4A16 keeps GPTQ's scales and its first step
+    computes what the GPTQ model computes (it re-observed them, off GPTQ's rounding)."""
+    from llmpress.modifiers import GPTQModifier
+
+    model = make_tiny_llama(intermediate=256)
+    llmpress.oneshot(model, [GPTQModifier(scheme="W4A16", ignore=["lm_head"])], [training_batch(i)[0].tolist() for i in range(4)])
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert scheme_of(q_proj).weights.observer == "mse"
+    scale = q_proj.weight_scale.clone()
+    batch = training_batch()
+    with torch.no_grad():
+        gptq_loss = float(model(input_ids=batch, labels=batch).loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    session = llmpress.Session(QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
+    session.initialize(model=model, optimizer=optimizer)
+    assert torch.equal(q_proj.weight_scale, scale)
+    model.train()
+    with session.training_step() as step:
+        loss = step.loss(model(input_ids=batch, labels=batch).loss)
+        assert float(loss.detach()) == pytest.approx(gptq_loss, rel=1e-6)
+        loss.backward()
+        step.optimizer_step(optimizer)
+    session.finalize()
+    assert torch.equal(q_proj.weight_scale, scale)
+
+
 def test_qat_needs_calibrated_static_activation_scales():
     model = make_tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -22,7 +22,7 @@ from llmpress.lifecycle.state import Status, forget_state_if_empty, scheme_of, s
 from llmpress.parallel.fsdp import is_dtensor, like
 from llmpress.quant.observers import weight_global_scale, weight_qparams
 from llmpress.quant.qdq import fake_quantize, fake_quantize_activation
-from llmpress.quant.scheme import QuantizationScheme
+from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 
 __all__ = [
     "attach_scheme",
@@ -52,8 +52,19 @@ def attach_scheme(module: nn.Module, scheme: QuantizationScheme) -> None:
 
 
 def same_grid(a: QuantizationScheme, b: QuantizationScheme) -> bool:
-    """Whether two schemes put weights and inputs on the same grid (their targets aside)."""
-    return (a.weights, a.input_activations) == (b.weights, b.input_activations)
+    """Whether two schemes put weights and inputs on the same grid (their targets aside). How the
+    scales were chosen (``observer``) and a column order that leaves the groups in place (GPTQ's
+    ``actorder: static`` / ``weight``) do not change the grid: GPTQ's W4A16 then a training stage's
+    W4A16 keep GPTQ's scales (re-observed, QAT started off GPTQ's grid and undid its rounding)."""
+    return (_grid(a.weights), _grid(a.input_activations)) == (_grid(b.weights), _grid(b.input_activations))
+
+
+def _grid(args: QuantizationArgs | None) -> QuantizationArgs | None:
+    """``args`` without what does not change the stored grid."""
+    if args is None:
+        return None
+    order = getattr(args.actorder, "value", args.actorder)
+    return args.model_copy(update={"observer": None, "observer_kwargs": {}, "actorder": order if order == "group" else None})
 
 
 def set_module_buffer(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
