@@ -14,14 +14,12 @@ After each block, layer-by-layer calibration writes to ``<output>.llmpress-work/
 Every file is written to a temporary name and renamed into place, and ``progress.json`` names a
 layer only once its files are whole, so a kill at any point leaves the last finished layer
 readable. ``oneshot(..., resume=True)`` checks the fingerprint and each file's hash, puts the
-finished blocks back (the modifiers hear ``layer_restored``), runs those finished after the
-last inputs written on those inputs (one forward each, as calibration ran them, instead of
-calibrating them again) and goes on from the next one: the checkpoint is the one an
-uninterrupted run writes, bit for bit. When the checkpoint is
-written, the run's fingerprint goes into it (``llmpress_run.json``) and the work folder goes.
-
-Resume covers recipes of one one-shot stage on the layerwise pipeline (what one-shot recipes
-almost always are); a run of several stages starts over.
+finished blocks back (the modifiers hear ``layer_restored``), runs those finished after the last
+inputs written on those inputs (one forward each, not calibrated again) and goes on from the next
+one: the checkpoint is the one an uninterrupted run writes, bit for bit. When it is written, the
+run's fingerprint goes into it (``llmpress_run.json``) and the work folder goes; a run that fails
+before its first layer is finished removes it too (nothing to go on from). Resume covers recipes
+of one one-shot stage on the layerwise pipeline; a run of several stages starts over.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ class WorkFolder:
     # -- opening -----------------------------------------------------------------------------
     @classmethod
     def open(cls, output_dir: str | Path, fingerprint: str, resume: bool) -> WorkFolder:
-        """The work folder of this run: what an earlier run of it left, with ``resume``; a new one
-        (an earlier folder replaced) without."""
+        """This run's work folder: what an earlier run of it left (``resume``), else a new one."""
         work = cls(output_dir, fingerprint)
         if resume and work.finished:
             return work
@@ -158,10 +155,9 @@ class WorkFolder:
     # -- writing -----------------------------------------------------------------------------
     def save_layer(self, index: int, block: nn.Module, held: CompactWeights, inputs: list, rest: Any,
                    notes: list | None = None) -> Path | None:
-        """Block ``index`` is finished: its state (rank 0) and, when due (``INPUTS_EVERY_S``), the
-        next block's inputs (each rank; empty after the last block when nothing runs after it).
-        ``notes``: what the modifiers keep across a resume (plain data, in progress.json).
-        Returns the state file, on every rank once it is whole: the ranks map one copy (``page_out``)."""
+        """Block ``index`` is finished: its state (rank 0) and, when due (``INPUTS_EVERY_S``), the next
+        block's inputs (each rank; empty after the last block), ``notes`` (what the modifiers keep across
+        a resume, in progress.json). Returns the state file, on every rank once it is whole (``page_out``)."""
         files: dict[str, str] = {}
         state_file = self.path / f"layer-{index:05d}.state.pt"
         if is_main_process():
@@ -189,8 +185,7 @@ class WorkFolder:
         return state_file if state_file.exists() else None  # (a rank on another machine, without the folder: None)
 
     def abandon(self) -> None:
-        """The run failed: its folder goes where no layer was finished (nothing to go on from, and
-        a refused recipe should leave nothing behind); otherwise it stays for ``--resume``."""
+        """The run failed: its folder goes if no layer was finished, else it stays for ``--resume``."""
         if is_main_process() and self.layers_done == 0:
             shutil.rmtree(self.path, ignore_errors=True)
 
@@ -235,8 +230,7 @@ class WorkFolder:
             put_tensor(modules[path], attribute, tensor)
 
     def last_inputs(self) -> tuple[list, Any]:
-        """This rank's inputs of the block after ``inputs_after``, and what that layer returned
-        besides its hidden states."""
+        """This rank's inputs of the block after ``inputs_after``, and what else that layer returned."""
         return self._load(f"layer-{self.inputs_after:05d}.inputs.rank{rank()}.pt")
 
 
