@@ -54,8 +54,8 @@ def attach_scheme(module: nn.Module, scheme: QuantizationScheme) -> None:
 def same_grid(a: QuantizationScheme, b: QuantizationScheme) -> bool:
     """Whether two schemes put weights and inputs on the same grid (their targets aside). How the
     scales were chosen (``observer``) and a column order that leaves the groups in place (GPTQ's
-    ``actorder: static`` / ``weight``) do not change the grid: GPTQ's W4A16 then a training stage's
-    W4A16 keep GPTQ's scales (re-observed, QAT started off GPTQ's grid and undid its rounding)."""
+    ``actorder: static`` / ``weight``) do not change the grid: a training stage's W4A16 after GPTQ's
+    keeps GPTQ's scales (while they counted, it re-observed the scales and undid GPTQ's rounding)."""
     return (_grid(a.weights), _grid(a.input_activations)) == (_grid(b.weights), _grid(b.input_activations))
 
 
