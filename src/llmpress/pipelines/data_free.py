@@ -24,10 +24,11 @@ def compress_blocks_without_data(model: nn.Module, blocks: nn.ModuleList, sessio
     session.calibration_start()
     held = CompactWeights(model)
     try:
-        for index, module in enumerate(tqdm(blocks, desc="Compressing layers", unit="layer", disable=not is_main_process())):
-            session.layer_calibrated(CalibrationBlock(index, module, [], session.observation))
-            held.hold(module)
-            release_free_memory()  # the block's float weights go back
+        with tqdm(blocks, desc="Compressing layers", unit="layer", disable=not is_main_process()) as bar:  # closed on an error too
+            for index, module in enumerate(bar):
+                session.layer_calibrated(CalibrationBlock(index, module, [], session.observation))
+                held.hold(module)
+                release_free_memory()  # the block's float weights go back
     except BaseException:
         session.abandon_calibration()
         held.restore()

@@ -138,8 +138,9 @@ def _backward_pass(model: nn.Module, modules: dict[str, nn.Module], rows: list[t
     device = next(iter(modules.values())).weight.device
     tokens = 0
     try:
-        with torch.enable_grad(), _recomputed(blocks):
-            for ids in tqdm(rows, desc="Measuring sensitivity", unit="seq", leave=False, disable=not is_main_process()):
+        with (torch.enable_grad(), _recomputed(blocks),
+              tqdm(rows, desc="Measuring sensitivity", unit="seq", leave=False, disable=not is_main_process()) as bar):
+            for ids in bar:
                 ids = ids.reshape(1, -1).to(device)
                 output = model(input_ids=ids, use_cache=False)  # the blocks run again on kept inputs: no cache of these keys
                 logits = output.logits if hasattr(output, "logits") else output[0]
@@ -165,29 +166,28 @@ def _block_by_block(blocks: nn.ModuleList, modules: dict[str, nn.Module], inside
     of_module = {modules[name]: name for name in inside}
     names_by_block = [[of_module[m] for m in block.modules() if m in of_module] for block in blocks]
     last = max(i for i, names in enumerate(names_by_block) if names)
-    bar = tqdm(total=last + 1, desc="Weighing layers", unit="layer", leave=False, disable=not is_main_process())
-    for index, block in enumerate(blocks):
-        if index > last:
-            break
-        names = names_by_block[index]
-        if arguments is not None:
-            arguments.adopt(inputs, index)
-        collector = HessianCollector()
-        handles = [modules[name].register_forward_hook(_feeding(collector, name)) for name in names]
-        try:
-            for row, (args, kwargs) in enumerate(inputs):
-                output = block(*args, **kwargs)
-                collector.end_of_first_pass()
-                if index < last:
-                    inputs[row] = with_primary_input(args, kwargs, hidden_of(output))
-        finally:
-            for handle in handles:
-                handle.remove()
-        _weigh(modules, names, collector, grads, options, rounding, costs, input_of, divides)
-        del collector
-        release_free_memory()  # the block's Hessians and solver temporaries go back
-        bar.update()
-    bar.close()
+    with tqdm(total=last + 1, desc="Weighing layers", unit="layer", leave=False, disable=not is_main_process()) as bar:
+        for index, block in enumerate(blocks):
+            if index > last:
+                break
+            names = names_by_block[index]
+            if arguments is not None:
+                arguments.adopt(inputs, index)
+            collector = HessianCollector()
+            handles = [modules[name].register_forward_hook(_feeding(collector, name)) for name in names]
+            try:
+                for row, (args, kwargs) in enumerate(inputs):
+                    output = block(*args, **kwargs)
+                    collector.end_of_first_pass()
+                    if index < last:
+                        inputs[row] = with_primary_input(args, kwargs, hidden_of(output))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            _weigh(modules, names, collector, grads, options, rounding, costs, input_of, divides)
+            del collector
+            release_free_memory()  # the block's Hessians and solver temporaries go back
+            bar.update()
     inputs.clear()
 
 
