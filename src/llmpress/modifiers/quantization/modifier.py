@@ -183,7 +183,7 @@ class QuantizationModifier(Modifier):
         """Modules whose static input scale still needs calibration data."""
         if self.training:
             return {}
-        return {n: m for n, (m, s) in self.pending.items() if has_static_inputs(s) and n not in self.kept}
+        return {n: m for n, (m, s) in self.pending.items() if has_static_inputs(s)}
 
     def observe(self, name: str, x: torch.Tensor) -> None:
         if name in self.pending:
@@ -203,7 +203,7 @@ class QuantizationModifier(Modifier):
         for name, (module, _) in self.modules.items():
             if name not in self.kept:
                 state_of(module).status = Status.PENDING  # a checkpoint saved meanwhile holds it rounded
-        self.pending = dict(self.modules)  # not quantized yet (the kept ones: for a training window, if any)
+        self.pending = {name: entry for name, entry in self.modules.items() if name not in self.kept}  # not quantized yet
         self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
         self.inputs = InputRangeObserver(type(self).__name__)
         self.calibrated = False
@@ -237,6 +237,7 @@ class QuantizationModifier(Modifier):
                 fix="run a one-shot stage with the same scheme before the training stage",
             )
         self.training = True
+        self.pending.update((name, self.modules[name]) for name in self.kept)  # trained from the earlier stage's grid
         for module, _ in self.pending.values():
             enable_qat(module)
             enable_input_quantization(module)
@@ -278,13 +279,11 @@ class QuantizationModifier(Modifier):
     def quantize_pending(self, names: list[str]) -> None:
         share_global_scales([self.pending[n][0] for n in names if n in self.pending], self.families)
         if not self.training:  # under torch.distributed: the ranges over every rank's batches
-            self.inputs.reduce([n for n in names if n in self.pending and n not in self.kept and has_static_inputs(self.pending[n][1])])
+            self.inputs.reduce([n for n in names if n in self.pending and has_static_inputs(self.pending[n][1])])
         for name in tqdm(names, desc="Quantizing (RTN)", leave=False, disable=True if len(names) < 50 else None):
             module, scheme = self.pending.pop(name)
             if in_qat(module):
                 self.errors[name] = freeze_qat(module)  # its input hook is on already
-                continue
-            if name in self.kept:  # its grid, scales and input quantization as the earlier stage left them
                 continue
             if scheme.weights is not None:
                 self.errors[name] = freeze_weight(module)
