@@ -204,18 +204,29 @@ def test_tuning_lowers_each_blocks_loss_and_the_logits_error(caplog):
 
 def test_stacked_samples_and_batches_run_one_by_one_tune_alike(monkeypatch, caplog):
     """Samples stack into one forward where the batches differ only in their hidden states; a
-    step over the same samples one batch at a time gives the same losses."""
+    step over the same samples one batch at a time gives the same loss and gradients. (Compared
+    at the first step: later steps follow the gradients' signs, which float rounding flips where
+    a gradient is near zero, so two runs' trajectories part by the machine's kernels.)"""
     caplog.set_level(logging.INFO, logger="llmpress.modifiers.autoround.modifier")
-    runs = {}
+    reduce = tuning._reduce_gradients
+    runs, gradients = {}, {}
+
+    def recorded(params):
+        gradients[stack].append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]))
+        reduce(params)
+
+    monkeypatch.setattr(tuning, "_reduce_gradients", recorded)
     for stack in (True, False):
+        gradients[stack] = []
         if not stack:
             monkeypatch.setattr(tuning, "_stackable", lambda inputs: False)
         llmpress.oneshot(make_tiny_llama(intermediate=256), [_autoround(iters=5, batch_size=16)], token_batches(16, 32))
         runs[stack] = _losses(caplog)
-    assert sorted(runs[True]) == [0, 1]
+    assert sorted(runs[True]) == [0, 1] and len(gradients[True]) == len(gradients[False]) == 10
     for layer in runs[True]:
         assert runs[True][layer][0] == pytest.approx(runs[False][layer][0], rel=1e-4)
-        assert runs[True][layer][1] == pytest.approx(runs[False][layer][1], rel=1e-2)
+    first, other = gradients[True][0], gradients[False][0]  # layer 0, step 0: the same weights and inputs
+    assert float((first - other).norm() / other.norm()) < 1e-2  # 1.6e-3 seen: a residual of nearly equal outputs
 
 
 def test_the_checkpoint_loads_with_the_tuned_model_s_logits(tmp_path, capsys):
