@@ -69,6 +69,9 @@ RECIPES = {
                    "ignore: [lm_head]}\n    GPTQModifier: {}\n"),
     # AutoRound's tuned rounding: symmetric int4 on the whole grid, so half the group scales are negative
     "autoround": _quant("AutoRoundModifier", "      ignore: [lm_head]\n      scheme: W4A16\n      iters: 50\n"),
+    # int4 weights with int8 / int4 inputs per token: compressed-tensors' names (W4A8 stored one int8 a value, W4A4 packed)
+    "gptq-w4a8": _quant("GPTQModifier", "      ignore: [lm_head]\n      scheme: W4A8\n      targets: [Linear]\n"),
+    "w4a4": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: W4A4\n      targets: [Linear]\n"),
     "fp8-kv-cache": _quant("QuantizationModifier", "      ignore: [lm_head]\n      scheme: FP8_DYNAMIC\n      targets: [Linear]\n"
                                                    "      kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, "
                                                    "symmetric: true}\n"),
@@ -86,6 +89,8 @@ ROWS = {
     "mxfp4": ("mxfp4", "tiny-llama-bf16", "bfloat16", False),
     "sparse24-gptq": ("sparse24-gptq", "tiny-llama-bf16", "bfloat16", True),
     "fp8-kv-cache": ("fp8-kv-cache", "tiny-llama-bf16", "bfloat16", True),
+    "gptq-w4a8": ("gptq-w4a8", "tiny-llama-bf16", "bfloat16", True),
+    "w4a4": ("w4a4", "tiny-llama-bf16", "bfloat16", False),
     "spinquant-gptq": ("spinquant-gptq", "tiny-llama-bf16", "bfloat16", True),
     "spinquant-r4-gptq": ("spinquant-r4-gptq", "tiny-llama-bf16", "bfloat16", True),
     "quip-w4a16": ("quip-w4a16", "tiny-llama-bf16", "bfloat16", True),

@@ -109,7 +109,7 @@ def test_inspect(w4a16_checkpoint, capsys):
     "args, words",
     [
         (["oneshot", "--model", "no/such/model", "--recipe", "W4A16", "--output", "x"], "not a model checkpoint folder"),
-        (["oneshot", "--model", "MODEL", "--recipe", "W4A17", "--output", "x"], "must be a mapping"),
+        (["oneshot", "--model", "MODEL", "--recipe", "W4A17", "--output", "x"], "did you mean 'W4A16'"),
         (["oneshot", "--model", "MODEL", "--recipe", "broken.yaml", "--output", "x"], "cannot read the recipe file"),
         (["eval", "--model", "MODEL", "--dataset", "no/such.txt"], "evaluation text not found"),
         (["eval", "--model", "MODEL", "--tasks", "arc_easy", "--kl"], "KL divergence is measured on the perplexity text"),

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     oneshot = commands.add_parser("oneshot", help="compress a model with a recipe and calibration data")
     oneshot.add_argument("--model", required=True, help="model folder")
-    oneshot.add_argument("--recipe", required=True, help="preset (W4A16, W8A8, FP8, ...) or a YAML/JSON recipe file")
+    oneshot.add_argument("--recipe", required=True, help="a scheme name (W4A16, W8A8, FP8_DYNAMIC, NVFP4, W4A16_G32, ...) or a YAML/JSON recipe file")
     oneshot.add_argument("--output", required=True, help="folder to write the compressed checkpoint to")
     oneshot.add_argument("--average-bits", type=_positive_float,
                          help="mixed precision: choose each module's scheme from --schemes so that the quantized weights average "

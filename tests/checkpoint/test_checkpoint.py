@@ -33,6 +33,13 @@ EXPECTED = {
                                        "input_global_scale": torch.float32}),
     "MXFP4A16": ("mxfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_scale": torch.uint8}),
     "MXFP4": ("mxfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_scale": torch.uint8}),
+    "INT8": ("int-quantized", {"weight": torch.int8}),
+    **{f"W{bits}A16": ("pack-quantized", {"weight_packed": torch.int32, "weight_shape": torch.int64}) for bits in range(2, 8)},
+    # int weights with inputs quantized: unpacked int8 where vLLM reads that (W8A8, W4A8), packed where it reads only that
+    **{f"W{bits}A{inputs}": ("pack-quantized", {"weight_packed": torch.int32, "weight_scale": torch.float32})
+       for inputs in (8, 4) for bits in range(2, 8 if inputs == 8 else 5)},
+    "W4AFP8": ("pack-quantized", {"weight_packed": torch.int32, "weight_shape": torch.int64}),
+    "W4A8": ("int-quantized", {"weight": torch.int8, "weight_scale": torch.float32}),
 }
 
 
@@ -214,3 +221,15 @@ def test_reads_a_checkpoint_written_by_llm_compressor():
     (modifier,) = applied_recipe(ours).modifiers
     assert type(modifier).__name__ == "GPTQModifier"
     assert modifier.config.actorder == "static"
+
+
+@pytest.mark.parametrize("preset, words", [("W4A8", None), ("W8A8", None), ("W4A16", None),
+                                           ("W4A4", "skips the int4 rounding"), ("W3A8", "refuses int3 weights with int8 inputs"),
+                                           ("W8A16", "refuses int8 weight-only"), ("W4AFP8", "Hopper GPUs only")])
+def test_inspect_says_where_vllm_serves_a_group_otherwise(preset, words):
+    """What vLLM 0.32's CPU build did with each (bench/README.md, "Served by vLLM")."""
+    from llmpress.loading.inspect import _vllm_device_limit
+    from llmpress.quant.presets import preset_scheme
+
+    said = _vllm_device_limit(preset_scheme(preset))
+    assert said is None if words is None else words in said

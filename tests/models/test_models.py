@@ -160,7 +160,7 @@ def test_targets_by_module_path_also_name_the_checkpoints_paths(tmp_path):
 
     from llmpress.checkpoint.compressed_state import _as_stored
     from llmpress.models.keys import KeyMap
-    from llmpress.quant.scheme import preset_scheme
+    from llmpress.quant.presets import preset_scheme
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny("mixtral", tmp_path / "model"))
     linearize_experts(model)
@@ -180,7 +180,7 @@ def test_experts_under_two_schemes_are_said_unreadable_by_transformers(caplog):
     import logging
 
     from llmpress.checkpoint.compressed_state import name_experts
-    from llmpress.quant.scheme import preset_scheme
+    from llmpress.quant.presets import preset_scheme
 
     w4, w8 = preset_scheme("W4A16"), preset_scheme("W8A16")
     experts = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for layer in range(2) for e in range(2) for p in ("gate_proj", "down_proj")]

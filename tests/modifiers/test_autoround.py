@@ -18,8 +18,9 @@ from llmpress.modifiers.autoround import tuning
 from llmpress.modifiers.autoround.rounding import TunedWeight
 from llmpress.modifiers.autoround.tuning import sample_order
 from llmpress.quant.observers import weight_global_scale
+from llmpress.quant.presets import preset_scheme
 from llmpress.quant.qdq import compute_qparams, fake_quantize, reduce_min_max
-from llmpress.quant.scheme import QuantizationArgs, preset_scheme
+from llmpress.quant.scheme import QuantizationArgs
 from llmpress.recipe import Recipe
 
 

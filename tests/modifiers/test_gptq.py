@@ -444,7 +444,7 @@ def test_a_module_that_sees_no_input_is_rounded_to_nearest_and_reported(tmp_path
 
 def test_int8_weights_keep_min_max_unless_the_recipe_names_an_observer():
     from llmpress.modifiers.gptq.modifier import _with_gptq_defaults
-    from llmpress.quant.scheme import preset_scheme
+    from llmpress.quant.presets import preset_scheme
 
     for preset, expected in (("W4A16", "mse"), ("W8A8", None), ("W8A16", None)):
         assert _with_gptq_defaults(preset_scheme(preset), None).weights.observer == expected, preset

@@ -9,8 +9,8 @@ import torch
 from llmpress import native
 from llmpress.errors import CheckpointError
 from llmpress.formats.fp4_packed import pack_fp4, quantize_and_pack
+from llmpress.quant.presets import preset_scheme
 from llmpress.quant.qdq import effective_scale, global_scale_of, quantize
-from llmpress.quant.scheme import preset_scheme
 
 pytestmark = pytest.mark.skipif(
     not (native.available() and {"avx512f", "avx512bw", "avx512dq"} <= native.cpu_flags()), reason="needs AVX-512 and llmpress's CPU operators"

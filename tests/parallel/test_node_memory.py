@@ -19,7 +19,7 @@ from llmpress.modifiers.gptq.ranks import RowShare
 from llmpress.modifiers.hessians import HessianAccumulator
 from llmpress.parallel import node as node_memory
 from llmpress.parallel.node import close_node_team, node_team
-from llmpress.quant.scheme import preset_scheme
+from llmpress.quant.presets import preset_scheme
 
 #: (columns, dead columns, activation order, positive definite): several block columns and a
 #: halving two deep in the factor; a Hessian that needs more dampening (retried together)

@@ -12,8 +12,9 @@ from llmpress.formats import FORMATS, format_for
 from llmpress.formats.fp4_packed import pack_fp4, unpack_fp4
 from llmpress.lifecycle.attach import attach_scheme, freeze_weight, fused_families, share_global_scales
 from llmpress.lifecycle.state import scheme_of
+from llmpress.quant.presets import preset_scheme
 from llmpress.quant.qdq import compute_qparams, dequantize, fake_quantize_activation, quantize, round_to_grid
-from llmpress.quant.scheme import QuantizationArgs, preset_scheme
+from llmpress.quant.scheme import QuantizationArgs
 
 
 def test_fp4_rounds_to_nearest_with_ties_to_even():

@@ -13,7 +13,7 @@ import torch
 
 import llmpress
 from llmpress.quant.groups import dividing_groups
-from llmpress.quant.scheme import PRESET_SCHEMES, preset_scheme
+from llmpress.quant.presets import PRESET_SCHEMES, preset_scheme
 
 #: SmolLM2-135M's input widths: q/k/v/o and gate/up read 576 features, down_proj 1536
 WIDTHS = {"model.layers.0.self_attn.q_proj": 576, "model.layers.0.self_attn.o_proj": 576,

@@ -244,7 +244,7 @@ def test_int4_packs_eight_values_per_word():
 def test_finished_layers_wait_as_integers_and_come_back_bit_for_bit(preset):
     from llmpress.lifecycle.attach import attach_scheme, freeze_weight
     from llmpress.pipelines.storage.compact import CompactWeights
-    from llmpress.quant.scheme import preset_scheme
+    from llmpress.quant.presets import preset_scheme
 
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(64, 32))
@@ -280,7 +280,7 @@ def test_nibble_packing_round_trips_every_4_bit_integer(shape):
 def test_a_weight_off_its_grid_is_not_held():
     from llmpress.lifecycle.attach import attach_scheme, freeze_weight
     from llmpress.pipelines.storage.compact import CompactWeights
-    from llmpress.quant.scheme import preset_scheme
+    from llmpress.quant.presets import preset_scheme
 
     linear = torch.nn.Linear(128, 16)
     attach_scheme(linear, preset_scheme("W4A16"))
@@ -292,7 +292,7 @@ def test_a_weight_off_its_grid_is_not_held():
 def test_a_shared_weight_is_not_held():
     from llmpress.lifecycle.attach import attach_scheme, freeze_weight
     from llmpress.pipelines.storage.compact import CompactWeights
-    from llmpress.quant.scheme import preset_scheme
+    from llmpress.quant.presets import preset_scheme
 
     first, second = torch.nn.Linear(128, 16), torch.nn.Linear(128, 16)
     second.weight = first.weight  # tied

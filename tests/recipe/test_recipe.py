@@ -178,3 +178,49 @@ def test_saved_recipes_are_what_llm_compressor_reads():
     assert data["AWQModifier"]["mappings"] == [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$"]}]
     assert data["SmoothQuantModifier"]["mappings"] == mappings
     assert Recipe.from_yaml(text) == recipe
+
+
+def test_every_compressed_tensors_preset_name_reads():
+    """llm-compressor's recipes may name any of compressed-tensors' presets (0.19 and 0.20):
+    each one llmpress writes is a preset here with compressed-tensors' fields; the rest are
+    refused by name, with the reason."""
+    ct = pytest.importorskip("compressed_tensors.quantization.quant_scheme")
+    from llmpress.quant.presets import NOT_WRITTEN, preset_scheme
+
+    assert set(ct.PRESET_SCHEMES) <= set(PRESET_SCHEMES) | set(NOT_WRITTEN)
+    for name in ct.PRESET_SCHEMES:
+        if name in NOT_WRITTEN:
+            with pytest.raises(RecipeError, match="does not write"):
+                QuantizationModifier(scheme=name)
+            continue
+        ours = preset_scheme(name).model_dump(mode="json")
+        for field in ("weights", "input_activations"):
+            args, mine = ct.PRESET_SCHEMES[name].get(field), ours[field]
+            assert (args is None) == (mine is None), (name, field)
+            theirs = {} if args is None else args.model_dump(mode="json")
+            for key in ("num_bits", "type", "symmetric", "strategy", "group_size", "block_structure", "dynamic", "scale_dtype"):
+                assert args is None or theirs.get(key) == mine[key], (name, field, key, theirs.get(key), mine[key])
+
+
+def test_spelled_groups_are_config_groups_in_the_recipe():
+    """``W4A16_G32`` (a preset's int weights in groups of 32) runs from a name, and the recipe
+    writes the config group it means: llm-compressor knows only the presets' names."""
+    recipe = Recipe.from_any("w4a16_g32")
+    modifier = recipe.modifiers[0]
+    assert modifier.config.scheme is None and list(modifier.config.config_groups) == ["group_0"]
+    weights = modifier.config.config_groups["group_0"].weights
+    assert (weights.num_bits, weights.group_size, weights.symmetric) == (4, 32, True)
+    assert "W4A16_G32" not in recipe.to_yaml() and Recipe.from_yaml(recipe.to_yaml()) == recipe
+    mixed = QuantizationModifier(scheme={"W3A16_ASYM_G64": ["re:.*mlp.*"], "W8A8": "re:.*attn.*"})
+    first, second = mixed.config.config_groups.values()
+    assert (first.weights.num_bits, first.weights.group_size, first.weights.symmetric, first.targets) == (3, 64, False, ["re:.*mlp.*"])
+    assert second.input_activations.num_bits == 8 and second.targets == ["re:.*attn.*"]
+    assert QuantizationModifier(scheme="W4A8").config.scheme == "W4A8"  # compressed-tensors' own names stay names
+
+
+@pytest.mark.parametrize("name, words", [("W4A16_G0", "group size 0"), ("FP8_G64", "not int in groups"),
+                                         ("W8A8_G128", "not int in groups"), ("W4A17", "did you mean 'W4A16'"),
+                                         ("MXFP8", "does not write")])
+def test_names_that_mean_nothing_are_refused(name, words):
+    with pytest.raises(RecipeError, match=words):
+        Recipe.from_any(name)

@@ -14,7 +14,8 @@ from llmpress.evaluation.perplexity import evaluation_windows, perplexity
 from llmpress.evaluation.tasks import task_scores
 from llmpress.loading.inspect import describe_args
 from llmpress.loading.loader import load, model_folder, read_model_and_processor, read_tokenizer
-from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, preset_scheme
+from llmpress.quant.presets import PRESET_SCHEMES, preset_scheme
+from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["evaluate_models", "format_table", "plot_results", "scheme_label", "task_columns"]
 

@@ -1,7 +1,7 @@
 """Stateless on-disk codecs, one per compressed-tensors format.
 
 ``FORMATS.get(name).compress(module_state, scheme)`` and ``.decompress(...)``; ``format_for(scheme)``
-picks the format a scheme is saved in, as compressed-tensors would.
+picks the format a scheme is saved in: compressed-tensors' choice, except where vLLM reads only another.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ def format_for(scheme: QuantizationScheme) -> str:
         return "mxfp4-pack-quantized" if weights.is_mx else "nvfp4-pack-quantized"
     if weights.is_float:
         return "float-quantized"
-    if scheme.input_activations is None:  # integer weight-only: pack into int32
+    inputs = scheme.input_activations
+    if inputs is None:  # integer weight-only: pack into int32
         return "pack-quantized"
-    return "int-quantized"
+    if weights.num_bits == 8 or (weights.num_bits == 4 and not inputs.is_float and inputs.num_bits == 8):
+        return "int-quantized"  # one int8 a value: compressed-tensors' choice, what vLLM's W8A8 and W4A8 readers take
+    # other widths, int4 or fp8 inputs: compressed-tensors would write int-quantized, which vLLM
+    # reads for none of them; its readers of these (WNA8, WNA4, W4AFP8) take the packed layout
+    return "pack-quantized"

@@ -123,14 +123,30 @@ def _deploys(members: dict[str, nn.Module], scheme: QuantizationScheme) -> str:
     split = {n: c for n, c in columns.items() if not whole_groups(scheme, c)}
     weights = scheme.weights
     if not split:
-        if weights is not None and not weights.is_float and scheme.input_activations is None and weights.num_bits != 4:
-            return (f"loads (every group whole); vLLM's CPU build refuses int{weights.num_bits} weight-only layers "
-                    "(its WNA16 kernel takes 4-bit weights only)")
-        return "loads (every group whole)"
+        limit = _vllm_device_limit(scheme)
+        return "loads (every group whole)" + (f"; {limit}" if limit else "")
     name, width = next(iter(split.items()))
     group = weights.group_size if weights is not None and weights.is_grouped and width % weights.group_size else scheme.input_activations.group_size
     return (f"refused: {len(split)} module(s) with input features not a multiple of the group size {group} "
             f"(e.g. {name}: {width}); llmpress reads them")
+
+
+def _vllm_device_limit(scheme: QuantizationScheme) -> str | None:
+    """Where vLLM (0.32) serves ``scheme``'s int weights on some devices only, or not as written:
+    its CPU build takes int weights of 4 bits (and int8 x int8) and drops int4 inputs' rounding
+    (measured: ``bench/README.md``, "Served by vLLM"); int4 weights with fp8 inputs run on Hopper GPUs only."""
+    weights, inputs = scheme.weights, scheme.input_activations
+    if weights is None or weights.is_float:
+        return None
+    if inputs is not None and inputs.is_float:
+        return "vLLM serves int4 weights with fp8 inputs on Hopper GPUs only (its W4A8Fp8 reader)"
+    int8_product = weights.num_bits == 8 and inputs is not None and inputs.num_bits == 8 and not weights.is_grouped
+    if weights.num_bits != 4 and not int8_product:
+        what = "weight-only layers" if inputs is None else f"weights with int{inputs.num_bits} inputs"
+        return f"vLLM's CPU build refuses int{weights.num_bits} {what} (its CPU kernel takes 4-bit weights only)"
+    if inputs is not None and inputs.num_bits == 4:
+        return "vLLM's CPU build runs them as int4 weight-only layers: its kernel skips the int4 rounding of the inputs"
+    return None
 
 
 def _describe_sparsity(config: dict[str, Any] | None) -> str | None:

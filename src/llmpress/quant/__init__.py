@@ -2,6 +2,7 @@
 
 from llmpress.quant.observers import weight_qparams
 from llmpress.quant.packing import pack_to_int32, unpack_from_int32
+from llmpress.quant.presets import PRESET_SCHEMES, preset_scheme
 from llmpress.quant.qdq import (
     compute_qparams,
     dequantize,
@@ -10,12 +11,10 @@ from llmpress.quant.qdq import (
     quantize,
 )
 from llmpress.quant.scheme import (
-    PRESET_SCHEMES,
     QuantizationArgs,
     QuantizationScheme,
     QuantizationStrategy,
     QuantizationType,
-    preset_scheme,
 )
 
 __all__ = [

@@ -23,8 +23,6 @@ __all__ = [
     "ActivationOrdering",
     "QuantizationArgs",
     "QuantizationScheme",
-    "PRESET_SCHEMES",
-    "preset_scheme",
     "FP8_E4M3_MAX",
 ]
 
@@ -200,7 +198,7 @@ class QuantizationArgs(BaseModel):
                 "power-of-two (uint8, e8m0) scales are MXFP4's: fp4 values in groups of 32",
                 got=f"type={self.type!r}, num_bits={self.num_bits}, strategy={self.strategy!r}, group_size={self.group_size}",
                 expected="type: float, num_bits: 4, strategy: group, group_size: 32",
-                fix="use the MXFP4A16 or MXFP4 preset (MXFP8 and MXFP6 are not supported yet)",
+                fix="use the MXFP4A16 or MXFP4 preset (llmpress does not write MXFP8 or MXFP6)",
             )
         if self.is_float and self.num_bits == 4 and not (self.is_mx or (self.strategy == QuantizationStrategy.TENSOR_GROUP
                                                                          and self.group_size == 16)):
@@ -315,53 +313,3 @@ class QuantizationScheme(BaseModel):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-def _args(**kw: Any) -> dict[str, Any]:
-    return kw
-
-
-_NVFP4 = _args(num_bits=4, type="float", strategy="tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
-_MXFP4 = _args(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
-
-PRESET_SCHEMES: dict[str, dict[str, Any]] = {
-    "W4A16": {"weights": _args(num_bits=4, symmetric=True, strategy="group", group_size=128)},
-    "W4A16_ASYM": {"weights": _args(num_bits=4, symmetric=False, strategy="group", group_size=128)},
-    "W8A16": {"weights": _args(num_bits=8, symmetric=True, strategy="group", group_size=128)},
-    "W8A8": {
-        "weights": _args(num_bits=8, symmetric=True, strategy="channel"),
-        "input_activations": _args(num_bits=8, symmetric=True, strategy="token", dynamic=True),
-    },
-    "FP8": {
-        "weights": _args(num_bits=8, type="float", strategy="tensor"),
-        "input_activations": _args(num_bits=8, type="float", strategy="tensor", observer="minmax"),
-    },
-    "FP8_DYNAMIC": {
-        "weights": _args(num_bits=8, type="float", strategy="channel"),
-        "input_activations": _args(num_bits=8, type="float", strategy="token", dynamic=True),
-    },
-    "FP8_BLOCK": {
-        "weights": _args(num_bits=8, type="float", strategy="block", block_structure=[128, 128]),
-        "input_activations": _args(num_bits=8, type="float", strategy="group", group_size=128, dynamic=True),
-    },
-    "NVFP4A16": {"weights": _NVFP4},
-    "NVFP4": {"weights": _NVFP4, "input_activations": {**_NVFP4, "dynamic": "local", "observer": "static_minmax"}},
-    "MXFP4A16": {"weights": _MXFP4},
-    "MXFP4": {"weights": _MXFP4, "input_activations": {**_MXFP4, "dynamic": True}},
-}
-
-
-def preset_scheme(name: str, targets: list[str] | None = None) -> QuantizationScheme:
-    """The scheme for a preset name (``W4A16``, ``W8A8``, ``FP8``...), aimed at ``targets``."""
-    key = name.upper()
-    if key not in PRESET_SCHEMES:
-        import difflib
-
-        close = difflib.get_close_matches(key, list(PRESET_SCHEMES), n=1)
-        raise SchemeError(
-            f"unknown preset scheme {name!r}",
-            got=name,
-            expected=f"one of {', '.join(PRESET_SCHEMES)}",
-            fix=f"did you mean {close[0]!r}?" if close else "use one of the preset names",
-        )
-    return QuantizationScheme(targets=list(targets or ["Linear"]), **PRESET_SCHEMES[key])

@@ -26,7 +26,7 @@ import yaml
 from llmpress.contract.modifier import MODIFIERS, Modifier
 from llmpress.errors import RecipeError
 from llmpress.modifiers.quantization import QuantizationModifier
-from llmpress.quant.scheme import PRESET_SCHEMES
+from llmpress.quant.presets import NAMES_HINT
 from llmpress.recipe.yaml_loader import MAX_RECIPE_BYTES, load_recipe_yaml
 
 __all__ = ["Recipe", "RecipeStage"]
@@ -48,6 +48,9 @@ def _represent_list(dumper: yaml.SafeDumper, items: list) -> yaml.Node:
 
 
 _RecipeDumper.add_representer(list, _represent_list)
+
+#: a string that can only be a scheme's name (a recipe in YAML has a colon, a file's path a dot or a slash)
+_ONE_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 @dataclass
@@ -93,8 +96,12 @@ class Recipe:
         if isinstance(source, Path) or (isinstance(source, str) and _looks_like_path(source)):
             return cls.from_file(source)
         if isinstance(source, str):
-            if _is_preset(source):
-                return cls.from_preset(source)
+            if _ONE_NAME.fullmatch(source.strip()):  # a scheme name, or an error that says why it is not one
+                try:
+                    return cls.from_preset(source)
+                except RecipeError as exc:
+                    raise RecipeError(f"{source.strip()!r} is not a recipe: {exc.what}", got=exc.got,
+                                      expected=f"a scheme name ({NAMES_HINT}) or a recipe file's path", fix=exc.fix) from None
             return cls.from_yaml(source)
         raise RecipeError(
             "cannot build a recipe from this object",
@@ -109,7 +116,8 @@ class Recipe:
 
     @classmethod
     def from_preset(cls, name: str, ignore: list[str] | None = None) -> Recipe:
-        """The RTN recipe for a preset scheme name, leaving ``lm_head`` in full precision."""
+        """The RTN recipe for a scheme name (a preset, or ``W4A16_G32``...: ``quant/presets.py``),
+        leaving ``lm_head`` in full precision."""
         modifier = QuantizationModifier(targets=["Linear"], ignore=ignore or ["lm_head"], scheme=name.upper())
         return cls([RecipeStage("quant_stage", {"quant_modifiers": [modifier]})])
 
@@ -124,7 +132,7 @@ class Recipe:
                 "cannot read the recipe file",
                 got=f"{path}: {exc.strerror or exc}" if isinstance(exc, OSError) else f"{path}: not UTF-8 text",
                 expected="a readable YAML or JSON recipe file, or a preset name",
-                fix=f"check the path, or use a preset: {', '.join(_preset_names())}",
+                fix=f"check the path, or use a preset: {NAMES_HINT}",
             ) from None
         return cls.from_yaml(text, origin=str(path))
 
@@ -136,7 +144,7 @@ class Recipe:
             raise RecipeError(
                 f"{origin} must be a mapping of stages{hint}",
                 got=type(data).__name__,
-                expected=f"'<name>_stage: {{<group>_modifiers: {{XModifier: {{...}}}}}}' or a preset ({', '.join(_preset_names())})",
+                expected=f"'<name>_stage: {{<group>_modifiers: {{XModifier: {{...}}}}}}' or a preset ({NAMES_HINT})",
             )
         return cls.from_dict(data)
 
@@ -301,14 +309,6 @@ def _named(mapping: dict, where: str) -> dict:
     if odd:
         raise RecipeError(f"the keys of {where} must be names", got=repr(odd[0]), expected="a text key, e.g. quant_stage")
     return mapping
-
-
-def _preset_names() -> list[str]:
-    return list(PRESET_SCHEMES)
-
-
-def _is_preset(text: str) -> bool:
-    return text.strip().upper() in _preset_names()
 
 
 def _looks_like_path(text: str) -> bool:

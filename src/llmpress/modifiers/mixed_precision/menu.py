@@ -1,16 +1,14 @@
 """What a mixed-precision run chooses from, and toward what: the menu of schemes, the target
 (average bits per weight, or the checkpoint's size), and what each scheme costs a module.
 
-A menu entry is a preset name (``W4A16``, ``W8A16``, ``NVFP4A16``...), an integer weight-only
-scheme of any width ``W2A16`` .. ``W8A16`` (``_ASYM`` for asymmetric; groups of 128), either
-with ``_G<size>`` for another group size (``W4A16_G32``), ``DENSE`` for "left as it is", or a
+A menu entry is a scheme name (``W4A16``, ``W3A16_G32``, ``W2A16_ASYM``, ``NVFP4A16``...: the
+presets and their spellings of ``quant/presets.py``), ``DENSE`` for "left as it is", or a
 compressed-tensors scheme dict (``{name: ..., weights: {...}}``).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,10 +16,11 @@ import torch
 from pydantic import BaseModel, field_validator, model_validator
 
 from llmpress.contract.modifier import CONFIG
-from llmpress.errors import RecipeError
+from llmpress.errors import RecipeError, SchemeError
 from llmpress.memory import parse_size
 from llmpress.quant.groups import fitted_weight_group
-from llmpress.quant.scheme import PRESET_SCHEMES, QuantizationScheme, QuantizationStrategy, preset_scheme
+from llmpress.quant.presets import preset_scheme
+from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
 
 __all__ = ["DEFAULT_MENU", "DENSE", "MenuOption", "MixedPrecision", "default_menu", "menu_option", "weight_bits"]
 
@@ -41,8 +40,6 @@ def default_menu(average_bits: float | None) -> list[str]:
         return list(DEFAULT_MENU)
     low = min(max(int(average_bits), 2), 4)
     return [name for bits in range(low, 5) for name in (f"W{bits}A16", f"W{bits}A16_G32")] + ["W8A16", DENSE]
-_INT_WEIGHTS = re.compile(r"W([2-8])A16(_ASYM)?")
-_GROUP_SUFFIX = re.compile(r"(.+)_G(\d+)")
 
 
 @dataclass(frozen=True)
@@ -63,32 +60,11 @@ def menu_option(entry: str | dict[str, Any]) -> MenuOption:
     text = str(entry).strip().upper()
     if text in (DENSE, "NONE"):
         return MenuOption(DENSE, None)
-    base, group = text, None
-    found = _GROUP_SUFFIX.fullmatch(text)
-    if found and found.group(1) != text:
-        base, group = found.group(1), int(found.group(2))
-    scheme = _base_scheme(base, entry)
-    if group is not None:
-        weights = scheme.weights
-        if weights is None or weights.strategy != QuantizationStrategy.GROUP or weights.is_float:
-            raise RecipeError(f"mixed precision: {entry!r} sets a group size on a scheme without int weight groups",
-                              got=entry, expected="_G<size> after an int weight scheme, e.g. W4A16_G32",
-                              fix=f"use {base} alone")
-        scheme = scheme.model_copy(update={"weights": weights.model_copy(update={"group_size": group})})
-    return MenuOption(text, scheme)
-
-
-def _base_scheme(base: str, entry: Any) -> QuantizationScheme:
-    if base in PRESET_SCHEMES:
-        return preset_scheme(base)
-    found = _INT_WEIGHTS.fullmatch(base)
-    if found is None:
-        raise RecipeError(f"mixed precision: unknown scheme {entry!r} in the menu", got=entry,
-                          expected=f"a preset ({', '.join(PRESET_SCHEMES)}), W2A16 .. W8A16 (optionally _ASYM), "
-                          f"either with _G<group size>, {DENSE}, or a scheme dict",
-                          fix="e.g. schemes: [W3A16, W4A16, W4A16_G32, W8A16]")
-    weights = {"num_bits": int(found.group(1)), "symmetric": not found.group(2), "strategy": "group", "group_size": 128}
-    return QuantizationScheme(weights=weights)
+    try:
+        return MenuOption(text, preset_scheme(text))
+    except SchemeError as exc:
+        raise RecipeError(f"mixed precision: {exc.what}", got=entry, expected=f"{exc.expected or 'a scheme name'}, or {DENSE}",
+                          fix=exc.fix or "e.g. schemes: [W3A16, W4A16, W4A16_G32, W8A16]") from None
 
 
 def _describe(scheme: QuantizationScheme) -> str:

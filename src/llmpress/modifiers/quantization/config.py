@@ -11,7 +11,8 @@ from llmpress.contract.modifier import CONFIG, WindowFields
 from llmpress.errors import RecipeError
 from llmpress.lifecycle.kv_cache import kv_cache_args
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision
-from llmpress.quant.scheme import QuantizationScheme, preset_scheme
+from llmpress.quant.presets import is_preset, is_scheme_name, preset_scheme
+from llmpress.quant.scheme import QuantizationScheme
 
 __all__ = ["QuantizationModifierConfig", "SchemeFields"]
 
@@ -41,6 +42,21 @@ class SchemeFields(BaseModel):
     @classmethod
     def _one_name_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spelled_names_as_groups(cls, data: Any) -> Any:
+        """A scheme name of llmpress's own (``W4A16_G32``: ``quant/presets.py``) becomes the
+        config group it means, so that the recipe a run saves reads in llm-compressor too."""
+        if not isinstance(data, dict) or "config_groups" in data:
+            return data
+        scheme, targets = data.get("scheme"), data.get("targets", ["Linear"])
+        named = {scheme: targets} if isinstance(scheme, str) else scheme if isinstance(scheme, dict) else {}
+        if not named or "weights" in named or "input_activations" in named or all(is_preset(str(n)) for n in named) \
+                or not all(isinstance(n, str) and is_scheme_name(n) for n in named):
+            return data  # presets stay names; anything else is validated (and refused) as written
+        groups = {f"group_{i}": preset_scheme(name, [aim] if isinstance(aim, str) else aim) for i, (name, aim) in enumerate(named.items())}
+        return {**{k: v for k, v in data.items() if k != "scheme"}, "config_groups": groups}
 
     #: a modifier that may leave its scheme to an earlier modifier of its stage (GPTQ after a
     #: QuantizationModifier with the scheme, as llm-compressor's recipes write it)
