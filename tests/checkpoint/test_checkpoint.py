@@ -40,6 +40,9 @@ EXPECTED = {
        for inputs in (8, 4) for bits in range(2, 8 if inputs == 8 else 5)},
     "W4AFP8": ("pack-quantized", {"weight_packed": torch.int32, "weight_shape": torch.int64}),
     "W4A8": ("int-quantized", {"weight": torch.int8, "weight_scale": torch.float32}),
+    "MXFP8A16": ("mxfp8-quantized", {"weight": torch.float8_e4m3fn, "weight_scale": torch.uint8}),
+    "MXFP8": ("mxfp8-quantized", {"weight": torch.float8_e4m3fn, "weight_scale": torch.uint8}),
+    "MXFP4XFP8": ("mxfp4-pack-quantized", {"weight_packed": torch.uint8, "weight_scale": torch.uint8}),
 }
 
 
@@ -225,7 +228,9 @@ def test_reads_a_checkpoint_written_by_llm_compressor():
 
 @pytest.mark.parametrize("preset, words", [("W4A8", None), ("W8A8", None), ("W4A16", None),
                                            ("W4A4", "skips the int4 rounding"), ("W3A8", "refuses int3 weights with int8 inputs"),
-                                           ("W8A16", "refuses int8 weight-only"), ("W4AFP8", "Hopper GPUs only")])
+                                           ("W8A16", "refuses int8 weight-only"), ("W4AFP8", "Hopper GPUs only"),
+                                           ("MXFP8A16", "no kernel for NVFP4, MXFP4 or MXFP8"), ("NVFP4", "on GPUs"),
+                                           ("FP8_BLOCK", "only on a CPU with AMX"), ("FP8_DYNAMIC", None)])
 def test_inspect_says_where_vllm_serves_a_group_otherwise(preset, words):
     """What vLLM 0.32's CPU build did with each (bench/README.md, "Served by vLLM")."""
     from llmpress.loading.inspect import _vllm_device_limit

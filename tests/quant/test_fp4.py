@@ -42,6 +42,19 @@ def test_mx_scales_are_powers_of_two_rounded_up_near_the_next():
     assert codes.tolist() == [125, 125, 125, 126, 127, 128, 0]
 
 
+@pytest.mark.parametrize("preset, bits", [("MXFP4A16", 4), ("MXFP8A16", 8)])
+def test_mx_scales_are_compressed_tensors_codes(preset, bits):
+    """The e8m0 codes compressed-tensors' observer gives (``generate_mx_scales``), fp4 and fp8
+    alike, near powers of two and between them."""
+    mx = pytest.importorskip("compressed_tensors.quantization.utils.mxfp_utils")
+    absmax = torch.cat([torch.tensor([1.0, 1.5, 1.74, 1.75, 1.76, 6.0, 7.0, 448.0, 500.0, 2.0**-20]), torch.rand(200) * 100])
+    scale, _ = compute_qparams(-absmax, absmax, preset_scheme(preset).weights)
+    ours = (torch.log2(scale) + 127).round()
+    assert torch.equal(ours, mx.generate_mx_scales(absmax, bits).float())
+    if bits == 8:  # fp8's group maximum fits 448 (fp4's may clip at 6 by up to 1.75 / 1.5: the rounding both share)
+        assert float((absmax / scale).max()) <= 448.0
+
+
 def test_nvfp4_needs_its_global_scale():
     args = preset_scheme("NVFP4A16").weights
     with pytest.raises(SchemeError, match="global scale"):
@@ -51,7 +64,8 @@ def test_nvfp4_needs_its_global_scale():
 @pytest.mark.parametrize("fields", [
     {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16},  # fp4 without NVFP4/MX scales
     {"num_bits": 4, "type": "int", "strategy": "tensor_group", "group_size": 16},
-    {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
+    {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 16, "scale_dtype": "torch.uint8"},  # MX groups are 32
+    {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"},
     {"num_bits": 8, "type": "float", "block_structure": [128, 128]},  # block without strategy
     {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 16, "dynamic": "local"},
     {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "scale_dtype": "torch.nosuch"},

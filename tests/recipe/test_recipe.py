@@ -220,7 +220,7 @@ def test_spelled_groups_are_config_groups_in_the_recipe():
 
 @pytest.mark.parametrize("name, words", [("W4A16_G0", "group size 0"), ("FP8_G64", "not int in groups"),
                                          ("W8A8_G128", "not int in groups"), ("W4A17", "did you mean 'W4A16'"),
-                                         ("MXFP8", "does not write")])
+                                         ("MXFP6A16", "does not write"), ("unquantized", "quantizes nothing")])
 def test_names_that_mean_nothing_are_refused(name, words):
     with pytest.raises(RecipeError, match=words):
         Recipe.from_any(name)

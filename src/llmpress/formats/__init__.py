@@ -23,7 +23,7 @@ def format_for(scheme: QuantizationScheme) -> str:
     if weights.is_fp4:  # validated: NVFP4 (tensor_group of 16) or MXFP4 (groups of 32, uint8 scales)
         return "mxfp4-pack-quantized" if weights.is_mx else "nvfp4-pack-quantized"
     if weights.is_float:
-        return "float-quantized"
+        return "mxfp8-quantized" if weights.is_mx else "float-quantized"
     inputs = scheme.input_activations
     if inputs is None:  # integer weight-only: pack into int32
         return "pack-quantized"

@@ -15,7 +15,8 @@ from llmpress.quant.qdq import dequantize
 from llmpress.quant.scheme import QuantizationScheme
 from llmpress.registry import Registry
 
-__all__ = ["FormatCodec", "FORMATS", "PackingCodec", "dequantize_unpacked", "drop_symmetric_zero_points"]
+__all__ = ["FormatCodec", "FORMATS", "PackingCodec", "decode_mx_scale", "dequantize_unpacked", "drop_symmetric_zero_points",
+           "encode_mx_scale"]
 
 StateDict = dict[str, torch.Tensor]
 
@@ -65,3 +66,12 @@ def dequantize_unpacked(state: StateDict, scheme: QuantizationScheme, dtype: tor
         state["weight"], state["weight_scale"], state.get("weight_zero_point"), scheme.weights, dtype, state.get("weight_global_scale")
     )
     return state
+
+
+def encode_mx_scale(scale: torch.Tensor) -> torch.Tensor:
+    """An MX format's power-of-two scales as stored: uint8 exponents plus 127 (e8m0)."""
+    return (torch.log2(scale.to(torch.float32)) + 127).round().clamp(0, 255).to(torch.uint8)
+
+
+def decode_mx_scale(code: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(code.to(torch.float32) - 127)

@@ -17,7 +17,14 @@ import torch
 
 from llmpress import native
 from llmpress.errors import CheckpointError
-from llmpress.formats.base import FORMATS, StateDict, dequantize_unpacked, drop_symmetric_zero_points
+from llmpress.formats.base import (
+    FORMATS,
+    StateDict,
+    decode_mx_scale,
+    dequantize_unpacked,
+    drop_symmetric_zero_points,
+    encode_mx_scale,
+)
 from llmpress.quant.qdq import effective_scale, quantize
 from llmpress.quant.scheme import QuantizationScheme
 
@@ -70,14 +77,6 @@ def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return table.index_select(0, packed.reshape(-1).int()).reshape(packed.shape[0], -1)
 
 
-def _encode_mx_scale(scale: torch.Tensor) -> torch.Tensor:
-    return (torch.log2(scale.to(torch.float32)) + 127).round().clamp(0, 255).to(torch.uint8)
-
-
-def _decode_mx_scale(code: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(code.to(torch.float32) - 127)
-
-
 class _Fp4Packed:
     name = ""
 
@@ -88,7 +87,7 @@ class _Fp4Packed:
         weight = out.pop("weight")
         out["weight_packed"] = quantize_and_pack(weight, out["weight_scale"], args, out.get("weight_global_scale"))
         scale = out["weight_scale"]
-        out["weight_scale"] = _encode_mx_scale(scale) if args.is_mx else scale.to(torch.float8_e4m3fn)
+        out["weight_scale"] = encode_mx_scale(scale) if args.is_mx else scale.to(torch.float8_e4m3fn)
         if "weight_global_scale" in out:
             out["weight_global_scale"] = out["weight_global_scale"].to(torch.float32).reshape(1)
         return out
@@ -99,7 +98,7 @@ class _Fp4Packed:
         out = dict(state)
         out["weight"] = unpack_fp4(out.pop("weight_packed"))
         scale = out["weight_scale"]
-        out["weight_scale"] = _decode_mx_scale(scale) if scheme.weights.is_mx else scale.to(torch.float32)
+        out["weight_scale"] = decode_mx_scale(scale) if scheme.weights.is_mx else scale.to(torch.float32)
         return out
 
     @classmethod

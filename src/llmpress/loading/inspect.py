@@ -18,7 +18,7 @@ from llmpress.models.linear import input_major, is_linear
 from llmpress.modifiers.autoround.record import record_of as autoround_record_of
 from llmpress.modifiers.mixed_precision.choose import record_of
 from llmpress.quant.groups import whole_groups
-from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
+from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from llmpress.runtime import QuantizedLinear
 from llmpress.runtime.decode import path_name
 from llmpress.targets import assign_by_targets
@@ -133,9 +133,14 @@ def _deploys(members: dict[str, nn.Module], scheme: QuantizationScheme) -> str:
 
 def _vllm_device_limit(scheme: QuantizationScheme) -> str | None:
     """Where vLLM (0.32) serves ``scheme``'s int weights on some devices only, or not as written:
-    its CPU build takes int weights of 4 bits (and int8 x int8) and drops int4 inputs' rounding
-    (measured: ``bench/README.md``, "Served by vLLM"); int4 weights with fp8 inputs run on Hopper GPUs only."""
+    its CPU build takes int weights of 4 bits (and int8 x int8), drops int4 inputs' rounding and
+    has no fp4 or MX kernel (measured: ``bench/README.md``, "Served by vLLM"); int4 weights with
+    fp8 inputs run on Hopper GPUs only."""
     weights, inputs = scheme.weights, scheme.input_activations
+    if weights is not None and (weights.is_fp4 or weights.is_mx):
+        return "vLLM serves these on GPUs: its CPU build has no kernel for NVFP4, MXFP4 or MXFP8 layers"
+    if weights is not None and weights.strategy == QuantizationStrategy.BLOCK:
+        return "vLLM's CPU build runs fp8 blocks only on a CPU with AMX"
     if weights is None or weights.is_float:
         return None
     if inputs is not None and inputs.is_float:

@@ -34,9 +34,10 @@ _INT8_TOKENS = _args(num_bits=8, symmetric=True, strategy="token", dynamic=True)
 _INT4_TOKENS = _args(num_bits=4, symmetric=True, strategy="token", dynamic=True)
 _NVFP4 = _args(num_bits=4, type="float", strategy="tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn")
 _MXFP4 = _args(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="torch.uint8")
+_MXFP8 = {**_MXFP4, "num_bits": 8}
 _W8A8 = {"weights": _args(num_bits=8, symmetric=True, strategy="channel"), "input_activations": _INT8_TOKENS}
 
-#: compressed-tensors' presets (0.19, llm-compressor 0.14's, and 0.20), less ``NOT_WRITTEN``'s
+#: compressed-tensors' presets (0.19, llm-compressor 0.14's, and 0.20's MXFP4XFP8), less ``NOT_WRITTEN``'s
 PRESET_SCHEMES: dict[str, dict[str, Any]] = {
     "W4A16": {"weights": _int_weights(4)},
     "W4A16_ASYM": {"weights": {**_int_weights(4), "symmetric": False}},
@@ -59,6 +60,9 @@ PRESET_SCHEMES: dict[str, dict[str, Any]] = {
     "NVFP4": {"weights": _NVFP4, "input_activations": {**_NVFP4, "dynamic": "local", "observer": "static_minmax"}},
     "MXFP4A16": {"weights": _MXFP4},
     "MXFP4": {"weights": _MXFP4, "input_activations": {**_MXFP4, "dynamic": True}},
+    "MXFP4XFP8": {"weights": _MXFP4, "input_activations": _args(num_bits=8, type="float", strategy="group", group_size=128, dynamic=True)},
+    "MXFP8A16": {"weights": _MXFP8},
+    "MXFP8": {"weights": _MXFP8, "input_activations": {**_MXFP8, "dynamic": True}},
     "W4AFP8": {"weights": _int_weights(4), "input_activations": _args(num_bits=8, type="float", strategy="token", dynamic=True)},
     **{f"W{bits}A16": {"weights": _int_weights(bits)} for bits in range(2, 8)},
     **{f"W{bits}A8": {"weights": _int_weights(bits), "input_activations": _INT8_TOKENS} for bits in range(2, 8)},
@@ -68,8 +72,8 @@ PRESET_SCHEMES: dict[str, dict[str, Any]] = {
 #: compressed-tensors' names llmpress does not write: why, and what to write instead
 NOT_WRITTEN: dict[str, tuple[str, str]] = {
     "UNQUANTIZED": ("it quantizes nothing", "name the modules to leave as they are in ignore"),
-    **{name: ("llmpress writes microscaling (MX) formats of fp4 values only", "use MXFP4A16 or MXFP4, or FP8_BLOCK for fp8 weights")
-       for name in ("MXFP8A16", "MXFP8", "MXFP6A16", "MXFP6A8", "MXFP4XFP8")},
+    **{name: ("llmpress writes microscaling (MX) formats of fp4 and fp8 values only", "use MXFP4A16 / MXFP4 or MXFP8A16 / MXFP8")
+       for name in ("MXFP6A16", "MXFP6A8")},
 }
 
 #: the names in a few words, for help texts and errors

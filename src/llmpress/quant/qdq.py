@@ -184,14 +184,15 @@ def _reduce_input_major(columns: torch.Tensor, args: QuantizationArgs) -> tuple[
     return stacked.amin(dim=1).t().contiguous(), stacked.amax(dim=1).t().contiguous()
 
 
-def _mx_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """MXFP4's power-of-two group scale: 2^(e - 2), ``e`` the exponent of ``absmax`` rounded up
-    where its mantissa is 1.75 or more (``absmax`` near the next power of two would clip at 6
-    otherwise), as compressed-tensors and vLLM's reference compute it; stored as the uint8
-    code ``127 + e - 2`` (0 for an all-zero group)."""
+def _mx_scale(absmax: torch.Tensor, offset: int) -> torch.Tensor:
+    """An MX power-of-two group scale: 2^(e - offset), ``e`` the exponent of ``absmax`` rounded up
+    where its mantissa is 1.75 or more, ``offset`` the exponent of the element type's largest
+    value (2 for fp4's 6, 8 for fp8's 448), as compressed-tensors and vLLM's reference compute it
+    (so fp4 values near the next power of two do not clip at 6); stored as the uint8 code
+    ``127 + e - offset`` (0 for an all-zero group)."""
     mantissa, exponent = torch.frexp(absmax.to(torch.float32))  # absmax = mantissa * 2^exponent, mantissa in [0.5, 1)
     exponent = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype)  # 2^(exponent - 1) <= absmax; 1.75 x that rounds up
-    code = torch.where(absmax > 0, exponent + 127 - 2, torch.zeros_like(exponent)).clamp(0, 255)
+    code = torch.where(absmax > 0, exponent + 127 - offset, torch.zeros_like(exponent)).clamp(0, 255)
     return torch.exp2(code.to(torch.float32) - 127)
 
 
@@ -207,7 +208,7 @@ def compute_qparams(
     if args.symmetric:
         absmax = torch.maximum(min_vals.abs(), max_vals.abs())
         if args.is_mx:
-            return _mx_scale(absmax), None
+            return _mx_scale(absmax, 2 if args.is_fp4 else 8), None
         half_range = q_max if args.is_float else (q_max - q_min) / 2
         if args.has_global_scale:
             if global_scale is None:

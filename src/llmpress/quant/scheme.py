@@ -185,7 +185,7 @@ class QuantizationArgs(BaseModel):
 
     def _check_microscaling(self) -> None:
         """fp4 weights come in two layouts: NVFP4 (tensor_group, 16) and MX (group, 32, e8m0
-        scales); ``dynamic: local`` belongs to tensor_group."""
+        scales), fp8 in MX's too; ``dynamic: local`` belongs to tensor_group."""
         if self.dynamic == DynamicType.LOCAL and self.strategy != QuantizationStrategy.TENSOR_GROUP:
             raise SchemeError("dynamic: local applies to strategy 'tensor_group' only", got=f"strategy={self.strategy!r}",
                               expected="strategy: tensor_group (NVFP4 inputs)", fix="use dynamic: true for other strategies")
@@ -193,12 +193,12 @@ class QuantizationArgs(BaseModel):
             raise SchemeError("strategy 'tensor_group' is NVFP4's: fp4 values", got=f"type={self.type!r}, num_bits={self.num_bits}",
                               expected="type: float, num_bits: 4", fix="use strategy 'group' for other types")
         if self.scale_dtype == "torch.uint8" and not (self.is_float and self.strategy == QuantizationStrategy.GROUP
-                                                      and self.group_size == 32 and self.num_bits == 4):
+                                                      and self.group_size == 32):
             raise SchemeError(
-                "power-of-two (uint8, e8m0) scales are MXFP4's: fp4 values in groups of 32",
+                "power-of-two (uint8, e8m0) scales are the MX formats': fp4 or fp8 values in groups of 32",
                 got=f"type={self.type!r}, num_bits={self.num_bits}, strategy={self.strategy!r}, group_size={self.group_size}",
-                expected="type: float, num_bits: 4, strategy: group, group_size: 32",
-                fix="use the MXFP4A16 or MXFP4 preset (llmpress does not write MXFP8 or MXFP6)",
+                expected="type: float, num_bits: 4 or 8, strategy: group, group_size: 32",
+                fix="use the MXFP4A16, MXFP4, MXFP8A16 or MXFP8 preset (llmpress does not write MXFP6)",
             )
         if self.is_float and self.num_bits == 4 and not (self.is_mx or (self.strategy == QuantizationStrategy.TENSOR_GROUP
                                                                          and self.group_size == 16)):
@@ -228,7 +228,7 @@ class QuantizationArgs(BaseModel):
 
     @property
     def is_mx(self) -> bool:
-        """Power-of-two group scales stored as uint8 exponents (OCP microscaling, MXFP4)."""
+        """Power-of-two group scales stored as uint8 exponents (OCP microscaling: MXFP4, MXFP8)."""
         return self.scale_dtype == "torch.uint8"
 
     @property
