@@ -25,7 +25,7 @@ pruning_stage:
       final_sparsity: 0.5
       start: 0.0
       end: 0.5
-      update_frequency: 0.25
+      update: 0.25
 """
 
 

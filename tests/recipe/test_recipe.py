@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 from llmpress import Recipe
@@ -224,3 +225,75 @@ def test_spelled_groups_are_config_groups_in_the_recipe():
 def test_names_that_mean_nothing_are_refused(name, words):
     with pytest.raises(RecipeError, match=words):
         Recipe.from_any(name)
+
+
+def test_observer_overrides_are_llm_compressor_s():
+    """``weight_observer`` / ``input_observer`` / ``observer: {weights, input}`` (llm-compressor
+    0.14) set the observer of every scheme the modifier resolves, the mixed-precision ones too;
+    an input range is min/max, so an MSE input observer is refused, as are both forms at once."""
+    from llmpress.modifiers import GPTQModifier
+
+    assert GPTQModifier(scheme="W4A16", weight_observer="minmax").config.resolved_schemes()[0].weights.observer == "minmax"
+    fp8 = QuantizationModifier(scheme="FP8", observer={"weights": "MSE", "input": "static_minmax"}).config.resolved_schemes()[0]
+    assert (fp8.weights.observer, fp8.input_activations.observer) == ("mse", "static_minmax")
+    grouped = QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "channel"}}},
+                                   weight_observer="mse")
+    assert grouped.config.resolved_schemes()[0].weights.observer == "mse"
+    assert "weight_observer: mse" in Recipe.from_any(grouped).to_yaml()
+    for fields, words in [({"input_observer": "mse"}, "minimum and maximum"), ({"weight_observer": "nosuch"}, "unknown observer"),
+                          ({"observer": {"weight": "mse"}}, "unknown keys"),
+                          ({"weight_observer": "mse", "observer": {"weights": "mse"}}, "not both")]:
+        with pytest.raises(RecipeError, match=words):
+            QuantizationModifier(scheme="FP8", **fields)
+
+
+def test_weight_observer_override_rounds_as_the_scheme_s_own(tmp_path):
+    """An override is the same as writing the observer into the scheme."""
+    from helpers import make_tiny_llama
+
+    import llmpress
+
+    weights = {"num_bits": 4, "strategy": "group", "group_size": 64}
+    outputs = {}
+    for name, modifier in [("override", QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": weights}},
+                                                             weight_observer="mse", ignore=["lm_head"])),
+                           ("scheme", QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": {**weights, "observer": "mse"}}},
+                                                           ignore=["lm_head"])),
+                           ("default", QuantizationModifier(config_groups={"g": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]))]:
+        model = llmpress.oneshot(make_tiny_llama(), modifier)
+        outputs[name] = model.model.layers[0].mlp.down_proj.weight_scale.clone()
+    assert torch.equal(outputs["override"], outputs["scheme"]) and not torch.equal(outputs["override"], outputs["default"])
+
+
+def test_magnitude_pruning_reads_llm_compressor_s_schedule_fields():
+    from llmpress.modifiers import MagnitudePruningModifier
+    from llmpress.modifiers.pruning.magnitude import scheduled_sparsity
+
+    old = MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, end=1, update_frequency=0.25)
+    assert old.config.update == 0.25 and "update: 0.25" in Recipe.from_any(old).to_yaml()  # written as llm-compressor's field
+    expected = {"cubic": [0.1, 0.33125, 0.45, 0.5], "linear": [0.1, 0.2, 0.3, 0.5], "polynomial_decay": [0.1, 0.275, 0.4, 0.5],
+                "polynomial": [0.1, 0.125, 0.2, 0.5], "multi_step": [0.1, 0.3, 0.3, 0.45]}
+    args = {"multi_step": {"steps": [[0.2, 0.3], [0.6, 0.45]]}}
+    for scheduler, values in expected.items():
+        config = MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, end=1, update_scheduler=scheduler,
+                                          scheduler_args=args.get(scheduler, {})).config
+        assert [scheduled_sparsity(config, p, p) for p in (0, 0.25, 0.5, 1.0)] == pytest.approx(values), scheduler
+    for fields in ({"update_scheduler": "exponential"}, {"apply_globally": True}):
+        with pytest.raises(RecipeError):
+            MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, end=1, **fields)
+
+
+def test_saved_recipes_carry_what_llm_compressor_requires():
+    """llm-compressor 0.14 requires ``targets`` and both sparsities of MagnitudePruningModifier,
+    ``targets`` of ConstantPruningModifier and ``sparsity`` of SparseGPT / Wanda, and defaults
+    ``leave_enabled`` to False: written even where llmpress's defaults would leave them out."""
+    from llmpress.modifiers import ConstantPruningModifier, MagnitudePruningModifier, SparseGPTModifier
+
+    recipe = Recipe.from_any([SparseGPTModifier(mask_structure="2:4"), MagnitudePruningModifier(final_sparsity=0.5, end=1),
+                              ConstantPruningModifier(start=1, end=2)])
+    data = yaml.safe_load(recipe.to_yaml())["default_stage"]["default_modifiers"]
+    assert data["SparseGPTModifier"]["sparsity"] == 0.5
+    assert {k: data["MagnitudePruningModifier"][k] for k in ("targets", "init_sparsity", "final_sparsity", "leave_enabled")} == \
+        {"targets": ["Linear"], "init_sparsity": 0.0, "final_sparsity": 0.5, "leave_enabled": True}
+    assert data["ConstantPruningModifier"]["targets"] == ["Linear"]
+    assert Recipe.from_yaml(recipe.to_yaml()).to_yaml() == recipe.to_yaml()

@@ -316,8 +316,12 @@ class Modifier:
 
     # -- serialization -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """``{ClassName: {non-default fields}}``: plain data for YAML."""
-        return {type(self).__name__: self.config.model_dump(mode="json", exclude_defaults=True)}
+        """``{ClassName: {non-default fields}}``: plain data for YAML, with the fields
+        llm-compressor requires written even where they are llmpress's defaults (the config's
+        ``llm_compressor_requires()``), so that it reads every recipe llmpress saves."""
+        fields = self.config.model_dump(mode="json", exclude_defaults=True)
+        required = getattr(self.config, "llm_compressor_requires", None)
+        return {type(self).__name__: {**(required() if required else {}), **fields}}
 
     def clone(self) -> Modifier:
         return type(self)(**self.config.model_dump(exclude_defaults=True))

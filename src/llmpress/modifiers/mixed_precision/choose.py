@@ -47,8 +47,9 @@ def schemes_at_initialize(config: Any, state: Any, modifier: str, rounding: Roun
     (the modifier's own algorithm); otherwise the config's own."""
     if config.mixed_precision is None:
         return config.resolved_schemes()
-    return choose_schemes(state.model, state.calibration_data, config.mixed_precision, config.targets, config.ignore, modifier,
-                          rounding)
+    chosen = choose_schemes(state.model, state.calibration_data, config.mixed_precision, config.targets, config.ignore, modifier,
+                            rounding)
+    return [config.with_observers(scheme) for scheme in chosen]  # the recipe's observer overrides, as on a uniform scheme
 
 
 def choose_schemes(model: nn.Module, calibration_data: Any, mixed: MixedPrecision, targets: list[str], ignore: list[str],

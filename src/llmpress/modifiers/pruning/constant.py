@@ -10,6 +10,8 @@ and once more at ``finalize``::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -25,6 +27,9 @@ __all__ = ["ConstantPruningModifier"]
 class ConstantPruningConfig(WindowFields):
     targets: list[str] = ["Linear"]
     ignore: list[str] = ["lm_head"]
+
+    def llm_compressor_requires(self) -> dict[str, Any]:
+        return {"targets": list(self.targets)}
 
 
 @MODIFIERS.register("ConstantPruningModifier")

@@ -5,9 +5,12 @@ Sparsity rises from ``init_sparsity`` to ``final_sparsity`` between ``start`` an
 
     s(p) = final + (init - final) * (1 - p) ** 3,   p = progress through the window in [0, 1]
 
-After each optimizer step the masks are recomputed from the weights' magnitudes (every
-``update_frequency`` epochs, or every step) and applied, so training moves the surviving weights
-while the pruned ones stay zero. ``mask_structure: "2:4"`` keeps 2 of every 4 inputs (N:M)::
+or on another of llm-compressor's (``update_scheduler``: ``linear``, ``polynomial_decay`` and
+``polynomial`` with ``scheduler_args: {exponent: 2}``, ``multi_step`` with ``scheduler_args:
+{steps: [[epoch, sparsity], ...]}``). After each optimizer step the masks are recomputed from
+the weights' magnitudes (every ``update`` epochs, or every step; ``update_frequency`` is read as
+``update``) and applied, so training moves the surviving weights while the pruned ones stay
+zero. ``mask_structure: "2:4"`` keeps 2 of every 4 inputs (N:M)::
 
     MagnitudePruningModifier:
       targets: ['re:.*proj$']
@@ -20,9 +23,10 @@ while the pruned ones stay zero. ``mask_structure: "2:4"`` keeps 2 of every 4 in
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
-from pydantic import field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from torch import nn
 
 from llmpress.contract.modifier import MODIFIERS, Modifier, State, WindowFields
@@ -44,15 +48,56 @@ def cubic_sparsity(progress: float, init: float, final: float) -> float:
     return final + (init - final) * (1.0 - progress) ** 3
 
 
+SCHEDULERS = ("cubic", "linear", "polynomial_decay", "polynomial", "multi_step")
+
+
+def scheduled_sparsity(config: MagnitudePruningConfig, progress: float, epoch: float) -> float:
+    """The sparsity ``config``'s schedule asks for ``progress`` through its window (``epoch``:
+    where ``multi_step`` reads its steps), as llm-compressor's schedulers compute it."""
+    init, final, args = config.init_sparsity, config.final_sparsity, config.scheduler_args
+    if config.update_scheduler == "cubic":
+        return cubic_sparsity(progress, init, final)
+    if config.update_scheduler == "multi_step":
+        reached = [sparsity for at, sparsity in sorted(args.get("steps", [])) if epoch >= at]
+        return reached[-1] if reached else init
+    exponent = float(args.get("exponent", 2))
+    shaped = {"linear": progress, "polynomial_decay": 1.0 - (1.0 - progress) ** exponent,
+              "polynomial": progress ** exponent}[config.update_scheduler]
+    return init + (final - init) * shaped
+
+
 class MagnitudePruningConfig(WindowFields):
     targets: list[str] = ["Linear"]
     ignore: list[str] = ["lm_head"]
     init_sparsity: float = 0.0
     final_sparsity: float
     end: float  # a schedule needs an end
-    update_frequency: float | None = None  # epochs between mask updates; None: every step
+    update: float | None = Field(None, validation_alias=AliasChoices("update", "update_frequency"))  # epochs between mask updates; None: every step
+    update_scheduler: str = "cubic"
+    scheduler_args: dict[str, Any] = {}
     mask_structure: str = "unstructured"
     leave_enabled: bool = True  # keep the final masks after `end` until finalize
+    apply_globally: bool = False  # llm-compressor's field; it refuses True too
+
+    def llm_compressor_requires(self) -> dict[str, Any]:
+        """Its required fields, and ``leave_enabled``, whose default there is False."""
+        return {"targets": list(self.targets), "init_sparsity": self.init_sparsity, "final_sparsity": self.final_sparsity,
+                "leave_enabled": self.leave_enabled}
+
+    @field_validator("update_scheduler")
+    @classmethod
+    def _scheduler(cls, value: str) -> str:
+        if value not in SCHEDULERS:
+            raise ValueError(f"update_scheduler must be one of {', '.join(SCHEDULERS)}, got {value!r}")
+        return value
+
+    @field_validator("apply_globally")
+    @classmethod
+    def _per_layer(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("apply_globally: one threshold over all layers is not implemented (nor in llm-compressor): "
+                             "each layer is pruned to the schedule's sparsity; leave apply_globally out")
+        return value
 
     @field_validator("init_sparsity", "final_sparsity")
     @classmethod
@@ -104,9 +149,9 @@ class MagnitudePruningModifier(Modifier):
 
     def on_optim_post_step(self, state: State) -> None:
         epoch = state.epoch_at(state.step + 1)  # the step that just finished counts
-        frequency = self.config.update_frequency
+        frequency = self.config.update
         due = self.last_update is None or frequency is None or epoch - self.last_update >= frequency - 1e-9
-        target = cubic_sparsity(self.window.progress(epoch), self.config.init_sparsity, self.config.final_sparsity)
+        target = scheduled_sparsity(self.config, self.window.progress(epoch), epoch)
         if (due or self.window.progress(epoch) >= 1.0) and target != self.sparsity:
             self.update_masks(target)
             self.last_update = epoch

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from pydantic import field_validator, model_validator
@@ -84,6 +84,11 @@ class OneShotPruningConfig(ModifierConfig, OneShotFields):
     @classmethod
     def _profile(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    def llm_compressor_requires(self) -> dict[str, Any]:
+        """``sparsity``, which llm-compressor requires: an N:M structure's own where none is given."""
+        structure = parse_pruned_structure(self.mask_structure)
+        return {"sparsity": 1 - structure[0] / structure[1] if self.sparsity is None and structure else self.sparsity}
 
     @model_validator(mode="after")
     def _check(self) -> OneShotPruningConfig:

@@ -12,7 +12,7 @@ from llmpress.errors import RecipeError
 from llmpress.lifecycle.kv_cache import kv_cache_args
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision
 from llmpress.quant.presets import is_preset, is_scheme_name, preset_scheme
-from llmpress.quant.scheme import QuantizationScheme
+from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 
 __all__ = ["QuantizationModifierConfig", "SchemeFields"]
 
@@ -32,6 +32,12 @@ class SchemeFields(BaseModel):
     config_groups: dict[str, QuantizationScheme] | None = None
     mixed_precision: MixedPrecision | None = None
     kv_cache_scheme: dict[str, Any] | None = None
+    #: llm-compressor 0.14's observer overrides: the observer of every scheme's weights / inputs
+    #: (``observer: {weights: mse, input: minmax}`` alike); outputs are never quantized here
+    weight_observer: str | None = None
+    input_observer: str | None = None
+    output_observer: str | None = None
+    observer: dict[str, str] | None = None
     # Accepted so that recipes llm-compressor saved (0.14 writes both) run and load unchanged:
     # llmpress handles column counts that are not a multiple of the group size, and whether
     # calibration data is needed follows from the schemes, so neither changes anything here.
@@ -90,12 +96,51 @@ class SchemeFields(BaseModel):
                 expected="scheme: W4A16 (or another preset), config_groups: {group_0: {...}}, or mixed_precision: {average_bits: 4.25}",
                 fix="keep one of them",
             )
-        self.resolved_schemes()  # validate presets and scheme dicts now, not at run time
+        self._observers()
+        for scheme in self.resolved_schemes():  # validate presets and scheme dicts now, not at run time
+            inputs = scheme.input_activations
+            if inputs is not None and inputs.observes_range and inputs.uses_mse:
+                raise RecipeError(
+                    "llmpress observes a static input range as its minimum and maximum over the calibration data",
+                    got=f"input observer {inputs.observer!r}", expected="minmax (or static_minmax)",
+                    fix="leave the input observer out, or use minmax",
+                )
         return self
+
+    def _observers(self) -> dict[str, str]:
+        """The observer overrides, by what they apply to (``weights``, ``input_activations``)."""
+        single = {"weights": self.weight_observer, "input_activations": self.input_observer, "output_activations": self.output_observer}
+        if self.observer is not None:
+            if any(single.values()):
+                raise RecipeError("observer overrides come either one by one or as the observer dict, not both",
+                                  got=f"observer={self.observer} beside {[k for k, v in single.items() if v]}",
+                                  fix="keep weight_observer / input_observer / output_observer, or observer: {weights: ..., input: ...}")
+            unknown = set(self.observer) - {"weights", "input", "output"}
+            if unknown:
+                raise RecipeError("unknown keys in observer", got=sorted(unknown), expected="weights, input, output",
+                                  fix="e.g. observer: {weights: mse, input: minmax}")
+            single = {"weights": self.observer.get("weights"), "input_activations": self.observer.get("input"),
+                      "output_activations": self.observer.get("output")}
+        chosen = {field: name.lower() for field, name in single.items() if name}
+        if "observer" in chosen.values():
+            raise RecipeError("'observer' is not an observer's name", got="observer", expected="minmax, mse, static_minmax, ...")
+        return chosen
+
+    def with_observers(self, scheme: QuantizationScheme) -> QuantizationScheme:
+        """``scheme`` with the recipe's observer overrides on its weights and inputs."""
+        update = {}
+        for field, name in self._observers().items():
+            args = getattr(scheme, field)
+            if args is not None and field != "output_activations":
+                update[field] = QuantizationArgs(**{**args.model_dump(), "observer": name})  # validated: a known observer
+        return scheme.model_copy(update=update) if update else scheme
 
     def resolved_schemes(self) -> list[QuantizationScheme]:
         """The schemes this config asks for, each with its own targets (with ``mixed_precision``:
         its menu, aimed at ``targets``; which module gets which is chosen at ``initialize``)."""
+        return [self.with_observers(scheme) for scheme in self._schemes()]
+
+    def _schemes(self) -> list[QuantizationScheme]:
         if not self.has_scheme:
             return []
         if self.mixed_precision is not None:
