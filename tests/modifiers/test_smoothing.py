@@ -239,6 +239,25 @@ def test_smoothquant_keeps_the_function_and_flattens_the_activations(calibration
     assert after < before / 5
 
 
+def test_logarithmic_equalization_by_either_name(calibration_and_eval):
+    """``algorithm: log_equalization`` divides each channel by ``range / log2(2 + range)``: the
+    function kept, the outliers flattened, and llm-compressor's older name of it the same."""
+    from llmpress.modifiers import LogarithmicEqualizationModifier
+    from llmpress.recipe import Recipe
+
+    batches, ids = calibration_and_eval
+    reference = logits(outlier_model(), ids)
+    models = {name: llmpress.oneshot(outlier_model(), modifier, batches) for name, modifier in [
+        ("algorithm", SmoothQuantModifier(algorithm="log_equalization")), ("alias", LogarithmicEqualizationModifier()),
+        ("smoothquant", SmoothQuantModifier())]}
+    norms = {name: model.model.layers[0].input_layernorm.weight for name, model in models.items()}
+    assert torch.equal(norms["algorithm"], norms["alias"]) and not torch.equal(norms["alias"], norms["smoothquant"])
+    assert rel(logits(models["alias"], ids), reference) < 1e-4
+    before = outlier_model().model.layers[0].input_layernorm.weight
+    assert float(norms["alias"].abs().max() / norms["alias"].abs().median()) < float(before.abs().max() / before.abs().median()) / 2
+    assert "LogarithmicEqualizationModifier: {}" in Recipe.from_any(LogarithmicEqualizationModifier()).to_yaml()
+
+
 def test_smoothquant_makes_int8_activations_accurate_on_outliers(calibration_and_eval):
     """W8A8 (int8 weights per channel, int8 activations per token) on a model with outlier
     channels: SmoothQuant (0.8) first cuts the output error several times."""

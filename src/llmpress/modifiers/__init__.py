@@ -9,7 +9,7 @@ from llmpress.modifiers.mixed_precision.modifier import MixedPrecisionModifier
 from llmpress.modifiers.pruning import ConstantPruningModifier, MagnitudePruningModifier, SparseGPTModifier, WandaPruningModifier
 from llmpress.modifiers.quantization import QuantizationModifier
 from llmpress.modifiers.rotation import QuIPModifier, SpinQuantModifier
-from llmpress.modifiers.smoothing import AWQModifier, SmoothQuantModifier
+from llmpress.modifiers.smoothing import AWQModifier, LogarithmicEqualizationModifier, SmoothQuantModifier
 
 __all__ = [
     "MODIFIERS",
@@ -26,6 +26,7 @@ __all__ = [
     "OutputDistillationModifier",
     "QuIPModifier",
     "QuantizationModifier",
+    "LogarithmicEqualizationModifier",
     "SmoothQuantModifier",
     "SparseGPTModifier",
     "SpinQuantModifier",

@@ -3,6 +3,6 @@ output, folded into the weights (SmoothQuant, AWQ)."""
 
 from llmpress.modifiers.smoothing.awq import AWQModifier
 from llmpress.modifiers.smoothing.mappings import Mapping, find_mappings, resolve_mappings
-from llmpress.modifiers.smoothing.smoothquant import SmoothQuantModifier
+from llmpress.modifiers.smoothing.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 
-__all__ = ["AWQModifier", "Mapping", "SmoothQuantModifier", "find_mappings", "resolve_mappings"]
+__all__ = ["AWQModifier", "LogarithmicEqualizationModifier", "Mapping", "SmoothQuantModifier", "find_mappings", "resolve_mappings"]

@@ -58,7 +58,7 @@ from llmpress.modifiers.smoothing.statistics import ChannelStatistics, channel_s
 if TYPE_CHECKING:
     from llmpress.contract.block import CalibrationBlock
 
-__all__ = ["SmoothQuantModifier", "SmoothQuantModifierConfig"]
+__all__ = ["LogarithmicEqualizationModifier", "SmoothQuantModifier", "SmoothQuantModifierConfig"]
 
 MINIMUM_SCALE = 1e-5
 
@@ -158,3 +158,15 @@ class SmoothQuantModifier(SmoothingModifier):
             scales = activation_range.pow(alpha) / weight_range.pow(1 - alpha)
             scales = torch.where(weight_range > 0, scales, activation_range)
         return scales.clamp(min=MINIMUM_SCALE)
+
+
+class LogarithmicEqualizationModifierConfig(SmoothQuantModifierConfig):
+    algorithm: Literal["smoothquant", "log_equalization"] = "log_equalization"
+
+
+@MODIFIERS.register("LogarithmicEqualizationModifier")
+class LogarithmicEqualizationModifier(SmoothQuantModifier):
+    """llm-compressor's older name of ``SmoothQuantModifier(algorithm="log_equalization")``
+    (deprecated there, still read), so that its recipes run unchanged."""
+
+    Config = LogarithmicEqualizationModifierConfig
