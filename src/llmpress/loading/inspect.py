@@ -144,7 +144,7 @@ def _vllm_device_limit(scheme: QuantizationScheme) -> str | None:
     if weights is None or weights.is_float:
         return None
     if inputs is not None and inputs.is_float:
-        return "vLLM serves int4 weights with fp8 inputs on Hopper GPUs only (its W4A8Fp8 reader)"
+        return "vLLM serves int weights with fp8 inputs on Hopper GPUs only, 4-bit ones (its W4A8Fp8 reader)"
     int8_product = weights.num_bits == 8 and inputs is not None and inputs.num_bits == 8 and not weights.is_grouped
     if weights.num_bits != 4 and not int8_product:
         what = "weight-only layers" if inputs is None else f"weights with int{inputs.num_bits} inputs"
