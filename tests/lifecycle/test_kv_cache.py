@@ -154,16 +154,18 @@ def test_module_by_module_hands_on_what_the_fp8_cache_computes():
     torch.testing.assert_close(attention.k_scale.flatten(), keys.abs().amax().reshape(1) / 448, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("second", ["rtn", "gptq"])
 @pytest.mark.parametrize("first", ["gptq", "rtn"])
-def test_a_later_stage_on_the_same_grid_leaves_the_weights_as_the_earlier_one_rounded_them(first):
-    """GPTQ (or RTN), then a stage that adds an fp8 KV cache with the recipe's scheme: the weights
-    and scales stay the first stage's. Rounded again, a rounded weight's range reads 7 or 8 steps
-    where it was 7.5, and every scale moved by 1/15."""
+def test_a_later_stage_on_the_same_grid_leaves_the_weights_as_the_earlier_one_rounded_them(first, second):
+    """GPTQ (or RTN), then a stage (RTN's or GPTQ's) that adds an fp8 KV cache with the recipe's
+    scheme: the weights and scales stay the first stage's. Rounded again, a rounded weight's range
+    reads 7 or 8 steps where it was 7.5, and every scale moved by 1/15."""
     import copy
 
     first_stage = {"GPTQModifier" if first == "gptq" else "QuantizationModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}
     one = {"quant_stage": {"quant_modifiers": first_stage}}
-    two = {**one, "kv_stage": {"kv_modifiers": {"QuantizationModifier": {"scheme": "W4A16", "ignore": ["lm_head"], "kv_cache_scheme": KV}}}}
+    later = "GPTQModifier" if second == "gptq" else "QuantizationModifier"
+    two = {**one, "kv_stage": {"kv_modifiers": {later: {"scheme": "W4A16", "ignore": ["lm_head"], "kv_cache_scheme": KV}}}}
     base = make_tiny_llama(intermediate=256)
     batches = token_batches(count=4)
     once = llmpress.oneshot(copy.deepcopy(base), one, batches)
