@@ -19,7 +19,7 @@ from typing import Any
 from llmpress.errors import SchemeError
 from llmpress.quant.scheme import QuantizationScheme, QuantizationStrategy
 
-__all__ = ["NAMES_HINT", "NOT_WRITTEN", "PRESET_SCHEMES", "is_preset", "is_scheme_name", "preset_scheme"]
+__all__ = ["NAMES_HINT", "NOT_WRITTEN", "PRESET_SCHEMES", "is_preset", "preset_scheme"]
 
 
 def _args(**kw: Any) -> dict[str, Any]:
@@ -115,15 +115,6 @@ def preset_scheme(name: str, targets: list[str] | None = None) -> QuantizationSc
     if parts["group"]:
         weights["group_size"] = int(parts["group"])
     return QuantizationScheme(targets=targets, **{**fields, "weights": weights})
-
-
-def is_scheme_name(text: str) -> bool:
-    """Whether ``text`` names a scheme ``preset_scheme`` gives."""
-    try:
-        preset_scheme(text)
-    except SchemeError:
-        return False
-    return True
 
 
 def is_preset(text: str) -> bool:

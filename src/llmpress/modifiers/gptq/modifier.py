@@ -45,7 +45,6 @@ from llmpress.lifecycle.attach import (
 )
 from llmpress.lifecycle.compute_dtype import stored_dtype
 from llmpress.lifecycle.sparsity import sparsity_structure
-from llmpress.lifecycle.state import Status, state_of
 from llmpress.models.linear import input_major
 from llmpress.modifiers.gptq.algorithm import factor_hessian, gptq_quantize
 from llmpress.modifiers.gptq.config import GPTQModifierConfig
@@ -54,7 +53,7 @@ from llmpress.modifiers.hessians import HessianCollector
 from llmpress.modifiers.mixed_precision.choose import schemes_at_initialize
 from llmpress.modifiers.quantization.activations import InputRangeObserver, has_static_inputs
 from llmpress.modifiers.quantization.kv_cache import kv_cache_calibration
-from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, names_of
+from llmpress.modifiers.quantization.modifier import assign_schemes, finish_restored_layer, frozen_by_an_earlier_stage, names_of
 from llmpress.parallel.distributed import rank
 from llmpress.parallel.node import ALONE, node_team
 from llmpress.quant.observers import searched_range, weight_global_scale
@@ -120,9 +119,8 @@ class GPTQModifier(Modifier):
         self._last_factor = None
         schemes = [_with_gptq_defaults(s, self.config.actorder) for s in chosen]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__)
-        # frozen on this very grid by an earlier stage: solved again, its rounded weight would take
-        # new scales from its own rounded range (QuantizationModifier keeps such modules alike)
-        self.pending = {name: entry for name, entry in self.modules.items() if state_of(entry[0]).status != Status.FROZEN}
+        kept = frozen_by_an_earlier_stage(self.modules)
+        self.pending = {name: entry for name, entry in self.modules.items() if name not in kept}
         self.families = fused_families(state.model)  # NVFP4: q/k/v, gate/up share a global scale
         self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
         self.hessians = HessianCollector(offload=self.config.offload_hessians)

@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, field_validator, model_validator
 
 from llmpress.contract.modifier import CONFIG, WindowFields
-from llmpress.errors import RecipeError
+from llmpress.errors import RecipeError, SchemeError
 from llmpress.lifecycle.kv_cache import kv_cache_args
 from llmpress.modifiers.mixed_precision.menu import MixedPrecision
-from llmpress.quant.presets import is_preset, is_scheme_name, preset_scheme
+from llmpress.quant.presets import is_preset, preset_scheme
 from llmpress.quant.scheme import QuantizationArgs, QuantizationScheme
 
 __all__ = ["QuantizationModifierConfig", "SchemeFields"]
@@ -59,9 +59,12 @@ class SchemeFields(BaseModel):
         scheme, targets = data.get("scheme"), data.get("targets", ["Linear"])
         named = {scheme: targets} if isinstance(scheme, str) else scheme if isinstance(scheme, dict) else {}
         if not named or "weights" in named or "input_activations" in named or all(is_preset(str(n)) for n in named) \
-                or not all(isinstance(n, str) and is_scheme_name(n) for n in named):
-            return data  # presets stay names; anything else is validated (and refused) as written
-        groups = {f"group_{i}": preset_scheme(name, [aim] if isinstance(aim, str) else aim) for i, (name, aim) in enumerate(named.items())}
+                or not all(isinstance(n, str) for n in named):
+            return data  # presets stay names
+        try:
+            groups = {f"group_{i}": preset_scheme(name, [aim] if isinstance(aim, str) else aim) for i, (name, aim) in enumerate(named.items())}
+        except SchemeError:
+            return data  # validated, and refused with the reason, as written
         return {**{k: v for k, v in data.items() if k != "scheme"}, "config_groups": groups}
 
     #: a modifier that may leave its scheme to an earlier modifier of its stage (GPTQ after a

@@ -127,6 +127,14 @@ def _warn_uncovered_weights(model: nn.Module, chosen: dict, ignore: list[str], m
         )
 
 
+def frozen_by_an_earlier_stage(modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> set[str]:
+    """The names of ``modules`` an earlier stage left frozen on the grid this stage gives them
+    (``assign_schemes`` keeps such a module frozen). One-shot work leaves them as they are: rounded
+    again, a rounded weight re-observes its range (7 or 8 steps where it was 7.5) and its scales move
+    by 1/15; GPTQ would solve it again from that rounded weight."""
+    return {name for name, (module, _) in modules.items() if state_of(module).status == Status.FROZEN}
+
+
 def names_of(members: Iterable[nn.Module], modules: dict[str, tuple[nn.Module, QuantizationScheme]]) -> list[str]:
     """The names of ``modules`` that are among ``members``."""
     wanted = {id(m) for m in members}
@@ -197,9 +205,7 @@ class QuantizationModifier(Modifier):
         schemes = [self.with_defaults(s) for s in schemes_at_initialize(self.config, state, type(self).__name__)]
         self.modules = assign_schemes(state.model, schemes, self.config.ignore, type(self).__name__) if schemes else {}
         self.kv_cache = kv_cache_calibration(state.model, self.config, type(self).__name__)
-        # frozen on this very grid by an earlier stage (GPTQ's, say): its scales stay, as rounding a
-        # rounded weight again re-observes its range (7 or 8 steps where it was 7.5) and moves them by 1/15
-        self.kept = {name for name, (module, _) in self.modules.items() if state_of(module).status == Status.FROZEN}
+        self.kept = frozen_by_an_earlier_stage(self.modules)
         for name, (module, _) in self.modules.items():
             if name not in self.kept:
                 state_of(module).status = Status.PENDING  # a checkpoint saved meanwhile holds it rounded
